@@ -1,0 +1,57 @@
+"""Shared pieces of the benchmarks: machine description, statistics, JSON output, tables."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import statistics
+from pathlib import Path
+
+import torch
+
+
+def machine() -> dict:
+    info = {"host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "cpu_count": __import__("os").cpu_count()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["gpu_count"] = torch.cuda.device_count()
+        info["cuda"] = torch.version.cuda
+    else:
+        info["gpu"], info["gpu_count"] = None, 0
+    return info
+
+
+def summary(xs: list[float]) -> dict:
+    """mean, median and p99 of a list of seconds."""
+    if not xs:
+        return {"mean": None, "median": None, "p99": None, "n": 0}
+    s = sorted(xs)
+    p99 = s[min(len(s) - 1, int(round(0.99 * (len(s) - 1))))]
+    return {"mean": statistics.fmean(s), "median": statistics.median(s), "p99": p99, "n": len(s)}
+
+
+def write_json(path: str | Path, data: dict) -> Path:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    return p
+
+
+def print_table(title: str, header: list[str], rows: list[list]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=title)
+    for h in header:
+        t.add_column(h)
+    for r in rows:
+        t.add_row(*[f"{x:.4g}" if isinstance(x, float) else str(x) for x in r])
+    Console(width=160).print(t)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

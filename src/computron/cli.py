@@ -1,0 +1,76 @@
+"""The ``computron`` command: serve | ps | generate | bench | plan.
+
+Each sub-command's parser lives next to the code it runs; this file only assembles them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _generate(args) -> int:
+    from .config import EngineConfig, ModelSpec
+    from .engine import Engine, EngineError, SamplingParams
+
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                                top_p=args.top_p, seed=args.seed, stop=tuple(args.stop or ()))
+        eng = Engine(EngineConfig(device=args.device, gpu_memory_budget=args.gpu_memory_budget))
+        eng.register_model(ModelSpec.parse(args.model), progress=lambda m: print(m, file=sys.stderr))
+        name = ModelSpec.parse(args.model).name
+        req = eng.submit(name, args.prompt, params, on_update=lambda r, t: print(t, end="", flush=True))
+        eng.run_until_done([req])
+    except (EngineError, ValueError, KeyError, FileNotFoundError) as e:
+        print(f"error: {e.args[0] if e.args else e}", file=sys.stderr)
+        return 2
+    print()
+    if req.error:
+        print(f"error: {req.error}", file=sys.stderr)
+        return 1
+    print(f"[{len(req.output_ids)} tokens, finish_reason={req.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="computron", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text with one model")
+    g.add_argument("--model", default="tiny-opt", help="preset name or checkpoint directory")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append")
+    g.add_argument("--device", default="auto")
+    g.add_argument("--gpu-memory-budget", default=None)
+    g.set_defaults(func=_generate)
+
+    from .bench import round_robin, swap
+
+    b = sub.add_parser("bench", help="benchmarks (results as JSON under bench/results/)")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    round_robin.add_parser(bsub)
+    swap.add_parser(bsub)
+
+    from .server import cli as server_cli
+
+    server_cli.add_parsers(sub)
+    server_cli.add_bench_parser(bsub)
+
+    from .planner import cli as planner_cli
+
+    planner_cli.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

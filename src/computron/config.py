@@ -1,0 +1,124 @@
+"""Configuration: one dataclass per component, composed into ``ComputronConfig``.
+
+Precedence: command-line flags override the YAML file, which overrides these defaults. No I/O
+happens in constructors; ``load_config`` reads the file.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30}
+
+
+def parse_bytes(value: str | int | float | None) -> int | None:
+    """'40GiB', '512MB', '1.5g', 1024 -> bytes. None stays None (meaning: pick a default)."""
+    if value is None or isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read {value!r} as a size; write e.g. 40GiB, 512MB or 1073741824")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def format_bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+@dataclass
+class ModelSpec:
+    """A model to serve: a preset name or a checkpoint directory, under an optional alias."""
+
+    source: str
+    alias: str | None = None
+    pinned: bool = False
+    dtype: str | None = None
+    seed: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.alias or Path(self.source).name
+
+    @classmethod
+    def parse(cls, text: str) -> "ModelSpec":
+        """'opt-1.3b', '/ckpt/llama=chat' (alias after '=')."""
+        source, _, alias = text.partition("=")
+        if not source:
+            raise ValueError(f"empty model in {text!r}; write NAME_OR_DIR[=ALIAS]")
+        return cls(source=source, alias=alias or None)
+
+
+@dataclass
+class EngineConfig:
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    gpu_memory_budget: int | None = None  # bytes for weights + KV cache + workspace; None: 90% of the device
+    workspace_bytes: int | None = None  # reserved for activations; None: a tenth of the budget, at most 2 GiB
+    policy: str = "default"  # default | computron
+    max_batch_size: int = 32
+    max_tokens_per_step: int = 2048
+    max_loaded: int = 1  # computron policy: models resident at once
+    prefetch: bool = True
+
+    def __post_init__(self) -> None:
+        self.gpu_memory_budget = parse_bytes(self.gpu_memory_budget)
+        self.workspace_bytes = parse_bytes(self.workspace_bytes)
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_queue: int = 256  # per model; beyond it requests get 429
+    model_dirs: list[str] = field(default_factory=list)  # checkpoints registered at run time must lie here
+
+
+@dataclass
+class ComputronConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    models: list[ModelSpec] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ComputronConfig":
+        data = dict(data or {})
+        unknown = set(data) - {"engine", "server", "models"}
+        if unknown:
+            raise ValueError(f"unknown config section(s): {', '.join(sorted(unknown))} (engine, server, models)")
+        models = []
+        for m in data.get("models") or []:
+            models.append(ModelSpec.parse(m) if isinstance(m, str) else _build(ModelSpec, m, "models[]"))
+        return cls(engine=_build(EngineConfig, data.get("engine") or {}, "engine"),
+                   server=_build(ServerConfig, data.get("server") or {}, "server"), models=models)
+
+
+def _build(kind, values: dict, where: str):
+    if not isinstance(values, dict):
+        raise ValueError(f"config section {where} must be a mapping, got {type(values).__name__}")
+    names = {f.name for f in fields(kind)}
+    unknown = set(values) - names
+    if unknown:
+        raise ValueError(f"unknown key(s) in {where}: {', '.join(sorted(unknown))}; known: {', '.join(sorted(names))}")
+    return kind(**values)
+
+
+def load_config(path: str | Path | None) -> ComputronConfig:
+    if path is None:
+        return ComputronConfig()
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"config file {p} does not exist")
+    return ComputronConfig.from_dict(yaml.safe_load(p.read_text()) or {})

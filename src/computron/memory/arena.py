@@ -1,0 +1,99 @@
+"""Arena: the device memory budget as one buffer, handed out in tagged, byte-accounted regions.
+
+Lives on the serving device (GPU, or the CPU when there is none). Weights and KV-cache blocks
+are regions of it; PyTorch's own allocator only sees the workspace of a forward pass. Regions
+are placed first-fit at aligned offsets. When the free bytes suffice but no hole is large
+enough, the arena compacts: live regions slide down (device-to-device copies, in stream order)
+and their owners see a new ``version`` and re-take their views. So an allocation fails only when
+the bytes do not fit, never for fragmentation.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import torch
+
+from .layout import align_up
+
+
+class OutOfMemory(RuntimeError):
+    pass
+
+
+@dataclass(eq=False)
+class Region:
+    offset: int
+    nbytes: int
+    tag: str  # "weights" | "kv"
+    owner: str
+    version: int = 0  # bumped each time compaction moves the region
+    arena: "Arena | None" = None
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The region as a flat uint8 tensor (re-take after a move: compare ``version``)."""
+        return self.arena.buffer[self.offset : self.offset + self.nbytes]
+
+
+class Arena:
+    def __init__(self, nbytes: int, device: torch.device | str):
+        self.device = torch.device(device)
+        self.nbytes = nbytes
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self._regions: list[Region] = []  # sorted by offset
+        self.compactions = 0
+
+    def used(self, tag: str | None = None) -> int:
+        return sum(r.nbytes for r in self._regions if tag is None or r.tag == tag)
+
+    @property
+    def free(self) -> int:
+        return self.nbytes - self.used()
+
+    def regions(self) -> list[Region]:
+        return list(self._regions)
+
+    def allocate(self, nbytes: int, tag: str, owner: str) -> Region:
+        size = align_up(max(nbytes, 1))
+        if size > self.free:
+            raise OutOfMemory(
+                f"{owner}: {size} bytes of {tag} do not fit: {self.free} of {self.nbytes} bytes free")
+        offset = self._first_fit(size)
+        if offset is None:
+            self._compact()
+            offset = self._first_fit(size)
+            assert offset is not None, "compaction left no hole for bytes that fit"
+        region = Region(offset, size, tag, owner, arena=self)
+        bisect.insort(self._regions, region, key=lambda r: r.offset)
+        return region
+
+    def release(self, region: Region) -> None:
+        self._regions.remove(region)
+        region.arena = None
+
+    def _first_fit(self, size: int) -> int | None:
+        cursor = 0
+        for r in self._regions:
+            if r.offset - cursor >= size:
+                return cursor
+            cursor = r.offset + r.nbytes
+        return cursor if self.nbytes - cursor >= size else None
+
+    def _compact(self) -> None:
+        """Slide every region down to close the holes, copying in chunks no larger than the gap
+        (so a chunk's source and destination never overlap)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # no copy or kernel may still touch a region that moves
+        cursor = 0
+        for r in self._regions:
+            if r.offset > cursor:
+                gap = r.offset - cursor
+                for pos in range(0, r.nbytes, gap):
+                    n = min(gap, r.nbytes - pos)
+                    self.buffer[cursor + pos : cursor + pos + n].copy_(self.buffer[r.offset + pos : r.offset + pos + n])
+                r.offset = cursor
+                r.version += 1
+            cursor = r.offset + r.nbytes
+        self.compactions += 1

@@ -1,0 +1,241 @@
+"""One decoder-only Transformer for the OPT, GPT-2 and Llama families.
+
+What flows through: a flat batch of token ids ``[N]`` (all sequences of a step laid end to end,
+prefill chunks and single decode tokens alike), their positions ``[N]`` and an ``AttnBatch``
+that says where each sequence starts and which key/value cache block it writes. The model is
+built on the meta device; its weights are bound later as views into wherever they live (a
+host image on the CPU, an arena region on the GPU) by :func:`bind_weights`, so it never owns a
+full copy of its own. The runner drives it layer by layer (``embed`` → ``layers[i]`` →
+``head``) so it can wait for layer *i*'s swap-in event before computing layer *i*.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class AttnBatch:
+    """Where each sequence of a flat token batch sits and which cache it uses.
+
+    ``starts[s]``/``lengths[s]``: the slice of the flat batch holding sequence *s*'s new tokens;
+    ``past[s]``: tokens already in its cache; ``caches[s]``: its key/value block of shape
+    ``[num_layers, 2, kv_heads, capacity, head_dim]`` (layer *i* writes ``caches[s][i]``).
+    """
+
+    starts: list[int]
+    lengths: list[int]
+    past: list[int]
+    caches: list[torch.Tensor]
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin of shape [N, head_dim]
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)
+
+
+class Norm(nn.Module):
+    def __init__(self, cfg: ModelConfig, dim: int):
+        super().__init__()
+        self.kind, self.eps = cfg.norm, cfg.norm_eps
+        self.weight = _param(dim)
+        self.bias = _param(dim) if (cfg.norm == "layernorm" and cfg.norm_bias) else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "rmsnorm":
+            var = x.float().pow(2).mean(-1, keepdim=True)
+            return (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype) * self.weight
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+
+def _activation(name: str):
+    if name == "relu":
+        return F.relu
+    if name == "silu":
+        return F.silu
+    if name == "gelu":
+        return F.gelu
+    if name == "gelu_new":
+        return lambda x: F.gelu(x, approximate="tanh")
+    raise ValueError(f"unknown activation {name!r} (relu, gelu, gelu_new, silu)")
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_tables(cfg: ModelConfig, positions: torch.Tensor, dtype: torch.dtype):
+    """cos and sin of shape [N, head_dim] for the given positions (rotate-half convention)."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, device=positions.device, dtype=torch.float32) / d))
+    freqs = positions.float()[:, None] * inv[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.cfg, self.layer_idx = cfg, layer_idx
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.qkv_weight = _param((cfg.num_heads + 2 * cfg.kv_heads) * d, h)
+        self.qkv_bias = _param((cfg.num_heads + 2 * cfg.kv_heads) * d) if cfg.attn_bias else None
+        self.o_weight = _param(h, cfg.num_heads * d)
+        self.o_bias = _param(h) if cfg.attn_bias else None
+
+    def forward(self, x: torch.Tensor, batch: AttnBatch) -> torch.Tensor:
+        cfg, d = self.cfg, self.cfg.head_dim
+        hq, hk = cfg.num_heads, cfg.kv_heads
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+        q, k, v = q.view(-1, hq, d), k.view(-1, hk, d), v.view(-1, hk, d)
+        if batch.rope is not None:
+            cos, sin = batch.rope[0][:, None, :], batch.rope[1][:, None, :]
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+        outs = []
+        for start, n, past, cache in zip(batch.starts, batch.lengths, batch.past, batch.caches):
+            kv = cache[self.layer_idx]  # [2, hk, capacity, d]
+            kv[0, :, past : past + n] = k[start : start + n].transpose(0, 1)
+            kv[1, :, past : past + n] = v[start : start + n].transpose(0, 1)
+            keys, values = kv[0, :, : past + n], kv[1, :, : past + n]
+            qs = q[start : start + n].transpose(0, 1)  # [hq, n, d]
+            outs.append(_attend(qs, keys, values, past).transpose(0, 1).reshape(n, hq * d))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+        return F.linear(out, self.o_weight, self.o_bias)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:
+    """Causal attention of n new queries over past+n keys; q [hq, n, d], k/v [hk, past+n, d]."""
+    hq, n, _ = q.shape
+    if k.shape[0] != hq:
+        rep = hq // k.shape[0]
+        k, v = k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)
+    if n == 1:
+        return F.scaled_dot_product_attention(q, k, v)
+    if past == 0:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    total = past + n
+    mask = torch.arange(total, device=q.device)[None, :] <= (past + torch.arange(n, device=q.device))[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, f = cfg.hidden_size, cfg.ffn_size
+        self.gated = cfg.gated_mlp
+        self.act = _activation(cfg.activation)
+        self.up_weight = _param((2 if cfg.gated_mlp else 1) * f, h)  # gated: [gate; up]
+        self.up_bias = _param((2 if cfg.gated_mlp else 1) * f) if cfg.mlp_bias else None
+        self.down_weight = _param(h, f)
+        self.down_bias = _param(h) if cfg.mlp_bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.up_weight, self.up_bias)
+        if self.gated:
+            gate, up = y.chunk(2, dim=-1)
+            y = self.act(gate) * up
+        else:
+            y = self.act(y)
+        return F.linear(y, self.down_weight, self.down_bias)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.pre_norm = cfg.pre_norm
+        self.attn_norm = Norm(cfg, cfg.hidden_size)
+        self.attn = Attention(cfg, layer_idx)
+        self.mlp_norm = Norm(cfg, cfg.hidden_size)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, batch: AttnBatch) -> torch.Tensor:
+        if self.pre_norm:
+            x = x + self.attn(self.attn_norm(x), batch)
+            return x + self.mlp(self.mlp_norm(x))
+        x = self.attn_norm(x + self.attn(x, batch))
+        return self.mlp_norm(x + self.mlp(x))
+
+
+class DecoderLM(nn.Module):
+    """Embeddings, ``num_layers`` decoder layers and an LM head; weights bound from outside."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        e = cfg.embed_proj_dim or cfg.hidden_size
+        self.embed_tokens = _param(cfg.vocab_size, e)
+        self.embed_positions = (
+            _param(cfg.max_position + cfg.position_offset, cfg.hidden_size) if cfg.position == "learned" else None
+        )
+        self.project_in = _param(cfg.hidden_size, e) if cfg.embed_proj_dim else None
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.final_norm = Norm(cfg, cfg.hidden_size) if cfg.final_norm else None
+        self.project_out = _param(e, cfg.hidden_size) if cfg.embed_proj_dim else None
+        self.lm_head = None if cfg.tie_embeddings else _param(cfg.vocab_size, e)
+
+    def embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = F.embedding(ids, self.embed_tokens)
+        if self.project_in is not None:
+            x = F.linear(x, self.project_in)
+        if self.embed_positions is not None:
+            x = x + F.embedding(positions + self.cfg.position_offset, self.embed_positions)
+        return x
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        if self.project_out is not None:
+            x = F.linear(x, self.project_out)
+        return F.linear(x, self.embed_tokens if self.lm_head is None else self.lm_head)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, batch: AttnBatch) -> torch.Tensor:
+        """Logits ``[N, vocab]`` for a flat batch (no swap events: for tests and references)."""
+        if self.cfg.position == "rope":
+            batch.rope = rope_tables(self.cfg, positions, self.embed_tokens.dtype)
+        x = self.embed(ids, positions)
+        for layer in self.layers:
+            x = layer(x, batch)
+        return self.head(x)
+
+
+def parameter_groups(model: DecoderLM) -> list[list[tuple[str, nn.Parameter]]]:
+    """Parameters in swap order: [embeddings], [layer 0], ..., [layer L-1], [final norm + head]."""
+    names = dict(model.named_parameters())
+    first = [n for n in names if not n.startswith("layers.") and n.split(".")[0] in ("embed_tokens", "embed_positions", "project_in")]
+    groups = [[(n, names[n]) for n in first]]
+    for i in range(model.cfg.num_layers):
+        prefix = f"layers.{i}."
+        groups.append([(n, p) for n, p in names.items() if n.startswith(prefix)])
+    used = {n for g in groups for n, _ in g}
+    groups.append([(n, p) for n, p in names.items() if n not in used])
+    return groups
+
+
+def bind_weights(model: DecoderLM, tensors: dict[str, torch.Tensor]) -> None:
+    """Point every parameter of ``model`` at the given tensors (views; nothing is copied)."""
+    for name, t in tensors.items():
+        mod_name, _, leaf = name.rpartition(".")
+        mod = model.get_submodule(mod_name) if mod_name else model
+        mod._parameters[leaf] = nn.Parameter(t, requires_grad=False)
+
+
+def init_std(name: str, cfg: ModelConfig) -> float | None:
+    """How a preset without checkpoint initialises a parameter: None = ones (norm weight), 0 = zeros."""
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf.endswith("bias"):
+        return 0.0
+    if "norm" in name and leaf == "weight":
+        return None
+    return 0.02 / math.sqrt(2 * cfg.num_layers) if leaf in ("o_weight", "down_weight") else 0.02

@@ -1,0 +1,189 @@
+"""The engine end to end on the CPU with tiny models: swaps, batching, sampling, bad input."""
+
+import asyncio
+
+import pytest
+import torch
+
+from computron.config import EngineConfig, ModelSpec
+from computron.engine import AsyncEngine, Engine, EngineError, SamplingParams
+from computron.memory.arena import Arena, OutOfMemory
+
+MODELS = ["tiny-opt", "tiny-llama", "tiny-gpt2"]
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+PROMPTS = ["hello", "the quick brown fox", "swap me in", "1 2 3", "Ünïcödé ✓", "abc"]
+
+
+def make_engine(budget, models=MODELS, **kw):
+    eng = Engine(EngineConfig(device="cpu", gpu_memory_budget=budget, workspace_bytes=50_000, **kw))
+    for m in models:
+        eng.register_model(m)
+    return eng
+
+
+ONE_FITS = 50_000 + 900_000  # each tiny model is ~0.65 MB: one fits in the arena, two do not
+
+
+def test_swapping_gives_same_tokens_as_no_swapping():
+    big = make_engine(64 * 2**20)
+    small = make_engine(ONE_FITS)
+    jobs = [(MODELS[i % 3], PROMPTS[i % len(PROMPTS)]) for i in range(12)]
+    ref = [big.generate(m, p, GREEDY).output_ids for m, p in jobs]
+    reqs = [small.submit(m, p, GREEDY) for m, p in jobs]  # interleaved across models
+    small.run_until_done(reqs)
+    assert [r.output_ids for r in reqs] == ref
+    assert big.stats["swap_ins"] == 3 and big.stats["evictions"] == 0
+    # Each of the 3 models had to come in at least once, evicting another each time after the first.
+    assert small.stats["swap_ins"] >= 3 and small.stats["evictions"] == small.stats["swap_ins"] - 1
+    # One at a time, interleaved: every request forces a swap.
+    seq = make_engine(ONE_FITS)
+    outs = [seq.generate(m, p, GREEDY).output_ids for m, p in jobs]
+    assert outs == ref
+    assert seq.stats["swap_ins"] == 12 and seq.stats["evictions"] == 11
+    assert seq.memory()["weights"] <= ONE_FITS
+
+
+def test_batching_gives_same_tokens_as_one_at_a_time():
+    eng = make_engine(64 * 2**20, models=["tiny-llama"])
+    alone = [eng.generate("tiny-llama", p, GREEDY).output_ids for p in PROMPTS]
+    reqs = [eng.submit("tiny-llama", p, GREEDY) for p in PROMPTS]
+    steps_before = eng.stats["steps"]
+    eng.run_until_done(reqs)
+    assert [r.output_ids for r in reqs] == alone
+    assert eng.stats["steps"] - steps_before == GREEDY.max_tokens  # all six ran in one batch
+    # A request joining a running batch mid-way also matches.
+    first = eng.submit("tiny-llama", PROMPTS[0], GREEDY)
+    eng.step(); eng.step()
+    late = eng.submit("tiny-llama", PROMPTS[1], GREEDY)
+    eng.run_until_done([first, late])
+    assert [first.output_ids, late.output_ids] == alone[:2]
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_batch():
+    eng = make_engine(64 * 2**20, models=["tiny-opt"])
+    p = SamplingParams(max_tokens=8, temperature=1.5, top_k=50, top_p=0.9, seed=7, ignore_eos=True)
+    a = eng.generate("tiny-opt", "abc", p).output_ids
+    others = [eng.submit("tiny-opt", "xyz", SamplingParams(max_tokens=8, temperature=1.0, seed=i)) for i in range(3)]
+    b = eng.submit("tiny-opt", "abc", p)
+    eng.run_until_done(others + [b])
+    assert a == b.output_ids
+    c = eng.generate("tiny-opt", "abc", SamplingParams(max_tokens=8, temperature=1.5, seed=8, ignore_eos=True))
+    assert c.output_ids != a  # another seed, other tokens (256+ choices over 8 draws)
+
+
+def test_stop_strings_and_max_tokens():
+    eng = make_engine(64 * 2**20, models=["tiny-llama"])
+    full = eng.generate("tiny-llama", "hello", SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    assert full.finish_reason == "length" and len(full.output_ids) == 12
+    stop = full.text[3:5]
+    assert stop
+    cut = eng.generate("tiny-llama", "hello", SamplingParams(max_tokens=12, temperature=0.0, stop=(stop,)))
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.find(stop)]
+    deltas = []
+    r = eng.submit("tiny-llama", "hello", SamplingParams(max_tokens=12, temperature=0.0, stop=(stop,)),
+                   on_update=lambda req, t: deltas.append(t))
+    eng.run_until_done([r])
+    assert "".join(deltas) == cut.text  # streamed text never shows the stop string
+
+
+def test_bad_input_errors():
+    eng = make_engine(ONE_FITS, models=["tiny-opt"])
+    with pytest.raises(EngineError, match="unknown model 'nope'; known models: tiny-opt"):
+        eng.submit("nope", "hi")
+    with pytest.raises(EngineError, match=r"unknown model 'opt-99b': neither a checkpoint directory nor a preset \(tiny-opt, .*opt-1.3b"):
+        eng.register_model("opt-99b")
+    with pytest.raises(EngineError, match=r"opt-350m. needs 631.71 MiB of weights, more than the 878.50 KiB the memory budget leaves"):
+        eng.register_model("opt-350m")
+    with pytest.raises(EngineError, match=r"the prompt has 511 tokens and max_tokens is 16: together 527, 15 more "
+                                          r"than the context of 512"):
+        eng.submit("tiny-opt", "x" * 510)
+    with pytest.raises(ValueError, match="temperature must be between 0 and 100.*top_p must be in"):
+        SamplingParams(temperature=-1, top_p=0)
+    with pytest.raises(ValueError, match="max_tokens must be a positive integer"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(EngineError, match="prompt is empty"):
+        eng.submit("tiny-opt", [])
+    with pytest.raises(EngineError, match=r"prompt token ids must be integers in \[0, 512\)"):
+        eng.submit("tiny-opt", [1, 512])
+    with pytest.raises(EngineError, match="already registered"):
+        eng.register_model("tiny-opt")
+    assert not eng.requests  # nothing half-submitted
+
+
+def test_failed_step_fails_its_requests_not_the_engine(monkeypatch):
+    eng = make_engine(64 * 2**20, models=["tiny-opt"])
+    runner = eng.executor.runners["tiny-opt"]
+    real = runner.forward
+
+    def boom(*a, **k):
+        raise RuntimeError("device fell over")
+
+    monkeypatch.setattr(runner, "forward", boom)
+    r = eng.submit("tiny-opt", "hi", GREEDY)
+    eng.run_until_done([r])
+    assert r.finish_reason == "error" and "device fell over" in r.error
+    assert eng.memory()["kv"] == 0
+    monkeypatch.setattr(runner, "forward", real)
+    assert eng.generate("tiny-opt", "hi", GREEDY).finish_reason == "length"
+
+
+def test_arena_compacts_instead_of_failing_for_fragmentation():
+    arena = Arena(4096, "cpu")
+    regions = [arena.allocate(1024, "kv", f"r{i}") for i in range(4)]
+    for i, r in enumerate(regions):
+        r.tensor.fill_(i + 1)
+    arena.release(regions[0])
+    arena.release(regions[2])  # 2048 bytes free, in two holes of 1024
+    big = arena.allocate(2048, "weights", "big")
+    assert arena.compactions == 1
+    assert regions[1].tensor.unique().tolist() == [2] and regions[3].tensor.unique().tolist() == [4]
+    assert regions[1].version == 1 and big.offset == 2048
+    with pytest.raises(OutOfMemory, match="512 bytes of kv do not fit: 0 of 4096 bytes free"):
+        arena.allocate(100, "kv", "one-too-many")
+
+
+def test_compaction_under_churn_keeps_outputs():
+    # Budget with room for one model and a little KV: requests of mixed sizes fragment the arena.
+    eng = make_engine(ONE_FITS, models=["tiny-opt", "tiny-llama"])
+    ref = make_engine(64 * 2**20, models=["tiny-opt", "tiny-llama"])
+    jobs = [("tiny-llama" if i % 3 else "tiny-opt", "x" * (5 + 7 * i % 40)) for i in range(15)]
+    params = [SamplingParams(max_tokens=1 + i % 7, temperature=0.0, ignore_eos=True) for i in range(15)]
+    reqs = [eng.submit(m, p, sp) for (m, p), sp in zip(jobs, params)]
+    eng.run_until_done(reqs)
+    assert [r.output_ids for r in reqs] == [ref.generate(m, p, sp).output_ids for (m, p), sp in zip(jobs, params)]
+    assert all(r.error is None for r in reqs)
+
+
+def test_async_stream_and_abort_frees_cache():
+    eng = make_engine(64 * 2**20, models=["tiny-opt", "tiny-llama"])
+    ref = eng.generate("tiny-llama", "stream", GREEDY).text
+    ae = AsyncEngine(eng)
+
+    async def go():
+        text = "".join([d.text async for d in ae.stream("tiny-llama", "stream", GREEDY)])
+        long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+        agen = ae.stream("tiny-opt", "abc", long)
+        await agen.__anext__()
+        await agen.aclose()  # the consumer went away
+        for _ in range(100):
+            if not await ae.run(lambda: bool(eng.requests)):
+                break
+            await asyncio.sleep(0.01)
+        return text, await ae.run(eng.memory)
+
+    try:
+        text, mem = asyncio.run(go())
+    finally:
+        ae.shutdown()
+    assert text == ref
+    assert mem["kv"] == 0 and not eng.requests
+
+
+def test_computron_policy_same_tokens():
+    legacy = make_engine(64 * 2**20, policy="computron", max_loaded=1)
+    ref = make_engine(64 * 2**20)
+    jobs = [(MODELS[i % 3], PROMPTS[i % len(PROMPTS)]) for i in range(6)]
+    assert [legacy.generate(m, p, GREEDY).output_ids for m, p in jobs] == \
+           [ref.generate(m, p, GREEDY).output_ids for m, p in jobs]
+    assert legacy.stats["swap_ins"] == 6 and legacy.stats["evictions"] == 5

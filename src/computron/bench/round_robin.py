@@ -6,6 +6,7 @@ workload in the same process, so their ratios compare like with like.
 
 from __future__ import annotations
 
+import multiprocessing
 import time
 
 import torch
@@ -63,10 +64,14 @@ def main(args) -> int:
     device = args.device
     results = {"machine": machine(), "settings": {k: getattr(args, k) for k in
                ("model", "n", "r", "blocking", "prompt_len", "max_tokens", "device")}, "policies": {}}
+    # Each policy runs in a fresh process on the same workload: host memory (pinned or not) and the
+    # device are returned to the system between them, and neither inherits the other's caches.
+    ctx = multiprocessing.get_context("spawn")
     for pol in args.policy:
         t0 = time.perf_counter()
-        results["policies"][pol] = run_policy(args.model, args.n, args.r, pol, args.blocking, args.prompt_len,
-                                              args.max_tokens, device)
+        with ctx.Pool(1) as pool:
+            results["policies"][pol] = pool.apply(run_policy, (args.model, args.n, args.r, pol, args.blocking,
+                                                               args.prompt_len, args.max_tokens, device))
         results["policies"][pol]["wall_s"] = time.perf_counter() - t0
     rows = []
     for pol, res in results["policies"].items():

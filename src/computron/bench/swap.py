@@ -65,11 +65,11 @@ def run(model: str, device: str, repeats: int, prompt_len: int, decode_tokens: i
     eng = Engine(EngineConfig(device=device, gpu_memory_budget=workspace + nbytes + kv + 2**20,
                               workspace_bytes=workspace))
     t0 = time.perf_counter()
-    entry = eng.register_model(ModelSpec(model))
+    eng.register_model(ModelSpec(model))
     startup_s = time.perf_counter() - t0
     dev = eng.device
     region = eng.executor.arena.allocate(nbytes, "weights", "memcpy-reference")
-    raw = _raw_memcpy(entry.image.buffer, region.tensor, repeats + 1)[1:]
+    raw = _raw_memcpy(eng.executor.images[model].buffer, region.tensor, repeats + 1)[1:]
     eng.executor.arena.release(region)
 
     swap, evict = [], []
@@ -87,27 +87,24 @@ def run(model: str, device: str, repeats: int, prompt_len: int, decode_tokens: i
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, cfg.vocab_size, (prompt_len,), generator=g).tolist()
     runner = eng.executor.runners[model]
-    cold, warm, traces = [], [], []
-    for i in range(repeats + 1):
+    cold, warm = [], []
+    for _ in range(repeats + 1):
         if model in eng.executor.resident:
             eng.offload(model)
-        runner.trace = []
         cold.append(_ttft(eng, model, prompt))
-        trace, runner.trace = runner.trace, None
         warm.append(_ttft(eng, model, prompt))
-        if i == repeats and dev.type == "cuda":
-            traces.append(trace)
     cold, warm = cold[1:], warm[1:]
     overlap = None
-    if dev.type == "cuda" and traces:
+    if dev.type == "cuda":
         # Re-run one cold start with the copy events kept, to line compute up against copies.
         eng.offload(model)
         eng.load(model)
         swap_in = eng.executor.resident[model].swap
-        copy_end = [swap_in.start.elapsed_time(e) / 1e3 for e in swap_in.events]
         runner.trace = []
         req = eng.submit(model, prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
         eng.run_until_done([req])
+        sync(dev)
+        copy_end = [swap_in.start.elapsed_time(e) / 1e3 for e in swap_in.events]
         compute_start = [swap_in.start.elapsed_time(e) / 1e3 for e in runner.trace]
         runner.trace = None
         overlap = {"copy_end_s": copy_end, "compute_start_s": compute_start,
@@ -116,7 +113,7 @@ def run(model: str, device: str, repeats: int, prompt_len: int, decode_tokens: i
     naive = []
     if dev.type == "cuda":
         m = DecoderLM(cfg)
-        bind_weights(m, {n: v.clone() for n, v in entry.image.views.items()})  # pageable copies
+        bind_weights(m, {n: v.clone() for n, v in eng.executor.images[model].views.items()})  # pageable copies
         for _ in range(max(2, repeats // 2)):
             sync(dev)
             t0 = time.perf_counter()

@@ -59,12 +59,8 @@ class ModelEntry:
     source: str
     cfg: ModelConfig
     tokenizer: object
-    image: HostImage
+    nbytes: int
     checkpoint: str | None
-
-    @property
-    def nbytes(self) -> int:
-        return self.image.nbytes
 
 
 def pick_device(device: str) -> torch.device:
@@ -117,12 +113,13 @@ class Engine:
                 f"(budget {format_bytes(self.budget)})")
         if progress:
             progress(f"building host image of {spec.name} ({format_bytes(layout.nbytes)})")
-        image = HostImage(layout, pin=self.device.type == "cuda")
+        # The computron policy starts from ordinary (pageable) host memory, as the original did.
+        image = HostImage(layout, pin=self.device.type == "cuda" and self.config.policy != "computron")
         if ckpt is None:
             image.fill_random(cfg, spec.seed, self.device)
         else:
             load_weights(ckpt, cfg, image.views)
-        entry = ModelEntry(spec.name, spec.source, cfg, load_tokenizer(ckpt, cfg), image, ckpt)
+        entry = ModelEntry(spec.name, spec.source, cfg, load_tokenizer(ckpt, cfg), layout.nbytes, ckpt)
         self.executor.register(spec.name, cfg, image)
         self.scheduler.add_model(spec.name, layout.nbytes, pinned=spec.pinned)
         self.models[spec.name] = entry

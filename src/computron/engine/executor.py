@@ -54,8 +54,9 @@ class InProcessExecutor:
         self.cfgs[name] = cfg
         self.runners[name] = ModelRunner(cfg)
         if self.legacy:
-            # The original kept ordinary per-parameter host tensors (pageable until the first eviction).
-            self.legacy_host[name] = {n: v.clone() for n, v in image.views.items()}
+            # The original kept per-parameter host tensors, pageable until the first eviction
+            # replaced them with pinned ones (the image then goes with its last view).
+            self.legacy_host[name] = dict(image.views)
         else:
             self.images[name] = image
 

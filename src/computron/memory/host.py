@@ -8,6 +8,7 @@ is much faster than the CPU's generator), so no transient full copy of the model
 
 from __future__ import annotations
 
+import weakref
 import zlib
 
 import torch
@@ -18,8 +19,21 @@ from .layout import WeightLayout
 
 
 def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
-    """A flat uint8 host buffer; pinned (page-locked) when ``pin`` so copies to the GPU run at full speed."""
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    """A flat uint8 host buffer; page-locked when ``pin`` so copies to the GPU run at full speed.
+
+    Pinning registers an ordinary allocation with CUDA rather than taking memory from PyTorch's
+    pinned-memory cache: that cache rounds each block up to a power of two (a 26 GB model would
+    hold 32 GB) and keeps freed blocks for itself, so unregistered models would never give their
+    memory back to the system. The registration ends when the buffer is garbage collected.
+    """
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    if pin and nbytes:
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(buf.data_ptr(), nbytes, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(err)}")
+        weakref.finalize(buf.untyped_storage(), cudart.cudaHostUnregister, buf.data_ptr())
+    return buf
 
 
 class HostImage:

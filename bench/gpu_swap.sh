@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# On the lent GPU machine: GPU tests, then `bench swap` on OPT-1.3B and OPT-13B.
+# Results land in $OUT (or bench/results when OUT is unset).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site; fi
+export PYTHONPATH=src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+OUT=${OUT:-bench/results}
+nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv
+python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu 2>&1 | tail -15
+python3 -m computron.bench swap opt-1.3b --repeats 5 --out "$OUT/swap_opt-1.3b.json"
+python3 -m computron.bench swap opt-13b --repeats 5 --decode-tokens 0 --out "$OUT/swap_opt-13b.json"

@@ -11,7 +11,8 @@ from computron.scheduler import SchedRequest, Scheduler, SchedulerConfig
 
 def test_imports_without_torch():
     code = ("import sys; sys.modules['torch'] = None\n"
-            "import computron.scheduler, computron.parallel.dims\n"
+            "import computron.scheduler, computron.parallel.dims, computron.models\n"
+            "computron.models.get_preset(\"opt-13b\").kv_bytes_per_token()\n"
             "print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr

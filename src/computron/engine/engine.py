@@ -18,7 +18,7 @@ from ..config import EngineConfig, ModelSpec, format_bytes
 from ..memory.host import HostImage
 from ..memory.layout import align_up, layout_for
 from ..messages import ExecuteBatch, SeqInput
-from ..models import load_tokenizer, load_weights, resolve_model
+from ..models import IncrementalDecoder, load_tokenizer, load_weights, resolve_model
 from ..models.config import ModelConfig
 from ..scheduler import SchedRequest, Scheduler, SchedulerConfig
 from .executor import InProcessExecutor
@@ -46,6 +46,7 @@ class Request:
     evict_s: float = 0.0
     compute_s: float = 0.0  # wall time of the steps it took part in (forward + sampling)
     on_update: Callable[["Request", str], None] | None = None  # (request, new text); also on finish
+    decoder: IncrementalDecoder | None = None
     _emitted: int = 0  # chars of text already reported
 
     @property
@@ -188,7 +189,7 @@ class Engine:
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.requests:
             raise EngineError(f"request id {rid!r} is already in use")
-        req = Request(rid, model, ids, params, on_update=on_update)
+        req = Request(rid, model, ids, params, on_update=on_update, decoder=IncrementalDecoder(entry.tokenizer))
         capacity = len(ids) + params.max_tokens
         try:
             self.scheduler.add_request(SchedRequest(rid, model, len(ids), params.max_tokens,
@@ -271,31 +272,31 @@ class Engine:
             fn(kind, model, seconds, self.models[model].nbytes)
 
     def _append(self, r: Request, token: int) -> None:
-        entry = self.models[r.model]
-        tok = entry.tokenizer
-        if token == tok.eos_token_id and not r.params.ignore_eos:
+        """Add one generated token: detokenise incrementally, then end on EOS, a stop string or
+        max_tokens; report new text, holding back a tail that could still grow into a stop string."""
+        if token == self.models[r.model].tokenizer.eos_token_id and not r.params.ignore_eos:
+            r.text += r.decoder.flush()
             self._finish(r, "stop")
             return
         r.output_ids.append(token)
-        text = tok.decode(r.output_ids)
-        reason = None
-        for s in r.params.stop:
-            at = text.find(s)
-            if at >= 0:
-                text, reason = text[:at], "stop"
-        if reason is None and len(r.output_ids) >= r.params.max_tokens:
-            reason = "length"
-        r.text = text
-        if reason is not None:
-            self._finish(r, reason)
+        old = len(r.text)
+        r.text += r.decoder.push(token)
+        full = len(r.output_ids) >= r.params.max_tokens
+        if full:
+            r.text += r.decoder.flush()
+        hits = [at for s in r.params.stop if (at := r.text.find(s, max(0, old - len(s) + 1))) >= 0]
+        if hits:
+            r.text = r.text[: min(hits)]
+            self._finish(r, "stop")
             return
-        # Hold back a trailing replacement char (an incomplete multi-byte character) and any tail
-        # that could still grow into a stop string.
-        safe = len(text.rstrip("\ufffd"))
+        if full:
+            self._finish(r, "length")
+            return
+        safe = len(r.text)
         for s in r.params.stop:
             for k in range(min(len(s) - 1, safe), 0, -1):
-                if text[:safe].endswith(s[:k]):
-                    safe -= k
+                if r.text.endswith(s[:k]):
+                    safe = min(safe, len(r.text) - k)
                     break
         self._emit(r, safe)
 

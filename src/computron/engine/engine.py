@@ -45,7 +45,9 @@ class Request:
     load_s: float = 0.0  # swap-in seconds of a load this request waited for
     evict_s: float = 0.0
     compute_s: float = 0.0  # wall time of the steps it took part in (forward + sampling)
-    on_update: Callable[["Request", str], None] | None = None  # (request, new text); also on finish
+    # Called as (request, new text) after every generated token (the text may be "" while a
+    # character or a possible stop string is incomplete) and once more when the request ends.
+    on_update: Callable[["Request", str], None] | None = None
     decoder: IncrementalDecoder | None = None
     _emitted: int = 0  # chars of text already reported
 
@@ -128,7 +130,10 @@ class Engine:
 
     def unregister_model(self, name: str) -> None:
         self._entry(name)
-        self.scheduler.remove_model(name)  # refuses while requests are in flight
+        try:
+            self.scheduler.remove_model(name)  # refuses while requests are in flight
+        except ValueError as e:
+            raise EngineError(str(e)) from None
         self.executor.unregister(name)
         del self.models[name]
 
@@ -209,7 +214,8 @@ class Engine:
         return bool(self.requests)
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
-        self._emit(req, len(req.text))  # flush text held back while a stop string was possible
+        if len(req.text) > req._emitted:
+            self._emit(req, len(req.text))  # flush text held back while a stop string was possible
         req.finish_reason, req.error, req.finished_at = reason, error, time.perf_counter()
         self.requests.pop(req.id, None)
         self.scheduler.finish(req.id)
@@ -302,10 +308,9 @@ class Engine:
 
     def _emit(self, r: Request, upto: int) -> None:
         delta = r.text[r._emitted:upto]
-        if delta:
-            r._emitted = upto
-            if r.on_update:
-                r.on_update(r, delta)
+        r._emitted = max(r._emitted, upto)
+        if r.on_update:
+            r.on_update(r, delta)
 
     # ---- convenience -------------------------------------------------------------------------
     def run_until_done(self, reqs: list[Request], max_steps: int = 1_000_000) -> None:

@@ -1,7 +1,8 @@
 """Sampling parameters (validated on the host) and the sampler (runs on the device, per row).
 
 Each request with a seed owns a generator, so its tokens do not depend on what else shares
-its batch. Temperature 0 is greedy.
+its batch. Temperature 0 (or below ``GREEDY_BELOW``) is greedy: dividing logits by a vanishing
+temperature would overflow them.
 """
 
 from __future__ import annotations
@@ -9,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+GREEDY_BELOW = 1e-5
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
 
 @dataclass(frozen=True)
@@ -31,8 +35,8 @@ class SamplingParams:
             errors.append(f"top_k must be a non-negative integer, got {self.top_k!r}")
         if not (0.0 < float(self.top_p) <= 1.0):
             errors.append(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            errors.append(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+            errors.append(f"seed must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed!r}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -42,7 +46,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> torch.Tensor:

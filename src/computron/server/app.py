@@ -1,0 +1,358 @@
+"""The HTTP server: an OpenAI-compatible API in front of one AsyncEngine.
+
+What flows through: a JSON body → a validated pydantic request → (on the engine thread, in one
+call) model lookup, chat template, tokenisation, queue check and submit → text deltas pushed
+from the engine thread into an asyncio queue → server-sent events or one JSON reply.
+
+Every engine access goes through ``AsyncEngine.run``/``call`` (the engine is not thread-safe).
+The lifespan starts model registration in the background and returns at once; until it is
+done every /v1 and /admin route answers 503. A client that goes away (stream or not) aborts
+its request, which frees its KV cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager, suppress
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ..config import ComputronConfig, ModelSpec
+from ..engine import AsyncEngine, SamplingParams
+from . import errors, protocol
+from .errors import APIError, ModelNotFound, QueueFull, error_response
+from .metrics import Metrics, engine_snapshot
+from .protocol import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger("computron.server")
+
+PARALLEL = {"dp": 1, "tp": 1, "pp": 1}
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # as in the OpenAI API; chat defaults to the rest of the context
+
+
+class Service:
+    """Per-app state and the engine-side half of every request."""
+
+    def __init__(self, ae: AsyncEngine, config: ComputronConfig):
+        self.ae, self.engine, self.config = ae, ae.engine, config
+        self.metrics = Metrics()
+        self.ready = False
+        self.registered = 0
+        self.pending: list[str] = [s.name for s in config.models]
+        self.failed: dict[str, str] = {}
+        self.started = protocol.now()
+        self.created: dict[str, int] = {}
+        self.task: asyncio.Task | None = None
+
+    # ---- start-up ----------------------------------------------------------------------------
+    async def register_all(self, specs: list[ModelSpec]) -> None:
+        t0 = time.perf_counter()
+        for i, spec in enumerate(specs, 1):
+            log.info("registering model %d of %d: %s (%s)", i, len(specs), spec.name, spec.source)
+            try:
+                entry = await self.ae.run(self.engine.register_model, spec, lambda msg: log.info("  %s", msg))
+                self.created[entry.name] = protocol.now()
+                self.registered += 1
+            except Exception as e:  # one bad model must not keep the others from being served
+                self.failed[spec.name] = str(e)
+                log.error("could not register %s: %s", spec.name, e)
+            self.pending.remove(spec.name)
+        self.ready = True
+        self.metrics.ready.set(1)
+        if specs:
+            log.info("ready in %.1f s: %d model(s) registered%s", time.perf_counter() - t0, self.registered,
+                     f", {len(self.failed)} failed" if self.failed else "")
+
+    # ---- engine thread -----------------------------------------------------------------------
+    def _admit(self, model: str, prompt, messages, max_tokens, sampling: dict, rid: str, on_update):
+        """Look up, template, tokenise, check the queue and submit: one call on the engine thread,
+        so the queue check and the submit cannot interleave with other requests."""
+        eng = self.engine
+        entry = eng.models.get(model)
+        if entry is None:
+            raise ModelNotFound(model, list(eng.models))
+        tok = entry.tokenizer
+        if messages is not None:
+            prompt = tok.apply_chat_template(messages)
+        ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if max_tokens is None:
+            max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if messages is None else max(1, entry.cfg.max_position - len(ids))
+        params = SamplingParams(max_tokens=max_tokens, **sampling)
+        waiting = len(eng.scheduler.models[model].waiting)
+        if waiting >= self.config.server.max_queue:
+            raise QueueFull(model, waiting)
+        return eng.submit(model, ids, params, rid, on_update)
+
+    def model_info(self, name: str) -> dict:
+        """GET /v1/models entry (engine thread)."""
+        eng = self.engine
+        entry, sm = eng.models[name], eng.scheduler.models[name]
+        return {"id": name, "object": "model", "created": self.created.get(name, self.started), "owned_by": "computron",
+                "state": eng.model_state(name), "bytes": entry.nbytes, "pinned": sm.pinned, "source": entry.source,
+                "max_model_len": entry.cfg.max_position, "dtype": entry.cfg.dtype, "queue": len(sm.waiting),
+                "running": len(sm.running), "parallel": dict(PARALLEL)}
+
+    def models_list(self) -> dict:
+        return {"object": "list", "data": [self.model_info(n) for n in self.engine.models],
+                "memory": self.engine.memory()}
+
+
+class Generation:
+    """One request in flight, seen from the event loop."""
+
+    def __init__(self, svc: Service, model: str, endpoint: str):
+        self.svc, self.model, self.endpoint = svc, model, endpoint
+        self.req = None
+        self.finished = False
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    async def start(self, prompt, messages, max_tokens, sampling: dict, rid: str) -> None:
+        loop, q = asyncio.get_running_loop(), self.queue
+
+        def on_update(req, text: str) -> None:  # engine thread
+            with suppress(RuntimeError):  # the event loop is gone (server shut down)
+                loop.call_soon_threadsafe(q.put_nowait, (text, req.done))
+
+        ae, engine = self.svc.ae, self.svc.engine
+        fut = ae.call(self.svc._admit, self.model, prompt, messages, max_tokens, sampling, rid, on_update)
+        try:
+            self.req = await asyncio.shield(asyncio.wrap_future(fut))
+        except asyncio.CancelledError:  # cancelled while being admitted: abort once it is in
+            fut.add_done_callback(lambda f: f.exception() is None and ae.call(engine.abort, rid))
+            raise
+
+    async def next(self) -> tuple[str, bool]:
+        text, done = await self.queue.get()
+        if done:
+            self.finished = True
+        return text, done
+
+    async def collect(self) -> str:
+        parts = []
+        while True:
+            text, done = await self.next()
+            parts.append(text)
+            if done:
+                return "".join(parts)
+
+    def close(self) -> None:
+        """Abort the request unless it ended (a client that went away); record its outcome."""
+        if self.req is None:
+            return
+        if not self.finished:
+            self.svc.ae.call(self.svc.engine.abort, self.req.id)
+            self.svc.metrics.request_done(self.model, self.endpoint, 499, self.req)
+        else:
+            self.svc.metrics.request_done(self.model, self.endpoint, 500 if self.req.finish_reason == "error"
+                                          else 200, self.req)
+        self.req = None
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events that stop as soon as the client disconnects, whatever ASGI spec version
+    the server speaks, and then close the producer (aborting its request) right away rather than
+    whenever the abandoned generator is collected."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content, on_close, **kw):
+        super().__init__(content, **kw)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                async def stream() -> None:
+                    with suppress(OSError):
+                        await self.stream_response(send)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            with suppress(Exception):
+                await self.body_iterator.aclose()
+            self.on_close()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class Guard:
+    """ASGI middleware: the API key (all but /health) and 503 for /v1 and /admin while starting."""
+
+    OPEN = ("/health",)
+
+    def __init__(self, app, svc: Service):
+        self.app, self.svc = app, svc
+        key = svc.config.server.api_key
+        self.key = f"Bearer {key}".encode() if key else None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            path = scope["path"]
+            if self.key is not None and path not in self.OPEN:
+                given = dict(scope["headers"]).get(b"authorization", b"")
+                if not hmac.compare_digest(given, self.key):
+                    msg = "a wrong API key" if given else "no API key"
+                    resp = error_response(401, f"{msg}: send the header 'Authorization: Bearer <key>'", None,
+                                          "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+                    return await resp(scope, receive, send)
+            if not self.svc.ready and path.startswith(("/v1/", "/admin/")):
+                done = self.svc.registered + len(self.svc.failed)
+                resp = error_response(503, f"the server is starting: registered {done} of "
+                                      f"{done + len(self.svc.pending)} models", None, "starting", {"Retry-After": "1"})
+                return await resp(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def create_app(async_engine: AsyncEngine, config: ComputronConfig | None = None) -> FastAPI:
+    """The server app for ``async_engine``; registers ``config.models`` in the background on start-up.
+
+    The caller owns the AsyncEngine (and shuts it down after the server stops)."""
+    config = config or ComputronConfig()
+    svc = Service(async_engine, config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        # Not awaited: start-up must not wait for a busy engine thread.
+        async_engine.call(async_engine.engine.listeners.append, svc.metrics.on_swap)
+        svc.task = asyncio.create_task(svc.register_all(list(config.models)))
+        try:
+            yield
+        finally:
+            svc.task.cancel()
+            with suppress(asyncio.CancelledError, Exception):
+                await svc.task
+            async_engine.call(_remove, async_engine.engine.listeners, svc.metrics.on_swap)
+
+    app = FastAPI(title="Computron", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible API serving many models on shared GPUs")
+    app.state.service = svc
+    errors.install(app)
+    app.add_middleware(Guard, svc=svc)
+
+    @app.get("/health")
+    async def health():
+        body = {"status": "ok" if svc.ready else "starting", "models": svc.registered, "pending": svc.pending,
+                "failed": svc.failed}
+        return JSONResponse(body, status_code=200 if svc.ready else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        if svc.ready:  # while starting the engine thread may be busy for long: serve what we have
+            svc.metrics.update(await async_engine.run(engine_snapshot, async_engine.engine))
+        return Response(svc.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def list_models():
+        return await async_engine.run(svc.models_list)
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str):
+        return await async_engine.run(_info_or_404, svc, model_id)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await _generate(svc, "completions", body, request, body.single_prompt(), None)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await _generate(svc, "chat", body, request, None, [m.as_dict() for m in body.messages])
+
+    from .admin import add_admin_routes
+
+    add_admin_routes(app, svc)
+    return app
+
+
+def _remove(items: list, item) -> None:
+    with suppress(ValueError):
+        items.remove(item)
+
+
+def _info_or_404(svc: Service, name: str) -> dict:
+    if name not in svc.engine.models:
+        raise ModelNotFound(name, list(svc.engine.models))
+    return svc.model_info(name)
+
+
+async def _generate(svc: Service, endpoint: str, body, request: Request, prompt, messages):
+    chat = endpoint == "chat"
+    bad = body.unsupported()
+    if bad:
+        raise APIError(400, bad[1], bad[0], "unsupported")
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    gen = Generation(svc, body.model, endpoint)
+    try:
+        await gen.start(prompt, messages, body.max_new if chat else body.max_tokens, body.sampling(), rid)
+    except APIError as e:
+        svc.metrics.request_done(body.model if e.status != 404 else "unknown", endpoint, e.status)
+        raise
+    except ValueError as e:
+        svc.metrics.request_done(body.model, endpoint, 400)
+        raise APIError(400, str(e), "messages" if chat and "template" in str(e) else None, "invalid_value") from None
+    created = protocol.now()
+    if body.stream:
+        return EventStream(_events(gen, body, rid, created, chat), gen.close,
+                           headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    collect = asyncio.create_task(gen.collect())
+    watch = asyncio.create_task(_disconnected(request))
+    try:
+        await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not collect.done():  # the client went away
+            return Response(status_code=499)
+        text = collect.result()
+    finally:
+        for t in (collect, watch):
+            t.cancel()
+        req = gen.req
+        gen.close()
+    if req.finish_reason == "error":
+        raise APIError(500, f"the request failed: {req.error}", None, "generation_failed")
+    use = protocol.usage(len(req.prompt_ids), len(req.output_ids))
+    build = protocol.chat_completion if chat else protocol.completion
+    return JSONResponse(build(rid, body.model, created, text, protocol.FINISH[req.finish_reason], use))
+
+
+async def _events(gen: Generation, body, rid: str, created: int, chat: bool):
+    model, sse = body.model, protocol.sse
+    extra = {"usage": None} if body.include_usage else {}
+
+    def chunk(text: str | None, finish: str | None = None) -> bytes:
+        if chat:
+            delta = {} if text is None else {"content": text}
+            return sse({**protocol.chat_chunk(rid, model, created, delta, finish), **extra})
+        return sse({**protocol.completion_chunk(rid, model, created, text or "", finish), **extra})
+
+    try:
+        if chat:
+            yield sse({**protocol.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None), **extra})
+        while True:
+            text, done = await gen.next()
+            if text:
+                yield chunk(text)
+            if done:
+                break
+        req = gen.req
+        if req.finish_reason == "error":
+            yield sse(protocol.error_body(f"the request failed: {req.error}", "server_error", None,
+                                          "generation_failed"))
+        else:
+            yield chunk(None, protocol.FINISH[req.finish_reason])
+        if body.include_usage:
+            yield sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                       "created": created, "model": model, "choices": [],
+                       "usage": protocol.usage(len(req.prompt_ids), len(req.output_ids))})
+        yield sse("[DONE]")
+    finally:
+        gen.close()

@@ -1,0 +1,175 @@
+"""Command line of the server: ``computron serve``, ``computron ps`` and ``computron bench serve``.
+
+The top-level CLI calls ``add_parsers(subparsers)`` and ``add_bench_parser(bench_subparsers)``;
+each sub-command sets ``func`` (``args -> exit code``). ``main(argv)`` is a stand-alone entry
+point with the same sub-commands (``python -m computron.server.cli serve``).
+
+Precedence for ``serve``: flags, then the environment (``COMPUTRON_API_KEY``), then the YAML
+file, then the defaults. With no model named anywhere it serves the embedded default: the three
+tiny presets under a budget that holds only one of them at a time, so swaps happen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from ..config import ComputronConfig, ModelSpec, format_bytes, load_config, parse_bytes
+
+log = logging.getLogger("computron.server")
+
+DEFAULT_MODELS = ("tiny-opt", "tiny-llama", "tiny-gpt2")
+# One tiny model (~0.65 MB) plus the KV cache of one full 512-token context fits; two models do not.
+DEFAULT_BUDGET = 1_350_000
+DEFAULT_WORKSPACE = 100_000
+
+
+def add_parsers(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="serve models over an OpenAI-compatible HTTP API",
+                              description="Serve models over an OpenAI-compatible HTTP API. Flags override the "
+                                          "YAML file, which overrides the defaults.")
+    p.add_argument("--config", metavar="FILE.yaml", help="configuration file (engine, server, models sections)")
+    p.add_argument("--model", action="append", metavar="NAME_OR_DIR[=ALIAS]",
+                   help="a preset or checkpoint directory to serve (repeat for several); replaces the file's list")
+    p.add_argument("--gpu-memory-budget", metavar="SIZE", help="device memory for weights + KV cache, e.g. 40GiB")
+    p.add_argument("--workspace", metavar="SIZE", help="part of the budget reserved for activations")
+    p.add_argument("--device", help="auto (default), cpu, cuda or cuda:N")
+    p.add_argument("--policy", choices=("default", "computron"), help="scheduling and swap policy")
+    p.add_argument("--host", help="address to bind (default 127.0.0.1; 0.0.0.0 exposes the server)")
+    p.add_argument("--port", type=int, help="port (default 8000)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint but /health "
+                                     "(default: $COMPUTRON_API_KEY)")
+    p.add_argument("--max-queue", type=int, metavar="N", help="requests waiting per model before 429 (default 256)")
+    p.add_argument("--model-dir", action="append", metavar="DIR",
+                   help="directory whose checkpoints may be registered at run time (repeat for several)")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.set_defaults(func=serve_main)
+
+    q = subparsers.add_parser("ps", help="list the models of a running server and where each lives",
+                              description="List the models of a running server and where each lives.")
+    q.add_argument("--url", default=os.environ.get("COMPUTRON_URL", "http://127.0.0.1:8000"),
+                   help="server address (default $COMPUTRON_URL or http://127.0.0.1:8000)")
+    q.add_argument("--api-key", default=None, help="API key (default $COMPUTRON_API_KEY)")
+    q.add_argument("--json", action="store_true", help="print the raw JSON instead of a table")
+    q.set_defaults(func=_ps)
+
+
+def add_bench_parser(bench_subparsers) -> None:
+    from .bench import add_parser
+
+    add_parser(bench_subparsers)
+
+
+def _ps(args) -> int:
+    from .ps import ps_main
+
+    return ps_main(args)
+
+
+def build_config(args) -> ComputronConfig:
+    """The configuration ``serve`` runs with: defaults < YAML file < environment < flags."""
+    cfg = load_config(getattr(args, "config", None))
+    eng, srv = cfg.engine, cfg.server
+    if args.model:
+        cfg.models = [ModelSpec.parse(m) for m in args.model]
+    if args.device is not None:
+        eng.device = args.device
+    if args.policy is not None:
+        eng.policy = args.policy
+    if args.gpu_memory_budget is not None:
+        eng.gpu_memory_budget = parse_bytes(args.gpu_memory_budget)
+    if args.workspace is not None:
+        eng.workspace_bytes = parse_bytes(args.workspace)
+    if args.host is not None:
+        srv.host = args.host
+    if args.port is not None:
+        srv.port = args.port
+    key = args.api_key if args.api_key is not None else os.environ.get("COMPUTRON_API_KEY")
+    if key:
+        srv.api_key = key
+    if args.max_queue is not None:
+        srv.max_queue = args.max_queue
+    if args.model_dir:
+        srv.model_dirs = list(args.model_dir)
+    if srv.max_queue < 1:
+        raise ValueError(f"max_queue must be at least 1, got {srv.max_queue}")
+    if not cfg.models:  # the embedded default
+        cfg.models = [ModelSpec(m) for m in DEFAULT_MODELS]
+        if eng.gpu_memory_budget is None:
+            eng.gpu_memory_budget = DEFAULT_BUDGET
+            if eng.workspace_bytes is None:
+                eng.workspace_bytes = DEFAULT_WORKSPACE
+    names = [m.name for m in cfg.models]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"model name(s) given twice: {', '.join(dup)}; give one an alias (NAME_OR_DIR=ALIAS)")
+    return cfg
+
+
+def setup_logging(level: str = "info") -> None:
+    from rich.logging import RichHandler
+
+    handler = RichHandler(show_path=False, log_time_format="[%X]")
+    for name in ("computron", "uvicorn"):  # uvicorn's own lines look the same (it runs with log_config=None)
+        logger = logging.getLogger(name)
+        if not any(isinstance(h, RichHandler) for h in logger.handlers):
+            logger.addHandler(handler)
+        logger.setLevel(level.upper())
+        logger.propagate = False
+
+
+def serve_main(args) -> int:
+    setup_logging(args.log_level)
+    try:
+        cfg = build_config(args)
+        from ..models import resolve_model
+
+        for spec in cfg.models:  # fail now on a typo rather than after the server started
+            resolve_model(spec.source, spec.dtype)
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        print(f"computron serve: {e.args[0] if e.args else e}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    from ..engine import AsyncEngine, Engine, EngineError
+    from .app import create_app
+
+    try:
+        engine = Engine(cfg.engine)
+    except (EngineError, ValueError) as e:
+        print(f"computron serve: {e}", file=sys.stderr)
+        return 2
+    srv = cfg.server
+    log.info("engine on %s, memory budget %s (%s for weights and KV cache), policy %s", engine.device,
+             format_bytes(engine.budget), format_bytes(engine.arena_bytes), cfg.engine.policy)
+    if srv.host not in ("127.0.0.1", "localhost", "::1") and not srv.api_key:
+        log.warning("listening on %s without an API key: anyone who can reach it can use it", srv.host)
+    ae = AsyncEngine(engine)
+    try:
+        app = create_app(ae, cfg)
+        log.info("serving %d model(s) on http://%s:%d (OpenAI API under /v1)", len(cfg.models), srv.host, srv.port)
+        server = uvicorn.Server(uvicorn.Config(app, host=srv.host, port=srv.port, log_level=args.log_level,
+                                               log_config=None, timeout_graceful_shutdown=10))
+        try:
+            server.run()
+        except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled, once shut down
+            pass
+        return 0 if server.started else 1
+    finally:
+        ae.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="computron")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_parsers(sub)
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    add_bench_parser(bench)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

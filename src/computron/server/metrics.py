@@ -1,0 +1,114 @@
+"""Prometheus metrics of one app, in a registry of its own (no process-global state).
+
+Two sources feed it. Per-request figures (status, tokens, time to first token, latency) are
+recorded by the request handlers as requests end. Engine figures (queues, memory, totals of
+swaps) are read in one snapshot taken on the engine thread at scrape time, and per-model swap
+events arrive through ``Engine.listeners`` (called on the engine thread; prometheus-client is
+thread-safe).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+SWAP_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+STATES = ("resident", "loading", "offloaded")
+
+
+def engine_snapshot(engine) -> dict:
+    """What a scrape needs from the engine; call on the engine thread."""
+    models = {}
+    for name in engine.models:
+        sm = engine.scheduler.models[name]
+        models[name] = {"waiting": len(sm.waiting), "running": len(sm.running), "state": engine.model_state(name),
+                        "pinned": sm.pinned}
+    return {"models": models, "memory": engine.memory(), "stats": dict(engine.stats)}
+
+
+class _EngineTotals:
+    """Counters the engine keeps itself (``Engine.stats``), exposed from the last snapshot."""
+
+    def __init__(self):
+        self.stats: dict = {}
+
+    def collect(self):
+        s = self.stats
+        for name, key, doc in (
+                ("computron_swap_ins", "swap_ins", "Models swapped into device memory"),
+                ("computron_evictions", "evictions", "Models evicted from device memory"),
+                ("computron_swap_in_bytes", "swap_in_bytes", "Bytes of weights swapped in"),
+                ("computron_swap_in_seconds", "swap_in_seconds", "Seconds spent copying weights in"),
+                ("computron_engine_steps", "steps", "Engine steps run")):
+            yield CounterMetricFamily(name, doc, value=s.get(key, 0))
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("computron_requests", "Generation requests by model, endpoint and HTTP status "
+                                "(499: the client went away)", ["model", "endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("computron_prompt_tokens", "Prompt tokens of answered requests", ["model"],
+                                     registry=r)
+        self.generation_tokens = Counter("computron_generation_tokens", "Tokens generated", ["model"], registry=r)
+        self.ttft = Histogram("computron_time_to_first_token_seconds", "Arrival to first token", ["model"],
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.latency = Histogram("computron_request_latency_seconds", "Arrival to last token", ["model"],
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.queue = Gauge("computron_queue_depth", "Requests waiting for their model", ["model"], registry=r)
+        self.running = Gauge("computron_running_requests", "Requests in the running batch", ["model"], registry=r)
+        self.state = Gauge("computron_model_state", "1 for the state a model is in", ["model", "state"], registry=r)
+        self.pinned = Gauge("computron_model_pinned", "1 while a model is pinned on the device", ["model"],
+                            registry=r)
+        self.memory = Gauge("computron_gpu_memory_used_bytes", "Device memory in use, by tag (weights, kv)",
+                            ["tag"], registry=r)
+        self.capacity = Gauge("computron_gpu_memory_capacity_bytes", "Device memory sizes: the whole budget, "
+                              "and the arena (the budget less the workspace) that weights and KV cache share",
+                              ["kind"], registry=r)
+        self.swaps = Counter("computron_model_swaps", "Swaps by model and kind (load, evict)", ["model", "kind"],
+                             registry=r)
+        self.swap_bytes = Counter("computron_model_swap_bytes", "Bytes moved by swaps, by model and kind",
+                                  ["model", "kind"], registry=r)
+        self.swap_seconds = Histogram("computron_swap_seconds", "Seconds a swap took, by kind", ["kind"],
+                                      buckets=SWAP_BUCKETS, registry=r)
+        self.ready = Gauge("computron_ready", "1 once start-up registration is done", registry=r)
+        self._totals = _EngineTotals()
+        r.register(self._totals)
+
+    # ---- feeds -------------------------------------------------------------------------------
+    def on_swap(self, kind: str, model: str, seconds: float, nbytes: int) -> None:
+        """An ``Engine.listeners`` entry."""
+        self.swaps.labels(model, kind).inc()
+        self.swap_bytes.labels(model, kind).inc(nbytes)
+        self.swap_seconds.labels(kind).observe(seconds)
+
+    def request_done(self, model: str, endpoint: str, status: int, req=None) -> None:
+        self.requests.labels(model, endpoint, str(status)).inc()
+        if req is None:
+            return
+        self.prompt_tokens.labels(model).inc(len(req.prompt_ids))
+        self.generation_tokens.labels(model).inc(len(req.output_ids))
+        if status == 200 and req.finished_at is not None:
+            if req.first_token_at is not None:
+                self.ttft.labels(model).observe(req.first_token_at - req.arrival)
+            self.latency.labels(model).observe(req.finished_at - req.arrival)
+
+    def update(self, snap: dict) -> None:
+        for g in (self.queue, self.running, self.state, self.pinned):
+            g.clear()
+        for name, m in snap["models"].items():
+            self.queue.labels(name).set(m["waiting"])
+            self.running.labels(name).set(m["running"])
+            self.pinned.labels(name).set(int(m["pinned"]))
+            for s in STATES:
+                self.state.labels(name, s).set(int(m["state"] == s))
+        mem = snap["memory"]
+        for tag in ("weights", "kv"):
+            self.memory.labels(tag).set(mem.get(tag, 0))
+        self.capacity.labels("budget").set(mem.get("budget", 0))
+        self.capacity.labels("arena").set(mem.get("total", 0))
+        self._totals.stats = snap["stats"]
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -187,3 +187,22 @@ def test_computron_policy_same_tokens():
     assert [legacy.generate(m, p, GREEDY).output_ids for m, p in jobs] == \
            [ref.generate(m, p, GREEDY).output_ids for m, p in jobs]
     assert legacy.stats["swap_ins"] == 6 and legacy.stats["evictions"] == 5
+
+
+def test_registration_builds_off_the_engine_and_adds_between_steps():
+    eng = make_engine(64 * 2**20, models=["tiny-opt"])
+    prepared = eng.build_model("tiny-llama")
+    assert "tiny-llama" not in eng.models and "tiny-llama" not in eng.scheduler.models  # nothing touched yet
+    r = eng.submit("tiny-opt", "abc", GREEDY)
+    eng.step()
+    eng.add_model(prepared)
+    assert eng.generate("tiny-llama", "x", GREEDY).finish_reason == "length"
+    eng.run_until_done([r])
+    with pytest.raises(EngineError, match="already registered"):
+        eng.add_model(prepared)
+    ae = AsyncEngine(eng)
+    try:
+        entry = asyncio.run(ae.register_model("tiny-gpt2"))
+        assert entry.name == "tiny-gpt2" and eng.model_state("tiny-gpt2") == "offloaded"
+    finally:
+        ae.shutdown()

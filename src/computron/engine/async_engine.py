@@ -65,6 +65,12 @@ class AsyncEngine:
         self._thread.join(timeout=10)
 
     # ---- asyncio API -------------------------------------------------------------------------
+    async def register_model(self, spec, progress: Callable[[str], None] | None = None):
+        """Register a model without stalling the engine: its host image is built on a worker
+        thread while requests keep being served; only the final hand-over runs between steps."""
+        prepared = await asyncio.to_thread(self.engine.build_model, spec, progress)
+        return await self.run(self.engine.add_model, prepared)
+
     async def stream(self, model: str, prompt: str | list[int], params: SamplingParams | None = None,
                      request_id: str | None = None) -> AsyncIterator[Delta]:
         """Yield text deltas as tokens arrive; the last Delta has ``done=True``. Cancelling the

@@ -66,6 +66,15 @@ class ModelEntry:
     checkpoint: str | None
 
 
+@dataclass
+class PreparedModel:
+    """A model whose host image is built, not yet known to the scheduler or executor."""
+
+    spec: ModelSpec
+    entry: ModelEntry
+    image: HostImage
+
+
 def pick_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -101,6 +110,14 @@ class Engine:
 
     # ---- models ------------------------------------------------------------------------------
     def register_model(self, spec: ModelSpec | str, progress: Callable[[str], None] | None = None) -> ModelEntry:
+        """Build a model's host image and add it; see ``build_model`` and ``add_model``."""
+        return self.add_model(self.build_model(spec, progress))
+
+    def build_model(self, spec: ModelSpec | str, progress: Callable[[str], None] | None = None) -> PreparedModel:
+        """The slow half of registration: read the config, build and fill the host image.
+
+        Reads only the engine's fixed settings, so it may run on another thread while the engine
+        keeps serving (the server registers models at run time this way)."""
         spec = ModelSpec.parse(spec) if isinstance(spec, str) else spec
         if spec.name in self.models:
             raise EngineError(f"a model named {spec.name!r} is already registered")
@@ -123,9 +140,16 @@ class Engine:
         else:
             load_weights(ckpt, cfg, image.views)
         entry = ModelEntry(spec.name, spec.source, cfg, load_tokenizer(ckpt, cfg), layout.nbytes, ckpt)
-        self.executor.register(spec.name, cfg, image)
-        self.scheduler.add_model(spec.name, layout.nbytes, pinned=spec.pinned)
-        self.models[spec.name] = entry
+        return PreparedModel(spec, entry, image)
+
+    def add_model(self, prepared: PreparedModel) -> ModelEntry:
+        """The quick half of registration (on the engine's thread): make a built model servable."""
+        entry = prepared.entry
+        if entry.name in self.models:
+            raise EngineError(f"a model named {entry.name!r} is already registered")
+        self.executor.register(entry.name, entry.cfg, prepared.image)
+        self.scheduler.add_model(entry.name, entry.nbytes, pinned=prepared.spec.pinned)
+        self.models[entry.name] = entry
         return entry
 
     def unregister_model(self, name: str) -> None:

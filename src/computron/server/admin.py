@@ -70,10 +70,11 @@ def add_admin_routes(app: FastAPI, svc) -> None:
         alias = body.alias or Path(body.source.rstrip("/\\") or body.source).name
         spec = ModelSpec(source=source, alias=alias, pinned=body.pinned, dtype=body.dtype, seed=body.seed)
 
+        if await ae.run(lambda: spec.name in engine.models):
+            raise APIError(409, f"a model named {spec.name!r} is already registered", "alias", "conflict")
+        await ae.register_model(spec)  # builds the host image off the engine thread
+
         def call():
-            if spec.name in engine.models:
-                raise APIError(409, f"a model named {spec.name!r} is already registered", "alias", "conflict")
-            engine.register_model(spec)
             svc.created[spec.name] = now()
             if body.load:
                 try:

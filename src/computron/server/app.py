@@ -56,7 +56,7 @@ class Service:
         for i, spec in enumerate(specs, 1):
             log.info("registering model %d of %d: %s (%s)", i, len(specs), spec.name, spec.source)
             try:
-                entry = await self.ae.run(self.engine.register_model, spec, lambda msg: log.info("  %s", msg))
+                entry = await self.ae.register_model(spec, lambda msg: log.info("  %s", msg))
                 self.created[entry.name] = protocol.now()
                 self.registered += 1
             except Exception as e:  # one bad model must not keep the others from being served

@@ -29,5 +29,4 @@ class ExecuteBatch:
 class StepResult:
     tokens: dict[str, int]
     load_s: dict[str, float] = field(default_factory=dict)  # model -> seconds of its swap-in copies
-    evict_s: dict[str, float] = field(default_factory=dict)  # model -> seconds to evict it
     compute_s: float = 0.0

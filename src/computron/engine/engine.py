@@ -170,15 +170,11 @@ class Engine:
 
     def load(self, name: str) -> None:
         """Admin: swap a model in now, evicting idle ones as the scheduler would."""
-        m = self.scheduler.models[self._entry(name).name]
-        if m.resident:
-            return
-        from ..scheduler.state import StepPlan
-
-        plan = StepPlan()
-        if not self.scheduler._ensure_resident(m, set(), plan, plan.loads):
-            raise EngineError(f"model {name!r} does not fit next to the models that are busy or pinned")
-        self._swap(plan)
+        self._entry(name)
+        try:
+            self._swap(self.scheduler.plan_load(name))
+        except ValueError as e:
+            raise EngineError(str(e)) from None
 
     def offload(self, name: str) -> None:
         self._entry(name)
@@ -254,7 +250,7 @@ class Engine:
         for rid, why in plan.failed:
             if rid in self.requests:
                 self._finish(self.requests[rid], "error", why)
-        evict_s, load_s = self._swap(plan)
+        evict_s = self._swap(plan)
         if plan.model is None:
             return
         self.stats["steps"] += 1
@@ -281,7 +277,8 @@ class Engine:
             self._append(r, result.tokens[r.id])
         self.scheduler.update(plan, [])
 
-    def _swap(self, plan) -> tuple[float, float]:
+    def _swap(self, plan) -> float:
+        """Apply a plan's evictions, then its loads (asynchronous copies); returns eviction seconds."""
         evict_s = 0.0
         for m in plan.evictions:
             evict_s += self._evict(m)
@@ -289,7 +286,7 @@ class Engine:
             self.executor.load(m)
             self.stats["swap_ins"] += 1
             self.stats["swap_in_bytes"] += self.models[m].nbytes
-        return evict_s, 0.0
+        return evict_s
 
     def _evict(self, name: str) -> float:
         s = self.executor.evict(name)

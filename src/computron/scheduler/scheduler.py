@@ -95,6 +95,14 @@ class Scheduler:
         for rid in finished:
             self.finish(rid)
 
+    def plan_load(self, name: str) -> StepPlan:
+        """A plan that makes ``name`` resident now (admin load), evicting idle models if needed."""
+        m = self._model(name)
+        plan = StepPlan()
+        if not self._ensure_resident(m, set(), plan, plan.loads):
+            raise ValueError(f"model {name!r} does not fit next to the models that are busy or pinned")
+        return plan
+
     def mark_evicted(self, name: str) -> None:
         """The engine dropped a model on its own (admin offload)."""
         m = self._model(name)

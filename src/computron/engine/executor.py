@@ -82,6 +82,8 @@ class InProcessExecutor:
     def evict(self, name: str) -> float:
         t0 = time.perf_counter()
         res = self.resident.pop(name)
+        if res.swap is not None and res.swap.events is not None:
+            res.swap.events[-1].synchronize()  # a copy still in flight must not land in reused memory
         self.runners[name].unbind()
         if self.legacy:
             self.legacy_host[name] = self.swapper.swap_out(res.legacy)

@@ -117,12 +117,14 @@ class Attention(nn.Module):
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:
     """Causal attention of n new queries over past+n keys; q [hq, n, d], k/v [hk, past+n, d]."""
-    hq, n, _ = q.shape
-    if k.shape[0] != hq:
-        rep = hq // k.shape[0]
-        k, v = k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)
+    hq, n, d = q.shape
+    hk = k.shape[0]
     if n == 1:
-        return F.scaled_dot_product_attention(q, k, v)
+        # Decode: the query heads sharing a key/value head attend as one group of `hq // hk` rows,
+        # so grouped-query attention reads the cache in place instead of copying it per head.
+        return F.scaled_dot_product_attention(q.view(hk, hq // hk, d), k, v).view(hq, 1, d)
+    if hk != hq:
+        k, v = k.repeat_interleave(hq // hk, dim=0), v.repeat_interleave(hq // hk, dim=0)
     if past == 0:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     total = past + n

@@ -3,9 +3,8 @@
 import asyncio
 
 import pytest
-import torch
 
-from computron.config import EngineConfig, ModelSpec
+from computron.config import EngineConfig
 from computron.engine import AsyncEngine, Engine, EngineError, SamplingParams
 from computron.memory.arena import Arena, OutOfMemory
 

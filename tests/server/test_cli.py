@@ -116,7 +116,7 @@ def test_bench_serve(tmp_path, capsys):
                  "--gpu-memory-budget", str(DEFAULT_BUDGET), "--workspace", "100000", "--out", str(out))
     assert args.func(args) == 0
     report = json.loads(out.read_text())
-    assert report["machine"]["torch"] and report["date"] and report["settings"]["copies"] == 3
+    assert report["machine"]["torch"] and report["machine"]["date"] and report["settings"]["copies"] == 3
     for path in ("direct", "http"):
         r = report["results"][path]
         assert r["requests"] == 8 and r["output_tokens"] == 8 * 6

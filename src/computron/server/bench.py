@@ -20,18 +20,17 @@ what the engine was slowed by and what the request path added.
 from __future__ import annotations
 
 import asyncio
-import datetime
 import json
 import logging
 import math
 import multiprocessing
-import os
-import platform
 import random
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+
+from ..bench.common import machine, write_json
 
 log = logging.getLogger("computron.server")
 
@@ -171,18 +170,6 @@ def summarize(runs: list[tuple[list[Sent], float]], reqs: dict, swaps: dict) -> 
             **swaps}
 
 
-def machine_info(engine) -> dict:
-    import torch
-
-    info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "device": str(engine.device)}
-    if engine.device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(engine.device)
-        info["cuda"] = torch.version.cuda
-    return info
-
-
 def run_bench(args) -> dict:
     """Both paths on one engine; returns the report."""
     from ..config import ComputronConfig, EngineConfig, ModelSpec, ServerConfig
@@ -237,7 +224,7 @@ def run_bench(args) -> dict:
                 timed("direct", lambda: asyncio.run(_drive(items, args.concurrency, direct)))
                 timed("http", lambda: client.submit(http_client, server.url, items, args.concurrency,
                                                     args.max_tokens).result())
-        info = machine_info(engine)
+        info = {**machine(), "device": str(engine.device)}
     finally:
         ae.shutdown()
     results = {p: summarize(runs[p], reqs, swaps[p]) for p in runs}
@@ -247,8 +234,7 @@ def run_bench(args) -> dict:
     settings = {k: (v if not isinstance(v, float) or math.isfinite(v) else "inf")
                 for k, v in vars(args).items() if k not in ("func", "out", "command", "bench")}
     settings.update(budget=engine.budget, model_bytes=entry.nbytes)
-    return {"benchmark": "serve", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "machine": info, "settings": settings, "results": results, "http_overhead_pct": overhead}
+    return {"benchmark": "serve", "machine": info, "settings": settings, "results": results, "http_overhead_pct": overhead}
 
 
 def print_table(report: dict) -> None:
@@ -282,9 +268,7 @@ def bench_main(args) -> int:
               "must be positive")
         return 2
     report = run_bench(args)
-    out = Path(args.out or f"bench/results/serve_{Path(args.model).name}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    out = write_json(args.out or f"bench/results/serve_{Path(args.model).name}.json", report)
     print_table(report)
     print(f"written to {out}")
     return 0

@@ -1,0 +1,445 @@
+"""One plan's time, breakdown, memory and cost: the cost formulas composed per stage.
+
+What flows through: a :class:`CostModel` (model + assumptions + optional measured profile), the
+per-stage hardware views (layout.stage_envs) and a :class:`PlanConfig` (ParallelDims, micro-batch
+size, virtual stages, recomputation, ZeRO-1) make a :class:`PlanContext`. It yields each stage's
+per-layer op times, a memory-capped cost table for the partitioners, the per-chunk op durations
+for the simulator and finally a :class:`PlanResult`.
+
+Iteration time = max over stages of (pipeline finish + DP gradient all-reduce + tied-embedding
+sync) + the slowest optimizer step (the global gradient-norm all-reduce synchronises all ranks).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from computron.parallel.dims import ParallelDims
+
+from . import costs, partition, schedule
+from .costs import DEFAULT, Assumptions
+from .errors import PlannerError
+from .hardware import GpuType, NodeType
+from .layout import StageEnv
+from .measured import ProfileTable
+from .model import ModelSpec
+
+METHODS = ("balanced", "greedy", "exact")
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """The knobs of one plan besides placement and partition."""
+
+    dims: ParallelDims
+    mbs: int
+    v: int = 1  # virtual stages (model chunks) per pipeline stage
+    recompute: bool = False  # full activation recomputation
+    zero1: bool = False  # optimizer state sharded over data-parallel ranks
+
+    def micro_batches(self, m: ModelSpec) -> int:
+        """m = global batch / (dp * mbs); raise when it does not divide or violates the schedule."""
+        dp, pp = self.dims.dp, self.dims.pp
+        if self.mbs < 1 or m.global_batch % (dp * self.mbs):
+            raise PlannerError(f"global batch {m.global_batch} is not divisible by dp*mbs = {dp}*{self.mbs}")
+        n = m.global_batch // (dp * self.mbs)
+        if self.v > 1:
+            if pp == 1:
+                raise PlannerError("virtual stages (v>1) need pp>1")
+            if n % pp:
+                raise PlannerError(f"interleaved schedule needs micro-batches ({n}) divisible by pp={pp}")
+            if m.layers < pp * self.v:
+                raise PlannerError(f"{m.layers} layers cannot fill pp*v = {pp * self.v} chunks")
+        return n
+
+
+class CostModel:
+    """Per-layer costs of one model, from the roofline or a measured profile, cached."""
+
+    def __init__(self, model: ModelSpec, assumptions: Assumptions = DEFAULT, profile: ProfileTable | None = None):
+        if profile is not None:
+            profile.check_model(model)
+        self.model, self.a, self.profile = model, assumptions, profile
+        self._cache: dict = {}
+        self.cache: dict = {}  # shared by PlanContexts: stage costs, memory caps, partitions
+
+    def layer(self, gpu: GpuType, tp: int, mbs: int) -> tuple[float, float, float]:
+        """(fwd s, bwd s, activation bytes) of one layer on one TP rank, communication excluded."""
+        key = (gpu.name, tp, mbs)
+        hit = self._cache.get(key)
+        if hit is None:
+            act = costs.activation_bytes(self.model, tp, mbs)
+            got = self.profile.lookup(gpu.name, tp, mbs) if self.profile else None
+            if got is not None:
+                hit = (got[0], got[1], act if got[2] is None else got[2])
+            else:
+                f, b = costs.layer_compute(self.model, gpu, tp, mbs, self.a)
+                hit = (f, b, act)
+            self._cache[key] = hit
+        return hit
+
+    def source(self, gpu: GpuType, tp: int) -> str:
+        p = self.profile
+        return "profile" if p and p.gpu == gpu.name and tp in p.entries else "roofline"
+
+
+@dataclass(frozen=True)
+class MemoryTerms:
+    """What one stage's memory is made of (parameters in elements, activations in bytes)."""
+
+    layer_params: float  # per layer, per TP rank
+    fixed_params: float  # embedding (first stage), final norm + head (last stage)
+    act_layer: float  # kept per layer per in-flight micro-batch
+    act_work: float  # one layer's full activations while it is recomputed
+    act_fixed_mb: float  # per in-flight micro-batch (embedding output)
+    act_fixed: float  # once (logits)
+
+
+def memory_terms(m: ModelSpec, tp: int, mbs: int, s: int, p: int, recompute: bool, act: float) -> MemoryTerms:
+    """The memory terms of stage s of p; ``act`` is one layer's activations per micro-batch."""
+    fixed = act_mb = act_fixed = 0.0
+    if s == 0:
+        fixed += m.embedding_params(tp)
+        act_mb = costs.embedding_activation_bytes(m, mbs)
+    if s == p - 1:
+        fixed += m.head_params(tp, p)
+        act_fixed = costs.head_activation_bytes(m, tp, mbs)
+    keep = costs.layer_input_bytes(m, mbs) if recompute else act
+    return MemoryTerms(m.layer_params(tp), fixed, keep, act if recompute else 0.0, act_mb, act_fixed)
+
+
+def stage_memory(t: MemoryTerms, n: int, inflight: int, mb: int, v: int, dp: int, zero1: bool,
+                 a: Assumptions) -> float:
+    """Bytes per GPU of a stage holding n layers with ``inflight`` (chunk, micro-batch) activations:
+    ``state_bytes(n*P_layer + P_fixed) + inflight*ceil(n/v)*A_kept + A_work + A_fixed``."""
+    states = costs.state_bytes(n * t.layer_params + t.fixed_params, dp, zero1, a)
+    act = inflight * math.ceil(n / v) * t.act_layer + t.act_work + min(inflight, mb) * t.act_fixed_mb + t.act_fixed
+    return states + act
+
+
+def max_layers(t: MemoryTerms, usable: float, L: int, inflight: int, mb: int, v: int, dp: int, zero1: bool,
+               a: Assumptions) -> int:
+    """Most layers (<= L) a stage can hold within ``usable`` bytes; 0 when not even one fits."""
+    lo, hi = 0, L
+    while lo < hi:  # memory grows with n: binary search the last n that fits
+        mid = (lo + hi + 1) // 2
+        if stage_memory(t, mid, inflight, mb, v, dp, zero1, a) <= usable:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@dataclass
+class StageCost:
+    """Per-micro-batch op times of one stage (seconds) and the terms of its memory (bytes)."""
+
+    node: NodeType  # the slowest node type in the stage; its times are used
+    lf: float  # one layer's forward op (compute + TP all-reduces)
+    lb: float  # one layer's backward op (+ recomputed forward)
+    lf_tp: float
+    lb_tp: float
+    lb_rec: float
+    ef: float  # embedding (first stage) and head (last stage) forward
+    eb: float
+    e_tp: float
+    send_next: float  # p2p to stage s+1 (mod p)
+    send_prev: float  # p2p to stage s-1 (mod p)
+    mem: MemoryTerms
+    usable: float
+    capacity: float
+    opt_gpu: GpuType
+
+
+@dataclass
+class PlanResult:
+    """A costed plan. Times in seconds, memory in bytes, money in USD."""
+
+    config: PlanConfig
+    placement: tuple[str, ...]
+    partition: tuple[int, ...]
+    method: str
+    micro_batches: int
+    iteration_s: float
+    breakdown: dict
+    stage_gpus: list[str]
+    stage_memory: list[float]
+    stage_usable: list[float]
+    stage_capacity: list[float]
+    stage_time: list[float]  # forward + backward op time per micro-batch
+    feasible: bool
+    price_per_hour: float
+    samples_per_s: float
+    tokens_per_s: float
+    cost_per_iteration: float
+    usd_per_mtok: float
+    model_tflops_per_gpu: float
+    mfu: float
+    sources: list[str] = field(default_factory=list)
+
+    @property
+    def dims(self) -> ParallelDims:
+        return self.config.dims
+
+    def key(self) -> tuple:
+        c = self.config
+        return (self.placement, c.dims, c.mbs, c.v, c.recompute, c.zero1, self.partition)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["config"] = {"tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp, "mbs": self.config.mbs,
+                       "virtual_stages": self.config.v, "recompute": self.config.recompute, "zero1": self.config.zero1}
+        return d
+
+
+class PlanContext:
+    """Everything about one (placement view, config) needed to partition, bound and simulate."""
+
+    def __init__(self, cm: CostModel, envs: tuple[StageEnv, ...], cfg: PlanConfig):
+        self.cm, self.envs, self.cfg = cm, envs, cfg
+        self.m = cm.model
+        self.p = cfg.dims.pp
+        self.mb = cfg.micro_batches(self.m)
+        if len(envs) != self.p:
+            raise PlannerError(f"{len(envs)} stage views for pp={self.p}")
+        p, cache = self.p, cm.cache
+        self._keys = []
+        self.stages = []
+        for s in range(p):  # stages seeing the same hardware share their costs across contexts
+            key = ("stage", envs[s], envs[(s + 1) % p], envs[(s - 1) % p], s == 0, s == p - 1, p > 1,
+                   cfg.dims.tp, cfg.mbs, cfg.recompute)
+            st = cache.get(key)
+            if st is None:
+                st = cache[key] = self._stage(s)
+            self._keys.append(key)
+            self.stages.append(st)
+        self._caps: list[int] | None = None
+        self._terms: tuple[list[float], list[float]] | None = None
+
+    @property
+    def caps(self) -> list[int]:
+        """Most layers each stage can hold in memory (computed on first use, cached per stage view)."""
+        if self._caps is None:
+            cfg, cache = self.cfg, self.cm.cache
+            caps = []
+            for s, key in enumerate(self._keys):
+                ck = ("cap", key, s, self.p, cfg.v, self.mb, cfg.dims.dp, cfg.zero1)
+                k = cache.get(ck)
+                if k is None:
+                    k = cache[ck] = self._cap(s)
+                caps.append(k)
+            self._caps = caps
+        return self._caps
+
+    def fits(self) -> bool:
+        """Whether any partition fits in memory (every stage holds >= v layers, together >= L)."""
+        v, L = self.cfg.v, self.m.layers
+        return all(k >= v for k in self.caps) and sum(min(k, L) for k in self.caps) >= L
+
+    def quick_bound(self) -> float:
+        """A partition-free lower bound on the pipeline time: m times the fractional min-max stage
+        time ``T = (L + sum c_s/t_s) / sum 1/t_s`` (no integer partition has a smaller bottleneck),
+        and at least m times the time of the cheapest stage holding v layers."""
+        t, c = self.linear_terms()
+        frac = (self.m.layers + sum(ci / ti for ti, ci in zip(t, c))) / sum(1 / ti for ti in t)
+        floor = max(ci + self.cfg.v * ti for ti, ci in zip(t, c))
+        return self.mb * max(frac, floor)
+
+    # ---- per stage costs
+    def _stage(self, s: int) -> StageCost:
+        m, a, cfg, p = self.m, self.cm.a, self.cfg, self.p
+        t, b = cfg.dims.tp, cfg.mbs
+        env = self.envs[s]
+        best = None
+        for node in env.nodes:
+            f, bw, act = self.cm.layer(node.gpu, t, b)
+            ftp, btp = costs.layer_tp_comm(m, t, b, node.intra_bw, a)
+            lf, lb = f + ftp, bw + btp
+            rec = f + ftp if cfg.recompute else 0.0
+            cand = (lf + lb + rec, node, lf, lb + rec, ftp, btp + (ftp if cfg.recompute else 0.0), rec, act)
+            if best is None or cand[0] > best[0]:
+                best = cand
+        _, node, lf, lb, ftp, btp, rec, act = best
+        gpu = node.gpu
+        ef = eb = e_tp = 0.0
+        if s == 0:
+            x, y = costs.embedding_compute(m, gpu, t, b, a)
+            tp_ar = costs.tp_allreduce(m, t, b, node.intra_bw, a)
+            ef, eb, e_tp = ef + x + tp_ar, eb + y, e_tp + tp_ar
+        if s == p - 1:
+            x, y = costs.head_compute(m, gpu, t, b, a)
+            ce = 3 * costs.ring_allreduce(4.0 * b * m.seq_len, t, node.intra_bw * a.intra_eff, a.intra_latency_s)
+            ef, eb, e_tp = ef + x + ce, eb + y, e_tp + ce
+        nxt, prv = self.envs[s], self.envs[(s - 1) % p]
+        send_next = self._p2p(nxt, self.envs[(s + 1) % p]) if p > 1 else 0.0
+        send_prev = self._p2p(prv, env) if p > 1 else 0.0
+        usable = min(costs.usable_memory(n.gpu, a) for n in env.nodes)
+        capacity = min(n.gpu.memory for n in env.nodes)
+        opt_gpu = min((n.gpu for n in env.nodes), key=lambda g: g.hbm_bw)
+        mem = memory_terms(m, t, b, s, p, cfg.recompute, act)
+        return StageCost(node, lf, lb, ftp, btp, rec, ef, eb, e_tp, send_next, send_prev, mem, usable, capacity, opt_gpu)
+
+    def _p2p(self, src: StageEnv, dst: StageEnv) -> float:
+        intra = min(n.intra_bw for n in dst.nodes)
+        return costs.p2p_time(self.m, self.cfg.dims.tp, self.cfg.mbs, src.next_bw, intra, self.cm.a, src.next_crosses)
+
+    # ---- memory
+    def memory(self, s: int, n: int) -> float:
+        """Bytes per GPU of stage s holding n layers: states + in-flight activations (+ fixed parts)."""
+        cfg = self.cfg
+        inflight = schedule.inflight_closed_form(self.p, cfg.v, self.mb, s)
+        return stage_memory(self.stages[s].mem, n, inflight, self.mb, cfg.v, cfg.dims.dp, cfg.zero1, self.cm.a)
+
+    def _cap(self, s: int) -> int:
+        """Most layers stage s can hold within its usable memory (0 when even one does not fit)."""
+        cfg = self.cfg
+        inflight = schedule.inflight_closed_form(self.p, cfg.v, self.mb, s)
+        return max_layers(self.stages[s].mem, self.stages[s].usable, self.m.layers, inflight, self.mb, cfg.v,
+                          cfg.dims.dp, cfg.zero1, self.cm.a)
+
+    # ---- partitioning
+    def linear_terms(self) -> tuple[list[float], list[float]]:
+        """Per stage: time per layer (F+B) and fixed time per micro-batch (extras + sends)."""
+        if self._terms is None:
+            self._terms = self._linear_terms()
+        return self._terms
+
+    def _linear_terms(self) -> tuple[list[float], list[float]]:
+        v, p = self.cfg.v, self.p
+        t, c = [], []
+        for s, st in enumerate(self.stages):
+            sends = 0.0
+            if p > 1:
+                n_next = v - (1 if s == p - 1 else 0)
+                n_prev = v - (1 if s == 0 else 0)
+                sends = n_next * st.send_next + n_prev * st.send_prev
+            t.append(st.lf + st.lb)
+            c.append(st.ef + st.eb + sends)
+        return t, c
+
+    def cost_table(self, respect_memory: bool = True) -> np.ndarray:
+        t, c = self.linear_terms()
+        caps = self.caps if respect_memory else [self.m.layers] * self.p
+        caps = [k if k >= self.cfg.v else 0 for k in caps]
+        table = partition.linear_costs(self.m.layers, t, c, caps)
+        if self.cfg.v > 1:
+            table[:, : self.cfg.v] = math.inf
+        return table
+
+    def partition(self, method: str, respect_memory: bool = True) -> tuple[int, ...] | None:
+        """Layer counts by ``method`` (balanced, greedy or exact); None when nothing fits
+        (``respect_memory=False`` ignores the memory caps, for reporting an infeasible plan)."""
+        L, v = self.m.layers, self.cfg.v
+        caps = self.caps if respect_memory else [L] * self.p
+        t, c = self.linear_terms()
+        key = ("partition", method, tuple(t), tuple(c), tuple(caps), L, v)
+        if key not in self.cm.cache:
+            self.cm.cache[key] = self._partition(method, caps, respect_memory)
+        return self.cm.cache[key]
+
+    def _partition(self, method: str, caps: list[int], respect_memory: bool) -> tuple[int, ...] | None:
+        L, v = self.m.layers, self.cfg.v
+        if method == "balanced":
+            counts = partition.balanced(L, self.p)
+        elif method == "greedy":
+            t, c = self.linear_terms()
+            counts = partition.greedy(L, t, c, caps)
+        elif method == "exact":
+            counts = partition.exact(self.cost_table(respect_memory))
+        else:
+            raise PlannerError(f"unknown partition method {method!r} ({', '.join(METHODS)} or explicit counts)")
+        if counts is None or any(k < v or k > cap for k, cap in zip(counts, caps)):
+            return None
+        return counts
+
+    def check_counts(self, counts) -> tuple[int, ...]:
+        counts = tuple(int(k) for k in counts)
+        if len(counts) != self.p or sum(counts) != self.m.layers or min(counts) < self.cfg.v:
+            raise PlannerError(f"partition {list(counts)} must have pp={self.p} entries of at least "
+                               f"{self.cfg.v} layer(s) summing to {self.m.layers}")
+        return counts
+
+    # ---- schedule
+    def durations(self, counts) -> tuple[list[float], list[float]]:
+        """Forward and backward op time of each global chunk (chunk j*p+s on stage s)."""
+        p, v = self.p, self.cfg.v
+        C = p * v
+        fwd, bwd = [0.0] * C, [0.0] * C
+        for s, st in enumerate(self.stages):
+            q, r = divmod(counts[s], v)
+            for j in range(v):
+                c = j * p + s
+                n = q + (1 if j < r else 0)
+                fwd[c] = n * st.lf + (st.send_next if c < C - 1 else 0.0)
+                bwd[c] = n * st.lb + (st.send_prev if c > 0 else 0.0)
+        s0, sl = self.stages[0], self.stages[-1]
+        fwd[0] += s0.ef if p > 1 else 0.0
+        bwd[0] += s0.eb if p > 1 else 0.0
+        fwd[C - 1] += sl.ef
+        bwd[C - 1] += sl.eb
+        return fwd, bwd
+
+    def tails(self, counts) -> tuple[list[float], list[float], list[float]]:
+        """Per stage: DP gradient all-reduce, tied-embedding sync, optimizer step (seconds)."""
+        cfg, m, a = self.cfg, self.m, self.cm.a
+        dp_t, emb_t, opt_t = [], [], []
+        sync = 0.0
+        if m.tie_embeddings and self.p > 1:
+            e0 = self.envs[0]
+            sync = costs.embedding_sync(m, cfg.dims.tp, e0.emb_bw, e0.emb_latency, a)
+        for s, st in enumerate(self.stages):
+            params = counts[s] * st.mem.layer_params + st.mem.fixed_params
+            env = self.envs[s]
+            dp_t.append(costs.dp_allreduce(params, cfg.dims.dp, env.dp_bw, env.dp_latency, a))
+            emb_t.append(sync if s in (0, self.p - 1) else 0.0)
+            opt_t.append(costs.optimizer_step(params, st.opt_gpu, cfg.dims.dp, cfg.zero1, a))
+        return dp_t, emb_t, opt_t
+
+    def lower_bound(self, counts) -> float:
+        """A time no simulation of this partition can beat (for branch and bound)."""
+        fwd, bwd = self.durations(counts)
+        dp_t, emb_t, opt_t = self.tails(counts)
+        return schedule.lower_bound(self.p, self.cfg.v, self.mb, fwd, bwd) + dp_t[0] + emb_t[0] + max(opt_t)
+
+    def result(self, counts, method: str, placement: tuple[NodeType, ...]) -> PlanResult:
+        """Simulate the schedule and assemble the plan's time, breakdown, memory and cost."""
+        m, cfg, p, mb = self.m, self.cfg, self.p, self.mb
+        fwd, bwd = self.durations(counts)
+        tl = schedule.simulate(p, cfg.v, mb, fwd, bwd)
+        dp_t, emb_t, opt_t = self.tails(counts)
+        ends = [tl.finish[s] + dp_t[s] + emb_t[s] for s in range(p)]
+        crit = max(range(p), key=lambda s: ends[s])
+        total = ends[crit] + max(opt_t)
+        st = self.stages[crit]
+        n = counts[crit]
+        sends = 0.0
+        if p > 1:
+            sends = sum(f for c, f in enumerate(fwd) if c % p == crit) + sum(b for c, b in enumerate(bwd) if c % p == crit)
+            sends -= n * (st.lf + st.lb)
+            sends -= (st.ef + st.eb) if crit in (0, p - 1) else 0.0
+        has_extra = crit == p - 1 or (crit == 0 and p > 1)
+        tp_part = mb * (n * (st.lf_tp + st.lb_tp) + (st.e_tp if has_extra else 0.0))
+        pp_part = mb * max(sends, 0.0)
+        compute = tl.busy[crit] - tp_part - pp_part
+        breakdown = {"compute": compute, "bubble": max(tl.finish[crit] - tl.busy[crit], 0.0), "tp": tp_part, "pp": pp_part,
+                     "dp": dp_t[crit], "other": emb_t[crit] + max(opt_t), "recompute": mb * n * st.lb_rec}
+        mem = [self.memory(s, counts[s]) for s in range(p)]
+        price = sum(nd.price for nd in placement)
+        tokens = m.global_batch * m.seq_len
+        gpus = sum(nd.gpus_per_node for nd in placement)
+        peak = sum(nd.gpus_per_node * nd.gpu.peak_flops(m.dtype) for nd in placement)
+        flops = costs.model_flops_per_iteration(m)
+        return PlanResult(
+            config=cfg, placement=tuple(nd.name for nd in placement), partition=tuple(counts), method=method,
+            micro_batches=mb, iteration_s=total, breakdown=breakdown,
+            stage_gpus=[e.gpu_names for e in self.envs], stage_memory=mem,
+            stage_usable=[x.usable for x in self.stages], stage_capacity=[x.capacity for x in self.stages],
+            stage_time=[counts[s] * (x.lf + x.lb) for s, x in enumerate(self.stages)],
+            feasible=all(mm <= x.usable for mm, x in zip(mem, self.stages)),
+            price_per_hour=price, samples_per_s=m.global_batch / total, tokens_per_s=tokens / total,
+            cost_per_iteration=price * total / 3600, usd_per_mtok=price / 3600 / (tokens / total) * 1e6,
+            model_tflops_per_gpu=flops / total / gpus / 1e12, mfu=flops / total / peak,
+            sources=sorted({self.cm.source(n.gpu, cfg.dims.tp) for e in self.envs for n in e.nodes}))

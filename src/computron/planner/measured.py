@@ -1,0 +1,97 @@
+"""Measured per-layer profiles (written by ``plan profile``), read without torch.
+
+What flows through: a JSON or YAML profile file becomes a :class:`ProfileTable`; the cost model
+asks it ``lookup(gpu, tp, mbs)`` and gets (forward s, backward s, activation bytes) of one layer
+on one TP rank, communication excluded, or None when that GPU/tp was not measured (the roofline
+is used then). Between measured micro-batch sizes times are interpolated linearly; outside them
+they are scaled in proportion to the micro-batch size from the nearest measurement.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from bisect import bisect_left
+from dataclasses import dataclass, field
+
+from .errors import PlannerError
+from .model import ModelSpec
+
+FORMAT = "computron-plan-profile/1"
+SHAPE_KEYS = ("family", "hidden", "heads", "kv_heads", "ffn", "seq_len", "flash_attention")
+
+
+def model_shape(m: ModelSpec) -> dict:
+    """The fields of a model a layer profile depends on."""
+    return {"family": m.family, "hidden": m.hidden, "heads": m.heads, "kv_heads": m.kv, "ffn": m.ffn,
+            "seq_len": m.seq_len, "flash_attention": bool(m.flash_attention)}
+
+
+@dataclass
+class ProfileTable:
+    """Measured layer costs for one GPU type: ``entries[tp]`` = sorted [(mbs, fwd_s, bwd_s, act_bytes)]."""
+
+    gpu: str
+    shape: dict
+    entries: dict[int, list[tuple[int, float, float, float | None]]] = field(default_factory=dict)
+    source: str = ""
+
+    def check_model(self, m: ModelSpec) -> None:
+        """Raise when the profile was measured for another layer shape."""
+        want = model_shape(m)
+        diff = [f"{k}={self.shape.get(k)!r} (model has {want[k]!r})" for k in SHAPE_KEYS if k in self.shape and self.shape[k] != want[k]]
+        if diff:
+            raise PlannerError(f"profile {self.source or ''} was measured for another layer shape: {', '.join(diff)}")
+
+    def lookup(self, gpu: str, tp: int, mbs: int) -> tuple[float, float, float | None] | None:
+        """(fwd_s, bwd_s, act_bytes) for one layer, or None when this GPU type / tp was not measured."""
+        if gpu != self.gpu or tp not in self.entries:
+            return None
+        rows = self.entries[tp]
+        sizes = [r[0] for r in rows]
+        i = bisect_left(sizes, mbs)
+        if i < len(rows) and sizes[i] == mbs:
+            return rows[i][1:]
+        if 0 < i < len(rows):
+            (b0, f0, g0, a0), (b1, f1, g1, a1) = rows[i - 1], rows[i]
+            w = (mbs - b0) / (b1 - b0)
+            act = None if a0 is None or a1 is None else a0 + w * (a1 - a0)
+            return f0 + w * (f1 - f0), g0 + w * (g1 - g0), act
+        b0, f0, g0, a0 = rows[0] if i == 0 else rows[-1]
+        r = mbs / b0
+        return f0 * r, g0 * r, None if a0 is None else a0 * r
+
+
+def table_from_dict(data: dict, source: str = "", gpu: str | None = None) -> ProfileTable:
+    """Build a table from a parsed profile file; ``gpu`` overrides the file's GPU type name."""
+    if not isinstance(data, dict) or "entries" not in data:
+        raise PlannerError(f"profile {source}: not a planner profile (no 'entries'; expected format {FORMAT})")
+    entries: dict[int, list] = {}
+    for e in data["entries"]:
+        try:
+            row = (int(e["mbs"]), float(e["fwd_s"]), float(e["bwd_s"]),
+                   None if e.get("act_bytes") is None else float(e["act_bytes"]))
+            entries.setdefault(int(e["tp"]), []).append(row)
+        except (KeyError, TypeError, ValueError) as err:
+            raise PlannerError(f"profile {source}: bad entry {e!r} ({err})") from None
+    for rows in entries.values():
+        rows.sort()
+    name = (gpu or data.get("gpu") or "").lower()
+    if not name:
+        raise PlannerError(f"profile {source}: no GPU type recorded; pass the GPU type it was measured on")
+    return ProfileTable(name, dict(data.get("model", {})), entries, source)
+
+
+def load_profile(path: str, gpu: str | None = None) -> ProfileTable:
+    """Read a JSON (or YAML) profile file written by ``computron plan profile``."""
+    if not os.path.isfile(path):
+        raise PlannerError(f"profile file {path!r} does not exist")
+    with open(path) as f:
+        text = f.read()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        import yaml
+
+        data = yaml.safe_load(text)
+    return table_from_dict(data, path, gpu)

@@ -1,0 +1,411 @@
+"""Search over node subsets, placements, (tp, pp, dp), micro-batch size, virtual stages,
+recomputation and layer partitions; exact branch and bound on the simulated time.
+
+What flows through: a model, a cluster, :class:`SearchOptions` and a CostModel go in; a
+:class:`SearchResult` with the best ``top`` feasible plans (ranked by the objective) comes out.
+
+Enumeration: for each node composition (every sub-multiset of the available nodes, or all of
+them with ``all_nodes``), each tp dividing the GPUs of every node type (and the heads), each
+pp <= layers with dp = GPUs/(tp*pp) dividing the global batch, each distinct ordering of the
+nodes (placements whose stages see identical hardware are merged), each micro-batch size
+dividing the per-replica batch, each v, recomputation only when the plan does not fit without,
+and each partition method (beyond ``max_orderings`` orderings per composition, nodes of a type
+move in blocks). The space is walked best-first by lower bounds that tighten level by level
+(see :func:`search`); nothing whose bound cannot beat the current top-K is built or simulated,
+so the returned plans are the exact optimum of the simulated cost model.
+
+Objectives: ``time`` (least iteration time), ``cost`` (least USD per iteration, with an optional
+``time_limit`` per iteration), ``throughput`` (most samples/s with ``cost_limit`` USD/hour).
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+import math
+import time
+from dataclasses import dataclass, field, replace
+from functools import reduce
+
+from computron.parallel.dims import ParallelDims
+
+from . import costs
+from .errors import PlannerError
+from . import schedule
+from .estimate import METHODS, CostModel, PlanConfig, PlanContext, PlanResult, max_layers, memory_terms
+from .hardware import Cluster
+from .layout import check_dims, compositions, distinct_orderings, stage_envs, stage_node_names
+from .model import ModelSpec
+
+OBJECTIVES = ("time", "cost", "throughput")
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    """What to search and how to rank; ``None`` in tp/pp/mbs means every valid value."""
+
+    objective: str = "time"
+    top: int = 10
+    time_limit: float | None = None  # seconds per iteration (objective "cost")
+    cost_limit: float | None = None  # USD per hour of the nodes used (objective "throughput")
+    methods: tuple[str, ...] = METHODS
+    virtual_stages: tuple[int, ...] = (1,)
+    recompute: str = "auto"  # auto: only when a plan does not fit without; none; full
+    zero1: bool = False
+    all_nodes: bool = False  # only plans that use every available node
+    max_mbs: int = 64
+    max_orderings: int = 20000  # per composition; beyond it nodes of a type move in blocks
+    tp: tuple[int, ...] | None = None
+    pp: tuple[int, ...] | None = None
+    mbs: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise PlannerError(f"unknown objective {self.objective!r} ({', '.join(OBJECTIVES)})")
+        if self.recompute not in ("auto", "none", "full"):
+            raise PlannerError(f"recompute must be auto, none or full, got {self.recompute!r}")
+        bad = [x for x in self.methods if x not in METHODS]
+        if bad:
+            raise PlannerError(f"unknown partition method(s) {bad} ({', '.join(METHODS)})")
+        if self.max_orderings < 1:
+            raise PlannerError("max_orderings must be at least 1")
+        if self.top < 1:
+            raise PlannerError("top must be at least 1")
+        if self.objective == "throughput" and self.cost_limit is None:
+            raise PlannerError("objective 'throughput' needs a cost limit (USD per hour)")
+
+
+@dataclass
+class SearchResult:
+    plans: list[PlanResult]
+    stats: dict = field(default_factory=dict)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def objective_value(opts: SearchOptions, time_s: float, price: float) -> float:
+    """The quantity ranked (smaller is better): seconds, or USD per iteration for ``cost``."""
+    return time_s * price / 3600 if opts.objective == "cost" else time_s
+
+
+def _recompute_options(opts: SearchOptions) -> tuple[bool, ...]:
+    return {"auto": (False, True), "none": (False,), "full": (True,)}[opts.recompute]
+
+
+def _layouts(m: ModelSpec, n_gpus: int, per_node: list[int], opts: SearchOptions):
+    """Valid ParallelDims for n_gpus GPUs on nodes of the given sizes."""
+    g = reduce(math.gcd, per_node)
+    for tp in divisors(g):
+        if opts.tp and tp not in opts.tp:
+            continue
+        for pp in divisors(n_gpus // tp):
+            if pp > m.layers or (opts.pp and pp not in opts.pp):
+                continue
+            dp = n_gpus // (tp * pp)
+            if m.global_batch % dp:
+                continue
+            dims = ParallelDims(dp=dp, tp=tp, pp=pp)
+            try:
+                check_dims(m, dims, per_node)
+            except PlannerError:
+                continue
+            yield dims
+
+
+def _tau(m: ModelSpec, nt, tp: int, b: int, cm: CostModel, rec: bool = False) -> float:
+    """Seconds one TP group of node type ``nt`` spends per layer per sample at micro-batch ``b``
+    (forward + backward op, TP all-reduces included, plus the recomputed forward with ``rec``)."""
+    key = ("tau", id(nt), tp, b, rec)
+    tau = cm.cache.get(key)
+    if tau is None:
+        f, bw, _ = cm.layer(nt.gpu, tp, b)
+        ftp, btp = costs.layer_tp_comm(m, tp, b, nt.intra_bw, cm.a)
+        tau = cm.cache[key] = (f + bw + ftp + btp + (f + ftp if rec else 0.0)) / b
+    return tau
+
+
+class _StageTables:
+    """Per group (tp/pp/dp fixed): upper bounds on the layers a stage on a given set of node types
+    can hold at each stage index, and its per-layer time, computed once per set."""
+
+    def __init__(self, m: ModelSpec, dims: ParallelDims, opts: SearchOptions, cm: CostModel):
+        self.m, self.dims, self.opts, self.cm = m, dims, opts, cm
+        self.sets: list[tuple] = []  # node-type tuples, by set id
+        self._ids: dict = {}
+        self._caps: dict = {}
+        self._w: dict = {}
+
+    def set_id(self, names: tuple[str, ...], nodes: tuple) -> int:
+        k = self._ids.get(names)
+        if k is None:
+            k = self._ids[names] = len(self.sets)
+            self.sets.append(nodes)
+        return k
+
+    def caps(self, k: int, b: int, v: int, rec: bool) -> list[int]:
+        """Per stage index: at most this many layers fit on node set k (its least memory and least
+        activation size, so never below what PlanContext finds for any placement)."""
+        key = (k, b, v, rec)
+        got = self._caps.get(key)
+        if got is None:
+            m, dims, cm, nodes = self.m, self.dims, self.cm, self.sets[k]
+            mb = m.global_batch // (dims.dp * b)
+            act = min(cm.layer(n.gpu, dims.tp, b)[2] for n in nodes)
+            usable = min(costs.usable_memory(n.gpu, cm.a) for n in nodes)
+            got = []
+            for s in range(dims.pp):
+                terms = memory_terms(m, dims.tp, b, s, dims.pp, rec, act)
+                inflight = schedule.inflight_closed_form(dims.pp, v, mb, s)
+                got.append(max_layers(terms, usable, m.layers, inflight, mb, v, dims.dp, self.opts.zero1, cm.a))
+            self._caps[key] = got
+        return got
+
+    def w(self, k: int, b: int, rec: bool) -> float:
+        """Seconds per layer per micro-batch on node set k (its slowest type)."""
+        key = (k, b, rec)
+        got = self._w.get(key)
+        if got is None:
+            got = self._w[key] = b * max(_tau(self.m, n, self.dims.tp, b, self.cm, rec) for n in self.sets[k])
+        return got
+
+
+def capped_min_max(L: int, w: list[float], caps: list[int], least: int = 1) -> float:
+    """Least bottleneck ``T`` of a fractional split of L layers with stage s taking ``n_s <= caps[s]``
+    layers at ``w[s]`` seconds each (and at least ``least`` layers): water-filling,
+    ``T = (L - sum of saturated caps) / sum of 1/w over the rest``; inf when the caps hold < L."""
+    if sum(caps) < L or min(caps) < least:
+        return math.inf
+    floor = max(least * x for x in w)
+    order = sorted(range(len(w)), key=lambda i: caps[i] * w[i])
+    left, inv = float(L), sum(1.0 / x for x in w)
+    for i in order:
+        t = left / inv
+        if t <= caps[i] * w[i]:
+            return max(t, floor)
+        left -= caps[i]
+        inv -= 1.0 / w[i]
+    return math.inf if left > 1e-9 else floor
+
+
+def _free_bound(m: ModelSpec, dims: ParallelDims, stage_nodes, b: int, cm: CostModel) -> float:
+    """A bound for plans whose stages fall on these node types (in any order) at micro-batch b,
+    memory ignored: a stage runs at its slowest type's ``tau_s``; one replica's B/dp samples
+    through L layers take at least ``(B/dp) * L / sum_s 1/tau_s``."""
+    rate = sum(1.0 / max(_tau(m, n, dims.tp, b, cm) for n in nodes) for nodes in stage_nodes)
+    return m.global_batch / dims.dp * m.layers / rate
+
+
+def _capped_bound(m: ModelSpec, sig: tuple[int, ...], b: int, v: int, opts: SearchOptions,
+                  tabs: _StageTables) -> tuple[float, bool]:
+    """(bound, recompute) for plans whose stage s falls on node set ``sig[s]``, at micro-batch b and
+    v: the capped fractional min-max times the micro-batches, without recomputation when the caps
+    allow it (``recompute`` auto/none), else with it (auto/full); (inf, _) when nothing fits."""
+    dims = tabs.dims
+    mb = m.global_batch // (dims.dp * b)
+    if v > 1 and (dims.pp == 1 or mb % dims.pp or m.layers < dims.pp * v):
+        return math.inf, False
+    for rec in _recompute_options(opts):
+        lists = {k: tabs.caps(k, b, v, rec) for k in set(sig)}
+        caps = [lists[k][s] for s, k in enumerate(sig)]
+        if min(caps) < v or sum(caps) < m.layers:
+            continue
+        ws = {k: tabs.w(k, b, rec) for k in lists}
+        return mb * capped_min_max(m.layers, [ws[k] for k in sig], caps, v), rec
+    return math.inf, False
+
+
+def _group_bound(m: ModelSpec, comp: dict[str, int], nts: dict, dims: ParallelDims, sizes, cm: CostModel) -> float:
+    """A bound for every plan of one composition and layout, whatever the placement and partition:
+    B*L layer-samples shared by TP groups of total rate ``R = sum_g n_g / tau_g`` (tau at the best
+    allowed micro-batch size) take at least ``B*L / R``."""
+    rate = sum(k * nts[n].gpus_per_node / dims.tp / min(_tau(m, nts[n], dims.tp, b, cm) for b in sizes)
+               for n, k in comp.items())
+    return m.global_batch * m.layers / rate
+
+
+def _groups(m: ModelSpec, cluster: Cluster, opts: SearchOptions, cm: CostModel):
+    """Yield (time bound, (composition, node types, dims, micro-batch sizes, price))."""
+    for comp in compositions(cluster, opts.all_nodes):
+        nts = {name: cluster.by_name(name) for name in comp}
+        price = sum(nts[n].price * k for n, k in comp.items())
+        if opts.objective == "throughput" and price > opts.cost_limit:
+            continue
+        n_gpus = sum(nts[n].gpus_per_node * k for n, k in comp.items())
+        for dims in _layouts(m, n_gpus, [nt.gpus_per_node for nt in nts.values()], opts):
+            per_replica = m.global_batch // dims.dp
+            sizes = [b for b in divisors(per_replica) if b <= opts.max_mbs and (not opts.mbs or b in opts.mbs)]
+            if sizes:
+                yield _group_bound(m, comp, nts, dims, sizes, cm), (comp, nts, dims, sizes, price)
+
+
+def multinomial(counts) -> int:
+    """Distinct orderings of a multiset with these multiplicities: n! / prod(k_i!)."""
+    out = math.factorial(sum(counts))
+    for k in counts:
+        out //= math.factorial(k)
+    return out
+
+
+def block_orderings(comp: dict[str, int], limit: int) -> tuple[list[tuple[str, ...]], int]:
+    """All distinct orderings of the nodes when there are at most ``limit`` of them (block size 1);
+    otherwise the orderings of blocks of k same-type nodes (one smaller block for a remainder),
+    k the smallest block size that brings their number within the limit."""
+    k = 1
+    while True:
+        blocks: dict = {}
+        for name, n in comp.items():
+            q, r = divmod(n, k)
+            if q:
+                blocks[(name, k)] = q
+            if r:
+                blocks[(name, r)] = blocks.get((name, r), 0) + 1
+        if multinomial(blocks.values()) <= limit or k >= max(comp.values()):
+            break
+        k += 1
+    if k == 1:
+        return distinct_orderings(comp), 1
+    expanded = (tuple(name for name, size in o for _ in range(size)) for o in distinct_orderings(blocks))
+    return list(dict.fromkeys(expanded)), k
+
+
+def _gatherings(group, opts: SearchOptions, cm: CostModel, stats: dict):
+    """A group's placements gathered by the node types each stage falls on:
+    yield (per stage node-type names, placements)."""
+    comp, nts, dims, _, _ = group
+    key = ("orderings", tuple(sorted(comp.items())))
+    orderings = cm.cache.get(key)
+    if orderings is None:
+        names, k = block_orderings(comp, opts.max_orderings)
+        stats["block_size"] = max(stats["block_size"], k)
+        orderings = cm.cache[key] = [tuple(nts[n] for n in o) for o in names]
+    stats["placements"] += len(orderings)
+    by_types: dict = {}
+    for order in orderings:
+        by_types.setdefault(stage_node_names(order, dims.tp * dims.dp, dims.pp), []).append(order)
+    yield from by_types.items()
+
+
+def search(m: ModelSpec, cluster: Cluster, opts: SearchOptions = SearchOptions(), cm: CostModel | None = None) -> SearchResult:
+    """The best ``opts.top`` feasible plans for ``m`` on ``cluster`` (see module docstring).
+
+    Best-first branch and bound over one heap of entries, each popped in order of a valid lower
+    bound on the time of every plan below it, refined level by level:
+
+    - group: composition + tp/pp/dp (:func:`_group_bound`) -> families of gatherings;
+    - family: gatherings whose stages fall on the same multiset of node types (:func:`_free_bound`)
+      -> its gatherings;
+    - gathering: placements with the same node types per stage (:func:`_capped_bound`, memory caps
+      included) -> one lazy configuration per distinct stage view, micro-batch size and v;
+    - lazy: built into a PlanContext on pop, re-pushed with PlanContext.quick_bound;
+    - config: partitioned; each partition gets PlanContext.lower_bound and is simulated.
+
+    The search stops when the smallest bound left cannot beat the current ``top``-th plan, so the
+    result is the exact optimum of the cost model. With ``recompute="auto"`` the recomputing
+    variant of a configuration is queued only when the configuration fits no partition without.
+    """
+    t0 = time.perf_counter()
+    cm = cm or CostModel(m)
+    stats = {"block_size": 1, "groups": 0, "gatherings": 0, "placements": 0, "views": 0, "configs": 0, "partitioned": 0,
+             "candidates": 0, "simulated": 0}
+    seq = itertools.count()
+    heap = []
+    for lb, g in _groups(m, cluster, opts, cm):
+        price = g[4]
+        heap.append((objective_value(opts, lb, price), lb, next(seq), "group", g))
+    heapq.heapify(heap)
+    intern: dict = {}
+    best: list[tuple[float, float, PlanResult]] = []
+    keys = set()
+
+    def beaten(obj: float) -> bool:
+        return len(best) >= opts.top and obj >= best[-1][0]
+
+    def push(lb: float, price: float, kind: str, item) -> None:
+        obj = objective_value(opts, lb, price)
+        if beaten(obj) or (opts.objective == "cost" and opts.time_limit is not None and lb > opts.time_limit):
+            return
+        heapq.heappush(heap, (obj, lb, next(seq), kind, item))
+
+    while heap:
+        obj0, lb0, _, kind, item = heapq.heappop(heap)
+        if beaten(obj0):
+            break
+        if opts.objective == "cost" and opts.time_limit is not None and lb0 > opts.time_limit:
+            continue
+        if kind == "group":
+            stats["groups"] += 1
+            comp, nts, dims, sizes, price = item
+            tabs = _StageTables(m, dims, opts, cm)
+            families: dict = {}
+            for names, orders in _gatherings(item, opts, cm, stats):
+                sig = tuple(tabs.set_id(x, tuple(nts[n] for n in x)) for x in names)
+                families.setdefault(tuple(sorted(sig)), []).append((sig, orders))
+            for members in families.values():
+                stage_nodes = [tabs.sets[k] for k in members[0][0]]  # any member: the bound ignores order
+                lb = min(_free_bound(m, dims, stage_nodes, b, cm) for b in sizes)
+                push(max(lb, lb0), price, "family", (item, tabs, members))
+            continue
+        if kind == "family":
+            group, tabs, members = item
+            comp, nts, dims, sizes, price = group
+            for sig, orders in members:
+                bounds = {(b, v): _capped_bound(m, sig, b, v, opts, tabs) for b in sizes for v in opts.virtual_stages}
+                lb = min(x for x, _ in bounds.values())
+                if lb < math.inf:
+                    push(max(lb, lb0), price, "gathering", (group, orders, bounds))
+            continue
+        if kind == "gathering":
+            stats["gatherings"] += 1
+            (comp, nts, dims, sizes, price), orders, bounds = item
+            views: dict = {}
+            for order in orders:
+                views.setdefault(stage_envs(order, dims, cm.a, intern), order)
+            stats["views"] += len(views)
+            for (b, v), (lb, rec) in bounds.items():
+                if lb < math.inf:
+                    for envs, order in views.items():
+                        push(max(lb, lb0), price, "lazy", (envs, order, PlanConfig(dims, b, v, rec, opts.zero1), price))
+            continue
+        if kind == "lazy":
+            envs, order, cfg, price = item
+            try:
+                ctx = PlanContext(cm, envs, cfg)
+            except PlannerError:
+                continue  # batch/schedule constraints (micro-batches vs pp, layers vs chunks)
+            stats["configs"] += 1
+            push(max(lb0, ctx.quick_bound()), price, "config", (ctx, order, price))
+            continue
+        ctx, order, price = item
+        stats["partitioned"] += 1
+        seen = set()
+        for method in opts.methods:
+            counts = ctx.partition(method)
+            if counts is None or counts in seen:
+                continue
+            seen.add(counts)
+            stats["candidates"] += 1
+            lb = ctx.lower_bound(counts)
+            if beaten(objective_value(opts, lb, price)):
+                continue
+            if opts.objective == "cost" and opts.time_limit is not None and lb > opts.time_limit:
+                continue
+            r = ctx.result(counts, method, order)
+            stats["simulated"] += 1
+            if not r.feasible:  # partitions respect the memory caps; kept as a guard
+                continue
+            if opts.objective == "cost" and opts.time_limit is not None and r.iteration_s > opts.time_limit:
+                continue
+            if r.key() in keys:
+                continue
+            keys.add(r.key())
+            bisect.insort(best, (objective_value(opts, r.iteration_s, r.price_per_hour), r.price_per_hour, r),
+                          key=lambda x: (x[0], x[1]))
+            del best[opts.top:]
+        if not seen and not ctx.cfg.recompute and opts.recompute == "auto":
+            # fits nowhere without recomputation: queue the recomputing variant (slower, so same bound)
+            push(lb0, price, "lazy", (ctx.envs, order, replace(ctx.cfg, recompute=True), price))
+    stats["seconds"] = time.perf_counter() - t0
+    return SearchResult([r for _, _, r in best], stats)

@@ -1,0 +1,39 @@
+"""The `computron` command's engine parts: generate and the swap benchmarks, on the CPU."""
+
+import json
+
+from computron.cli import main
+
+
+def test_generate_prints_text_and_token_count(capsys):
+    assert main(["generate", "--model", "tiny-llama", "--prompt", "hello", "--max-tokens", "5", "--device", "cpu"]) == 0
+    out = capsys.readouterr()
+    assert "[5 tokens, finish_reason=length]" in out.err
+
+
+def test_generate_bad_input_is_a_clear_error(capsys):
+    assert main(["generate", "--model", "nope", "--prompt", "x", "--device", "cpu"]) == 2
+    assert "unknown model 'nope'" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "x", "--temperature", "-1", "--device", "cpu"]) == 2
+    assert "temperature must be between 0 and 100" in capsys.readouterr().err
+
+
+def test_bench_round_robin_both_policies(tmp_path):
+    out = tmp_path / "rr.json"
+    assert main(["bench", "round-robin", "tiny-opt", "-n", "2", "-r", "4", "--blocking", "--device", "cpu",
+                 "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    for pol in ("default", "computron"):
+        p = res["policies"][pol]
+        assert p["times_s"]["response"]["n"] == 4
+        assert p["swap_ins"] == 6 and p["evictions"] == 5  # 2 warm-up + 4 requests, each a swap
+    assert set(res["ratios_default_over_computron"]) == {"load", "evict", "compute", "response"}
+
+
+def test_bench_swap_reports_against_raw_copy(tmp_path):
+    out = tmp_path / "swap.json"
+    assert main(["bench", "swap", "tiny-opt", "--repeats", "2", "--prompt-len", "16", "--decode-tokens", "4",
+                 "--device", "cpu", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())["models"]["tiny-opt"]
+    assert r["bytes"] > 0 and len(r["swap_in_s"]) == 2 and len(r["raw_memcpy_s"]) == 2
+    assert r["swap_over_raw_bandwidth"] > 0 and r["decode_ms_per_token"] > 0

@@ -1,0 +1,149 @@
+"""Each cost formula against a hand computation."""
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from computron.planner import costs
+from computron.planner.costs import Assumptions
+from computron.planner.hardware import GPU_TYPES
+from computron.planner.model import ModelSpec, preset
+
+A100 = GPU_TYPES["a100-80gb"]
+GPT = ModelSpec("g", "gpt", layers=4, hidden=1024, heads=16, ffn=4096, vocab=50000, seq_len=512, global_batch=32)
+
+
+def test_roofline_compute_and_memory_bound():
+    a = Assumptions(kernel_overhead_s=0.0)
+    # 1e12 FLOPs on 312 TFLOP/s at 0.8 efficiency, few bytes: compute-bound
+    assert costs.roofline(1e12, 1e3, A100, "float16", a) == pytest.approx(1e12 / (312e12 * 0.8))
+    # 1 GB moved, few FLOPs: memory-bound at 2039 GB/s * 0.8
+    assert costs.roofline(1.0, 1e9, A100, "float16", a) == pytest.approx(1e9 / (2039e9 * 0.8))
+    assert costs.roofline(0, 0, A100, "float16", Assumptions(kernel_overhead_s=5e-6)) == pytest.approx(5e-6)
+
+
+@pytest.mark.parametrize("t", [1, 2, 4, 8])
+def test_layer_gemm_flops_are_megatrons(t):
+    b, s, h = 2, GPT.seq_len, GPT.hidden
+    total = sum(fl for _, fl, _ in costs.layer_gemms(GPT, t, b))
+    assert total == pytest.approx((24 * b * s * h * h + 4 * b * s * s * h) / t)
+
+
+def test_gemm_bytes_by_hand():
+    qkv = costs.layer_gemms(GPT, 1, 1)[0]
+    M, K, N = 512, 1024, 3 * 1024
+    assert qkv == ("qkv", 2.0 * M * K * N, 2 * (M * K + K * N + M * N))
+
+
+def test_flash_attention_flops_half_of_full_causal():
+    m = replace(GPT, flash_attention=True)
+    fl, by = costs.flash_attention_fwd(m, 2, 1)
+    assert fl == pytest.approx(4 * 1 * 8 * 512 * 512 * 64 * 0.5)
+    assert by == pytest.approx(8 * 2 * 4 * 512 * 64)
+    assert all(name not in ("scores", "context") for name, _, _ in costs.layer_gemms(m, 2, 1))
+
+
+def test_backward_is_twice_forward_without_fusion():
+    f, b = costs.layer_compute(GPT, A100, 1, 1)
+    assert b == pytest.approx(2 * f)
+
+
+def test_elementwise_bytes_by_hand():
+    M, h, e = 512, 1024, 2
+    expect = 15 * e * M * h + 2 * e * M * 4096 + 4.5 * e * 16 * 512 * 512
+    assert costs.elementwise_bytes(GPT, 1, 1) == pytest.approx(expect)
+
+
+@pytest.mark.parametrize("t", [1, 2, 4, 8])
+def test_activation_memory_is_korthikanti(t):
+    b, s, h, a = 3, GPT.seq_len, GPT.hidden, GPT.heads
+    assert costs.activation_bytes(GPT, t, b) == pytest.approx(s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
+
+
+def test_activation_memory_llama_gqa_flash():
+    m = preset("llama2-70b")  # gated, no dropout, flash, 8 kv heads
+    t, b, s, h = 8, 1, m.seq_len, m.hidden
+    M = b * s
+    expect = 2 * M * 4 * h + 2 * M * (2 * h / t + 2 * 1 * 128) + 2 * M * m.ffn / t * 3 + 4 * b * 64 / t * s
+    assert costs.activation_bytes(m, t, b) == pytest.approx(expect)
+    assert costs.layer_input_bytes(m, 2) == 2 * 2 * s * h
+
+
+def test_ring_allreduce_by_hand():
+    assert costs.ring_allreduce(1e9, 1, 1e9, 1e-5) == 0.0
+    assert costs.ring_allreduce(1e9, 4, 1e11, 1e-5) == pytest.approx(2 * 3 / 4 * 1e9 / 1e11 + 6 * 1e-5)
+
+
+def test_tp_allreduce_and_layer_comm():
+    a = Assumptions()
+    nbytes = 2 * 2 * 512 * 1024
+    one = 2 * 7 / 8 * nbytes / (300e9 * 0.8) + 14 * a.intra_latency_s
+    assert costs.tp_allreduce(GPT, 8, 2, 300e9, a) == pytest.approx(one)
+    assert costs.layer_tp_comm(GPT, 8, 2, 300e9, a) == pytest.approx((2 * one, 2 * one))
+    assert costs.layer_tp_comm(GPT, 1, 2, 300e9, a) == (0.0, 0.0)
+
+
+def test_p2p_scatter_gather():
+    a = Assumptions()
+    E = 2 * 1 * 512 * 1024
+    assert costs.p2p_time(GPT, 1, 1, 25e9, 300e9, a) == pytest.approx(E / 25e9 + a.p2p_latency_s)
+    sg = E / 4 / 25e9 + a.p2p_latency_s + 3 / 4 * E / (300e9 * 0.8) + 3 * a.intra_latency_s
+    assert costs.p2p_time(GPT, 4, 1, 25e9, 300e9, a) == pytest.approx(sg)
+    assert costs.p2p_time(GPT, 4, 1, 25e9, 300e9, replace(a, scatter_gather=False)) == pytest.approx(E / 25e9 + a.p2p_latency_s)
+
+
+def test_dp_allreduce_grad_bytes():
+    p = 1e9
+    assert costs.dp_allreduce(p, 8, 1e10, 0.0, Assumptions()) == pytest.approx(2 * 7 / 8 * 2e9 / 1e10)
+    assert costs.dp_allreduce(p, 8, 1e10, 0.0, Assumptions(bytes_per_param=18)) == pytest.approx(2 * 7 / 8 * 4e9 / 1e10)
+
+
+def test_embedding_sync_two_ranks():
+    got = costs.embedding_sync(GPT, 2, 1e10, 1e-5, Assumptions())
+    assert got == pytest.approx(50000 * 1024 / 2 * 2 / 1e10 + 2 * 1e-5)
+
+
+def test_optimizer_step_memory_bound():
+    a = Assumptions(kernel_overhead_s=0.0)
+    assert costs.optimizer_step(1e9, A100, 4, False, a) == pytest.approx(1e9 * 40 / (2039e9 * 0.8))
+    assert costs.optimizer_step(1e9, A100, 4, True, a) == pytest.approx(1e9 / 4 * 40 / (2039e9 * 0.8))
+
+
+def test_state_bytes_16_18_20_and_zero1():
+    assert costs.state_bytes(1e9, 8, False, Assumptions()) == pytest.approx(16e9)
+    assert costs.state_bytes(1e9, 8, False, Assumptions(bytes_per_param=18)) == pytest.approx(18e9)
+    assert costs.state_bytes(1e9, 8, False, Assumptions(bytes_per_param=20)) == pytest.approx(20e9)
+    assert costs.state_bytes(1e9, 8, True, Assumptions()) == pytest.approx((4 + 12 / 8) * 1e9)
+    with pytest.raises(ValueError):
+        Assumptions(bytes_per_param=17)
+
+
+def test_usable_memory():
+    a = Assumptions(memory_margin=0.1, memory_reserve_gib=1.0)
+    assert costs.usable_memory(A100, a) == pytest.approx(80 * 2**30 * 0.9 - 2**30)
+
+
+def test_model_flops_match_megatron_formula():
+    m = ModelSpec("x", "gpt", 96, 12288, 96, 4 * 12288, 51200, 2048, 64)
+    B, s, l, h, V = 64, 2048, 96, 12288, 51200
+    megatron = 72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))
+    assert costs.model_flops_per_iteration(m) == pytest.approx(megatron, rel=1e-9)
+
+
+def test_parameter_counts():
+    h, f = GPT.hidden, GPT.ffn
+    assert GPT.layer_params(1) == 4 * h * h + 2 * h * f + 3 * h + h + f + h + 4 * h
+    assert preset("gpt2-1.5b").total_params() == pytest.approx(1.558e9, rel=2e-3)
+    assert preset("llama2-7b").total_params() == pytest.approx(6.738e9, rel=2e-3)
+    assert preset("llama2-70b").total_params() == pytest.approx(68.98e9, rel=2e-3)
+    # sharding: matrices split over tp, norms and row biases replicated
+    assert GPT.layer_params(4) == pytest.approx((4 * h * h + 2 * h * f + 3 * h + f) / 4 + h + h + 4 * h)
+
+
+def test_bf16_on_v100_is_refused():
+    from computron.planner.errors import PlannerError
+
+    with pytest.raises(PlannerError, match="bfloat16"):
+        GPU_TYPES["v100"].peak_flops("bfloat16")
+    assert math.isclose(GPU_TYPES["v100"].peak_flops("float16"), 125e12)

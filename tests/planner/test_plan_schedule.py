@@ -1,0 +1,73 @@
+"""The 1F1B simulator against closed forms; in-flight counts; the lower bound."""
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from computron.planner.schedule import inflight_closed_form, inflight_from_order, lower_bound, op_order, simulate
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 16])
+def test_uniform_1f1b_closed_form(p, m):
+    F, B = 1.0, 2.5
+    tl = simulate(p, 1, m, [F] * p, [B] * p)
+    assert tl.makespan == pytest.approx((m + p - 1) * (F + B))
+    assert tl.busy[0] == pytest.approx(m * (F + B))
+
+
+@pytest.mark.parametrize("p,v,k", [(2, 2, 1), (2, 4, 3), (4, 2, 2), (4, 3, 1), (8, 2, 2), (8, 4, 1)])
+def test_interleaved_bubble_is_p_minus_1_over_v(p, v, k):
+    m, F, B = p * k, 1.0, 2.0
+    tl = simulate(p, v, m, [F / v] * (p * v), [B / v] * (p * v))
+    bubble = tl.makespan - m * (F + B)
+    assert bubble == pytest.approx((p - 1) / v * (F + B))
+
+
+def test_interleaved_needs_divisible_microbatches():
+    with pytest.raises(ValueError, match="divisible"):
+        op_order(4, 2, 6, 0)
+
+
+@pytest.mark.parametrize("p,v,m", [(1, 1, 3), (4, 1, 2), (4, 1, 9), (3, 2, 6), (4, 2, 8), (4, 3, 12), (8, 2, 16)])
+def test_inflight_closed_form_matches_op_order(p, v, m):
+    for s in range(p):
+        ops = op_order(p, v, m, s)
+        assert len(ops) == 2 * m * v and len(set(ops)) == len(ops)
+        assert inflight_closed_form(p, v, m, s) == inflight_from_order(ops)
+
+
+@settings(max_examples=40, deadline=None)
+@given(p=st.integers(1, 5), v=st.integers(1, 3), k=st.integers(1, 3), seed=st.integers(0, 10**6))
+def test_lower_bound_never_exceeds_simulation(p, v, k, seed):
+    if v > 1 and p == 1:
+        v = 1
+    m = p * k
+    rnd = random.Random(seed)
+    fwd = [rnd.uniform(0.1, 2) for _ in range(p * v)]
+    bwd = [rnd.uniform(0.1, 4) for _ in range(p * v)]
+    tl = simulate(p, v, m, fwd, bwd)
+    assert lower_bound(p, v, m, fwd, bwd) <= tl.makespan + 1e-9
+    assert all(f >= b - 1e-9 for f, b in zip(tl.finish, tl.busy))
+
+
+def test_slow_stage_dominates():
+    # one stage twice as slow: steady state runs at its pace
+    p, m = 4, 32
+    fwd, bwd = [1, 1, 2, 1], [2, 2, 4, 2]
+    tl = simulate(p, 1, m, fwd, bwd)
+    assert tl.makespan >= m * 6
+    assert tl.makespan == pytest.approx(lower_bound(p, 1, m, fwd, bwd), rel=0.1)
+
+
+@settings(max_examples=150, deadline=None)
+@given(p=st.integers(1, 9), m=st.integers(1, 24), seed=st.integers(0, 10**6))
+def test_slot_sweep_equals_event_simulation(p, m, seed):
+    rnd = random.Random(seed)
+    fwd = [rnd.uniform(0.1, 3) for _ in range(p)]
+    bwd = [rnd.uniform(0.1, 5) for _ in range(p)]
+    a = simulate(p, 1, m, fwd, bwd, fast=False)
+    b = simulate(p, 1, m, fwd, bwd)
+    assert b.finish == pytest.approx(a.finish) and b.first_start == pytest.approx(a.first_start)

@@ -1,0 +1,150 @@
+"""Search: feasibility, exactness of branch and bound, objectives, speed."""
+
+import time
+from dataclasses import replace
+
+import pytest
+
+from computron.parallel.dims import ParallelDims
+from computron.planner.estimate import CostModel, PlanConfig, PlanContext
+from computron.planner.hardware import parse_compact
+from computron.planner.layout import distinct_orderings, stage_envs
+from computron.planner.model import ModelSpec, preset
+from computron.planner.search import SearchOptions, _layouts, block_orderings, capped_min_max, divisors, search
+
+SMALL = ModelSpec("small", "gpt", layers=8, hidden=1024, heads=16, ffn=4096, vocab=32000, seq_len=1024, global_batch=32)
+
+
+def brute_force(m, cluster, opts):
+    """Simulate every plan the search could return (all placements, dims, mbs, methods), keeping
+    for each configuration the recomputation choice 'auto' makes; sorted times."""
+    cm = CostModel(m)
+    comp = {n.name: n.count for n in cluster.node_types}
+    nts = {n.name: n for n in cluster.node_types}
+    times = {}
+    gpus = cluster.total_gpus
+    for order in distinct_orderings(comp):
+        placement = tuple(nts[x] for x in order)
+        for dims in _layouts(m, gpus, [n.gpus_per_node for n in cluster.node_types], opts):
+            for mbs in divisors(m.global_batch // dims.dp):
+                for rec in (False, True):
+                    ctx = PlanContext(cm, stage_envs(placement, dims, cm.a), PlanConfig(dims, mbs, 1, rec))
+                    got = [(ctx.partition(x), x) for x in opts.methods]
+                    got = [(c, x) for c, x in got if c]
+                    for counts, method in got:
+                        r = ctx.result(counts, method, placement)
+                        times[r.key()] = r.iteration_s
+                    if got:
+                        break  # fits without recomputation: 'auto' does not recompute
+    return sorted(times.values())
+
+
+@pytest.mark.parametrize("model,spec", [
+    (SMALL, "a100-80gb:4x1,a10:4x1"),
+    # memory binds: 13B-class layers on 24 GB A10s next to 80 GB A100s
+    (ModelSpec("mid", "llama", layers=16, hidden=5120, heads=40, ffn=13824, vocab=32000, seq_len=2048,
+               global_batch=16, dtype="bfloat16"), "a100-80gb:4x1,a10:4x2"),
+])
+def test_branch_and_bound_finds_the_brute_force_optimum(model, spec):
+    cluster = parse_compact(spec)
+    opts = SearchOptions(all_nodes=True, top=3)
+    res = search(model, cluster, opts)
+    expect = brute_force(model, cluster, opts)[:3]
+    assert [r.iteration_s for r in res.plans] == pytest.approx(expect)
+    assert res.stats["simulated"] <= res.stats["candidates"]
+
+
+def test_capped_min_max_by_hand():
+    assert capped_min_max(10, [1.0, 1.0], [10, 10]) == pytest.approx(5.0)
+    assert capped_min_max(10, [1.0, 1.0], [3, 10]) == pytest.approx(7.0)  # stage 0 saturates at 3
+    assert capped_min_max(10, [1.0, 3.0], [10, 10]) == pytest.approx(7.5)  # 7.5 + 2.5 layers
+    assert capped_min_max(10, [1.0, 1.0], [3, 3]) == float("inf")
+    assert capped_min_max(2, [1.0, 5.0], [10, 10], least=1) == pytest.approx(5.0)  # every stage >= 1 layer
+
+
+def test_block_orderings():
+    names, k = block_orderings({"a": 2, "b": 2}, 100)
+    assert k == 1 and len(names) == 6
+    names, k = block_orderings({"a": 16, "b": 8}, 20000)  # 735471 orderings -> blocks of 2
+    assert k == 2 and len(names) == 495 and len(set(names)) == 495
+    assert all(n.count("a") == 16 and n.count("b") == 8 for n in names)
+    names, k = block_orderings({"a": 5, "b": 3}, 10)
+    assert k == 3 and len(set(names)) == len(names) and all(len(n) == 8 for n in names)
+
+
+def test_large_cluster_is_searched_in_blocks():
+    res = search(SMALL, parse_compact("a100-80gb:8x5,v100:8x5"), SearchOptions(all_nodes=True, top=1, max_orderings=50))
+    assert res.stats["block_size"] == 3 and res.plans  # 252 orderings; blocks of 2 still give 180
+
+
+def test_infeasible_plans_never_returned():
+    m = replace(preset("llama2-13b"), global_batch=64)
+    cluster = parse_compact("a10:4x4")
+    res = search(m, cluster, SearchOptions(top=50, recompute="none"))
+    assert res.plans, "some plan should fit on 16 A10s"
+    for r in res.plans:
+        assert r.feasible
+        assert all(mem <= use for mem, use in zip(r.stage_memory, r.stage_usable))
+    # and the constraint binds: fewer layouts fit than exist
+    assert all(r.dims.tp * r.dims.pp >= 4 for r in res.plans)
+
+
+def test_nothing_fits_returns_no_plan():
+    m = preset("llama2-70b")
+    res = search(m, parse_compact("l4:8x1"), SearchOptions())
+    assert res.plans == []
+
+
+def test_results_are_ranked_and_use_parallel_dims():
+    res = search(SMALL, parse_compact("a100-80gb:8x1,v100:8x1"), SearchOptions(top=8))
+    times = [r.iteration_s for r in res.plans]
+    assert times == sorted(times) and len(set(r.key() for r in res.plans)) == len(res.plans)
+    assert all(isinstance(r.dims, ParallelDims) for r in res.plans)
+
+
+def test_cost_objective_respects_time_limit():
+    cluster = parse_compact("a100-80gb:8x2,v100:8x2")
+    fastest = search(SMALL, cluster, SearchOptions(top=1)).plans[0]
+    limit = fastest.iteration_s * 3
+    res = search(SMALL, cluster, SearchOptions(objective="cost", time_limit=limit, top=5))
+    assert res.plans and all(r.iteration_s <= limit for r in res.plans)
+    costs = [r.cost_per_iteration for r in res.plans]
+    assert costs == sorted(costs)
+    assert costs[0] <= fastest.cost_per_iteration + 1e-12
+
+
+def test_throughput_objective_respects_cost_limit():
+    cluster = parse_compact("a100-80gb:8x2,v100:8x2")
+    res = search(SMALL, cluster, SearchOptions(objective="throughput", cost_limit=60.0, top=5))
+    assert res.plans and all(r.price_per_hour <= 60.0 for r in res.plans)
+    with pytest.raises(ValueError, match="cost limit"):
+        SearchOptions(objective="throughput")
+
+
+def test_recompute_only_when_needed():
+    m = replace(preset("gpt3-175b"), vocab=51200, global_batch=64)
+    # with equal layers per stage, 175B on 64 A100s fits only with recomputation (Korthikanti et al.)
+    opts = SearchOptions(top=3, tp=(8,), pp=(8,), mbs=(1,), methods=("balanced",))
+    res = search(m, parse_compact("a100-80gb:8x8"), opts)
+    assert res.plans and all(r.config.recompute for r in res.plans)
+    # the exact partitioner unloads the early stages (more micro-batches in flight) and avoids it
+    res = search(m, parse_compact("a100-80gb:8x8"), SearchOptions(top=1, tp=(8,), pp=(8,), mbs=(1,)))
+    best = res.plans[0]
+    assert not best.config.recompute and best.partition[0] < best.partition[-1]
+    res = search(SMALL, parse_compact("a100-80gb:8x1"), SearchOptions(top=3))
+    assert not any(r.config.recompute for r in res.plans)
+
+
+def test_interleaved_candidates_are_searched():
+    m = replace(SMALL, layers=16, global_batch=64)
+    res = search(m, parse_compact("a100-80gb:8x1,v100:8x1"), SearchOptions(top=50, virtual_stages=(1, 2), pp=(2, 4)))
+    assert any(r.config.v == 2 for r in res.plans)
+
+
+def test_search_speed_target():
+    """GPT-2 1.5B on 32 GPUs of two types, the whole space (sub-clusters included): <= 5 s."""
+    t0 = time.perf_counter()
+    res = search(preset("gpt2-1.5b"), parse_compact("a100-80gb:8x2,v100:8x2"))
+    elapsed = time.perf_counter() - t0
+    assert res.plans
+    assert elapsed <= 5.0, f"search took {elapsed:.2f} s"

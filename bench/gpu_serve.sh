@@ -7,7 +7,8 @@ if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile
 export PYTHONPATH=src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/results}
 C="python3 -m computron.cli"
+python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu 2>&1 | tail -5
 # 4 copies of OPT-1.3B under a budget that holds two of them; 2 copies of OPT-13B, one fits.
-$C bench serve --model opt-1.3b -n 4 -c 1 -r 32 --gpu-memory-budget 8GiB --out "$OUT/serve_opt-1.3b_c1.json"
+$C bench serve --model opt-1.3b -n 4 -c 1 -r 32 --repeat 3 --gpu-memory-budget 8GiB --out "$OUT/serve_opt-1.3b_c1.json"
 $C bench serve --model opt-1.3b -n 4 -c 8 -r 96 --rate 20 --gpu-memory-budget 8GiB --out "$OUT/serve_opt-1.3b_c8.json"
-$C bench serve --model opt-13b -n 2 -c 1 -r 12 --gpu-memory-budget 40GiB --out "$OUT/serve_opt-13b_c1.json"
+$C bench serve --model opt-13b -n 2 -c 1 -r 12 --repeat 2 --gpu-memory-budget 40GiB --out "$OUT/serve_opt-13b_c1.json"

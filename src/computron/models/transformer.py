@@ -51,9 +51,8 @@ class Norm(nn.Module):
         self.bias = _param(dim) if (cfg.norm == "layernorm" and cfg.norm_bias) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kind == "rmsnorm":
-            var = x.float().pow(2).mean(-1, keepdim=True)
-            return (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype) * self.weight
+        if self.kind == "rmsnorm":  # one fused op (it accumulates in float32 for half inputs)
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
 
 

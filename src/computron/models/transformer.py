@@ -96,12 +96,12 @@ class Attention(nn.Module):
         cfg, d = self.cfg, self.cfg.head_dim
         hq, hk = cfg.num_heads, cfg.kv_heads
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
-        q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
-        q, k, v = q.view(-1, hq, d), k.view(-1, hk, d), v.view(-1, hk, d)
-        if batch.rope is not None:
+        qk, v = qkv.split([(hq + hk) * d, hk * d], dim=-1)
+        qk, v = qk.view(-1, hq + hk, d), v.view(-1, hk, d)
+        if batch.rope is not None:  # queries and keys rotated together: half the kernel launches
             cos, sin = batch.rope[0][:, None, :], batch.rope[1][:, None, :]
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            qk = qk * cos + _rotate_half(qk) * sin
+        q, k = qk.split([hq, hk], dim=1)
         outs = []
         for start, n, past, cache in zip(batch.starts, batch.lengths, batch.past, batch.caches):
             kv = cache[self.layer_idx]  # [2, hk, capacity, d]

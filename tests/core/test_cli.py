@@ -37,3 +37,11 @@ def test_bench_swap_reports_against_raw_copy(tmp_path):
     r = json.loads(out.read_text())["models"]["tiny-opt"]
     assert r["bytes"] > 0 and len(r["swap_in_s"]) == 2 and len(r["raw_memcpy_s"]) == 2
     assert r["swap_over_raw_bandwidth"] > 0 and r["decode_ms_per_token"] > 0
+
+
+def test_bench_rejects_nonpositive_counts(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        main(["bench", "round-robin", "tiny-opt", "-n", "0"])
+    assert "must be at least 1, got 0" in capsys.readouterr().err

@@ -24,7 +24,7 @@ from ..engine import Engine, SamplingParams
 from ..memory.layout import layout_for
 from ..models import resolve_model
 from ..models.transformer import DecoderLM, bind_weights
-from .common import machine, print_table, sync, write_json
+from .common import machine, positive_int, print_table, sync, write_json
 
 
 def _median(xs):
@@ -207,8 +207,8 @@ def main(args) -> int:
 def add_parser(sub) -> None:
     p = sub.add_parser("swap", help="swap-in/eviction time against a raw pinned memcpy of the same bytes")
     p.add_argument("model", nargs="+")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--repeats", type=positive_int, default=5)
+    p.add_argument("--prompt-len", type=positive_int, default=128)
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default=None)

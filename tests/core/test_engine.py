@@ -205,3 +205,34 @@ def test_registration_builds_off_the_engine_and_adds_between_steps():
         assert entry.name == "tiny-gpt2" and eng.model_state("tiny-gpt2") == "offloaded"
     finally:
         ae.shutdown()
+
+
+def test_failed_swap_fails_its_requests_and_the_engine_recovers(monkeypatch):
+    eng = make_engine(ONE_FITS)
+    real = eng.executor.load
+
+    def broken(name):
+        raise RuntimeError("copy engine fell over")
+
+    monkeypatch.setattr(eng.executor, "load", broken)
+    r = eng.submit("tiny-llama", "hi", GREEDY)
+    eng.run_until_done([r])
+    assert r.finish_reason == "error" and "swap failed: RuntimeError: copy engine fell over" in r.error
+    assert not eng.scheduler.models["tiny-llama"].resident and eng.memory()["weights"] == 0
+    monkeypatch.setattr(eng.executor, "load", real)
+    assert eng.generate("tiny-llama", "hi", GREEDY).finish_reason == "length"
+
+
+def test_async_loop_answers_every_request_when_a_step_raises(monkeypatch):
+    eng = make_engine(64 * 2**20, models=["tiny-opt"])
+
+    def boom():
+        raise RuntimeError("scheduler bug")
+
+    monkeypatch.setattr(eng.scheduler, "schedule", boom)
+    ae = AsyncEngine(eng)
+    try:
+        req = asyncio.run(ae.generate("tiny-opt", "x", GREEDY))
+    finally:
+        ae.shutdown()
+    assert req.finish_reason == "error" and "scheduler bug" in req.error and not eng.requests

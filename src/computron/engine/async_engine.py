@@ -8,6 +8,7 @@ deltas flow back through ``loop.call_soon_threadsafe`` into one asyncio queue pe
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 from concurrent.futures import Future
@@ -16,6 +17,8 @@ from typing import AsyncIterator, Callable
 
 from .engine import Engine, Request
 from .sampling import SamplingParams
+
+log = logging.getLogger("computron.engine")
 
 
 @dataclass
@@ -49,7 +52,12 @@ class AsyncEngine:
             except queue.Empty:
                 pass
             if self.engine.has_work():
-                self.engine.step()
+                try:
+                    self.engine.step()
+                except Exception as e:  # last line of defence: answer everything, keep the loop alive
+                    log.exception("engine step failed")
+                    for rid in list(self.engine.requests):
+                        self.engine.abort(rid, "error", f"engine step failed: {type(e).__name__}: {e}")
 
     def call(self, fn: Callable, *args, **kwargs) -> Future:
         """Run ``fn(*args)`` on the engine thread between steps; a concurrent Future of its result."""

@@ -250,7 +250,14 @@ class Engine:
         for rid, why in plan.failed:
             if rid in self.requests:
                 self._finish(self.requests[rid], "error", why)
-        evict_s = self._swap(plan)
+        try:
+            evict_s = self._swap(plan)
+        except Exception as e:  # a swap that fails fails the step's requests, never the engine
+            for name in plan.loads + plan.prefetch:  # residency follows what really happened
+                self.scheduler.models[name].resident = name in self.executor.resident
+            for rid in plan.prefill + plan.decode:
+                self._finish(self.requests[rid], "error", f"swap failed: {type(e).__name__}: {e}")
+            return
         if plan.model is None:
             return
         self.stats["steps"] += 1

@@ -49,12 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gpu-memory-budget", default=None)
     g.set_defaults(func=_generate)
 
-    from .bench import round_robin, swap
+    from .bench import cli as bench_cli
 
     b = sub.add_parser("bench", help="benchmarks (results as JSON under bench/results/)")
     bsub = b.add_subparsers(dest="bench", required=True)
-    round_robin.add_parser(bsub)
-    swap.add_parser(bsub)
+    bench_cli.add_parsers(bsub)
 
     from .server import cli as server_cli
 

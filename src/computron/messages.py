@@ -1,13 +1,124 @@
-"""Typed messages between the engine and an executor (in process, or a worker per GPU).
+"""Everything that crosses between the engine core and an executor: plain, torch-free dataclasses.
 
-Only ids, ints and small dataclasses cross this boundary: token ids in, token ids out.
+The engine core (``engine/core.py``) speaks to an executor only through these messages, so any
+executor fits behind it: the one in this process today, one worker process per GPU, or a
+simulation. Only names, ints, floats and token ids cross: tensors stay on the executor's side. Importing this
+module imports neither torch nor any other part of the engine.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .engine.sampling import SamplingParams
+from .models.config import ModelConfig
+from .parallel.dims import ParallelDims
+
+GREEDY_BELOW = 1e-5
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request draws its tokens; validated on the host when the request is made.
+
+    Temperature 0 (or below ``GREEDY_BELOW``) is greedy: dividing logits by a vanishing
+    temperature would overflow them. A request with a seed draws from its own generator, so its
+    tokens do not depend on what else shares its batch.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        errors = []
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            errors.append(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not (0.0 <= float(self.temperature) <= 100.0):
+            errors.append(f"temperature must be between 0 and 100, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            errors.append(f"top_k must be a non-negative integer, got {self.top_k!r}")
+        if not (0.0 < float(self.top_p) <= 1.0):
+            errors.append(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+            errors.append(f"seed must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed!r}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            errors.append("stop must be a list of non-empty strings")
+        if errors:
+            raise ValueError("; ".join(errors))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
+
+
+# ---- models ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Placement:
+    """Where one model runs: its parallel layout and the device of each of its ranks.
+
+    Ranks are numbered pipeline stage by stage, tensor rank fastest:
+    rank = stage * tp + tensor_rank. ``devices[rank]`` is that rank's device index.
+    """
+
+    dims: ParallelDims = ParallelDims()
+    devices: tuple[int, ...] = (0,)
+
+    def __post_init__(self) -> None:
+        if self.dims.dp != 1:
+            raise ValueError(f"a served model has no data parallelism (dp={self.dims.dp}); register copies instead")
+        if len(self.devices) != self.dims.world_size:
+            raise ValueError(f"{self.dims} needs {self.dims.world_size} devices, got {len(self.devices)}: "
+                             f"{list(self.devices)}")
+        if len(set(self.devices)) != len(self.devices):
+            raise ValueError(f"a model's ranks need distinct devices, got {list(self.devices)}")
+
+
+@dataclass(frozen=True)
+class ModelDescription:
+    """What the engine asks an executor to register: where the weights come from and where they go."""
+
+    name: str
+    source: str  # a preset name or a Hugging Face checkpoint directory
+    dtype: str | None = None
+    seed: int = 0  # presets: random weights from this seed
+    placement: Placement = Placement()
+    max_bytes: int | None = None  # refuse a model whose shard on any device exceeds this
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """An executor's answer to a registration: the model's shape and its bytes on each rank."""
+
+    name: str
+    config: ModelConfig
+    checkpoint: str | None
+    placement: Placement
+    weight_bytes: tuple[int, ...]  # per rank: the shard's image, as the device region holds it
+    kv_bytes_per_token: tuple[int, ...]  # per rank: key/value cache bytes of one token
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.weight_bytes)
+
+
+# ---- steps -------------------------------------------------------------------------------------
+@dataclass
+class Residency:
+    """Residency changes, applied in order: evictions (release, nothing copied back), then loads
+    (asynchronous copies; compute may start while they are in flight)."""
+
+    evict: list[str] = field(default_factory=list)
+    load: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.evict or self.load)
 
 
 @dataclass
@@ -15,7 +126,7 @@ class SeqInput:
     req_id: str
     tokens: list[int]  # the new tokens of this step (the prompt on prefill, one token on decode)
     past: int  # tokens already in the request's cache
-    capacity: int  # cache capacity in tokens (prompt + max_tokens), set at prefill
+    capacity: int  # cache capacity in tokens (prompt + max_tokens), fixed at admission
     params: SamplingParams
 
 
@@ -23,10 +134,33 @@ class SeqInput:
 class ExecuteBatch:
     model: str
     seqs: list[SeqInput]
+    trace: bool = False  # record when each layer group's copy ended and its compute started
 
 
 @dataclass
 class StepResult:
-    tokens: dict[str, int]
-    load_s: dict[str, float] = field(default_factory=dict)  # model -> seconds of its swap-in copies
-    compute_s: float = 0.0
+    """What one ``execute`` call produced, for all of its batches."""
+
+    tokens: dict[str, int] = field(default_factory=dict)  # req_id -> next token
+    loaded: dict[str, float] = field(default_factory=dict)  # model -> seconds its swap-in copies took
+    compute_s: dict[str, float] = field(default_factory=dict)  # model -> seconds of its batch
+    failed: dict[str, str] = field(default_factory=dict)  # req_id -> why it could not run
+    lost_devices: list[int] = field(default_factory=list)
+    trace: dict[str, dict] = field(default_factory=dict)  # model -> copy ends / compute starts (seconds)
+
+
+@dataclass
+class DeviceStatus:
+    index: int
+    name: str  # "cuda:0", "cpu"
+    capacity: int  # bytes of the arena (weights + KV cache)
+    weights: int = 0
+    kv: int = 0
+    compactions: int = 0
+    budget: int = 0  # the whole device budget: the arena plus the workspace for activations
+
+
+@dataclass
+class ExecutorStatus:
+    devices: list[DeviceStatus]
+    models: dict[str, str]  # name -> "resident" | "loading" (copies in flight); absent: offloaded

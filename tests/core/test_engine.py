@@ -6,7 +6,9 @@ import pytest
 
 from computron.config import EngineConfig
 from computron.engine import AsyncEngine, Engine, EngineError, SamplingParams
-from computron.memory.arena import Arena, OutOfMemory
+from computron.engine.executor import make_executor
+from computron.memory.units import kv_region_bytes
+from computron.messages import Residency
 
 MODELS = ["tiny-opt", "tiny-llama", "tiny-gpt2"]
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -110,36 +112,82 @@ def test_bad_input_errors():
     assert not eng.requests  # nothing half-submitted
 
 
-def test_failed_step_fails_its_requests_not_the_engine(monkeypatch):
-    eng = make_engine(64 * 2**20, models=["tiny-opt"])
-    runner = eng.executor.runners["tiny-opt"]
-    real = runner.forward
+class Faulty:
+    """An executor that delegates to a real one and raises where a test says (through the protocol)."""
 
-    def boom(*a, **k):
-        raise RuntimeError("device fell over")
+    def __init__(self, inner):
+        self.inner, self.fail_execute, self.fail_load = inner, None, None
 
-    monkeypatch.setattr(runner, "forward", boom)
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def execute(self, batches):
+        if self.fail_execute:
+            raise RuntimeError(self.fail_execute)
+        return self.inner.execute(batches)
+
+    def apply(self, change):
+        if self.fail_load and change.load:
+            self.inner.apply(Residency(evict=change.evict))
+            raise RuntimeError(self.fail_load)
+        return self.inner.apply(change)
+
+
+def faulty_engine(budget, models):
+    cfg = EngineConfig(device="cpu", gpu_memory_budget=budget, workspace_bytes=50_000)
+    ex = Faulty(make_executor(cfg))
+    eng = Engine(cfg, executor=ex)
+    for m in models:
+        eng.register_model(m)
+    return eng, ex
+
+
+def test_failed_step_fails_its_requests_not_the_engine():
+    eng, ex = faulty_engine(64 * 2**20, ["tiny-opt"])
+    ex.fail_execute = "device fell over"
     r = eng.submit("tiny-opt", "hi", GREEDY)
     eng.run_until_done([r])
     assert r.finish_reason == "error" and "device fell over" in r.error
     assert eng.memory()["kv"] == 0
-    monkeypatch.setattr(runner, "forward", real)
+    ex.fail_execute = None
     assert eng.generate("tiny-opt", "hi", GREEDY).finish_reason == "length"
 
 
-def test_arena_compacts_instead_of_failing_for_fragmentation():
-    arena = Arena(4096, "cpu")
-    regions = [arena.allocate(1024, "kv", f"r{i}") for i in range(4)]
-    for i, r in enumerate(regions):
-        r.tensor.fill_(i + 1)
-    arena.release(regions[0])
-    arena.release(regions[2])  # 2048 bytes free, in two holes of 1024
-    big = arena.allocate(2048, "weights", "big")
-    assert arena.compactions == 1
-    assert regions[1].tensor.unique().tolist() == [2] and regions[3].tensor.unique().tolist() == [4]
-    assert regions[1].version == 1 and big.offset == 2048
-    with pytest.raises(OutOfMemory, match="512 bytes of kv do not fit: 0 of 4096 bytes free"):
-        arena.allocate(100, "kv", "one-too-many")
+def test_compaction_moves_weights_and_kv_in_many_chunks_and_tokens_stay_the_same():
+    """Arena (T bytes): [A weights][hole kA][B weights][B's KV k1][tail]. A request for k2 bytes of
+    KV, more than either hole but not more than both, compacts: B's weights and k1 slide down by
+    kA, a move of many kA-sized chunks each; B must then still produce the reference tokens."""
+    ref = make_engine(64 * 2**20, models=["tiny-opt", "tiny-llama"])
+    info_a, info_b = ref.models["tiny-opt"].info, ref.models["tiny-llama"].info
+    a, b = info_a.total_bytes, info_b.total_bytes
+    ka = kv_region_bytes(8, info_a.kv_bytes_per_token[0])  # A: 4 prompt + 4 new tokens
+    k1 = kv_region_bytes(24, info_b.kv_bytes_per_token[0])  # B: 16 + 8
+    k2 = kv_region_bytes(28, info_b.kv_bytes_per_token[0])  # B: 20 + 8
+    tail = ka
+    assert k1 > ka and ka < k2 <= ka + tail and b > 8 * ka
+    arena = a + ka + b + k1 + tail
+    eng = Engine(EngineConfig(device="cpu", gpu_memory_budget=arena + 512 + 50_000, workspace_bytes=50_000))
+    for m in ("tiny-opt", "tiny-llama"):
+        eng.register_model(m)
+    assert eng.memory()["total"] == arena
+    p1 = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompt1, prompt2 = list(range(30, 46)), list(range(50, 70))
+    want1, want2 = ref.generate("tiny-llama", prompt1, p1).output_ids, ref.generate("tiny-llama", prompt2, p1).output_ids
+
+    eng.load("tiny-opt")
+    eng.set_pinned("tiny-opt", True)
+    ra = eng.submit("tiny-opt", [1, 2, 3, 4], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    eng.step()  # A's KV region right after A
+    eng.load("tiny-llama")  # B right after A's KV
+    eng.run_until_done([ra])  # A's KV is freed: a hole of kA in front of B
+    r1 = eng.submit("tiny-llama", prompt1, p1)
+    eng.step()  # k1 goes to the tail, behind B
+    assert eng.memory()["devices"][0]["compactions"] == 0
+    r2 = eng.submit("tiny-llama", prompt2, p1)
+    eng.run_until_done([r1, r2])
+    assert eng.memory()["devices"][0]["compactions"] == 1
+    assert r1.output_ids == want1 and r2.output_ids == want2
+    assert eng.stats["swap_ins"] == 2 and eng.stats["evictions"] == 0
 
 
 def test_compaction_under_churn_keeps_outputs():
@@ -191,7 +239,9 @@ def test_computron_policy_same_tokens():
 def test_registration_builds_off_the_engine_and_adds_between_steps():
     eng = make_engine(64 * 2**20, models=["tiny-opt"])
     prepared = eng.build_model("tiny-llama")
-    assert "tiny-llama" not in eng.models and "tiny-llama" not in eng.scheduler.models  # nothing touched yet
+    assert "tiny-llama" not in eng.models  # nothing touched yet
+    with pytest.raises(EngineError, match="unknown model 'tiny-llama'"):
+        eng.model_state("tiny-llama")
     r = eng.submit("tiny-opt", "abc", GREEDY)
     eng.step()
     eng.add_model(prepared)
@@ -207,29 +257,24 @@ def test_registration_builds_off_the_engine_and_adds_between_steps():
         ae.shutdown()
 
 
-def test_failed_swap_fails_its_requests_and_the_engine_recovers(monkeypatch):
-    eng = make_engine(ONE_FITS)
-    real = eng.executor.load
-
-    def broken(name):
-        raise RuntimeError("copy engine fell over")
-
-    monkeypatch.setattr(eng.executor, "load", broken)
+def test_failed_swap_fails_its_requests_and_the_engine_recovers():
+    eng, ex = faulty_engine(ONE_FITS, MODELS)
+    ex.fail_load = "copy engine fell over"
     r = eng.submit("tiny-llama", "hi", GREEDY)
     eng.run_until_done([r])
     assert r.finish_reason == "error" and "swap failed: RuntimeError: copy engine fell over" in r.error
-    assert not eng.scheduler.models["tiny-llama"].resident and eng.memory()["weights"] == 0
-    monkeypatch.setattr(eng.executor, "load", real)
+    assert eng.model_state("tiny-llama") == "offloaded" and eng.memory()["weights"] == 0
+    ex.fail_load = None
     assert eng.generate("tiny-llama", "hi", GREEDY).finish_reason == "length"
 
 
 def test_async_loop_answers_every_request_when_a_step_raises(monkeypatch):
     eng = make_engine(64 * 2**20, models=["tiny-opt"])
 
-    def boom():
+    def boom(now):
         raise RuntimeError("scheduler bug")
 
-    monkeypatch.setattr(eng.scheduler, "schedule", boom)
+    monkeypatch.setattr(eng.core.scheduler, "schedule", boom)
     ae = AsyncEngine(eng)
     try:
         req = asyncio.run(ae.generate("tiny-opt", "x", GREEDY))

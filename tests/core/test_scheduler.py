@@ -6,127 +6,239 @@ import sys
 
 import pytest
 
+from computron.memory.units import kv_region_bytes
 from computron.scheduler import SchedRequest, Scheduler, SchedulerConfig
 
+KVT = 512  # bytes of KV cache per token in these tests' models: a request of t tokens holds 512 t
 
-def test_imports_without_torch():
+
+def test_wire_scheduler_and_engine_core_import_without_torch():
     code = ("import sys; sys.modules['torch'] = None\n"
-            "import computron.scheduler, computron.parallel.dims, computron.models\n"
-            "computron.models.get_preset(\"opt-13b\").kv_bytes_per_token()\n"
+            "import computron.messages, computron.scheduler, computron.engine.core, computron.engine\n"
+            "import computron.parallel.dims, computron.models\n"
+            "from computron.engine import Engine, EngineCore, SamplingParams\n"
+            "computron.models.get_preset('opt-13b').kv_bytes_per_token()\n"
             "print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
 
 
-def _req(i, model, prompt=4, max_tokens=3, kv=10, t=None):
-    return SchedRequest(f"r{i}", model, prompt, max_tokens, kv, float(i if t is None else t))
+def _req(i, model, prompt=4, max_tokens=3, t=None):
+    return SchedRequest(f"r{i}", model, prompt, max_tokens, float(i if t is None else t))
 
 
-def _run_step(s, finished_after):
-    plan = s.schedule()
+def _sched(budgets, **kw):
+    return Scheduler(SchedulerConfig(budgets=budgets, **kw))
+
+
+def _run_step(s, finished_after=None, now=0.0):
+    """One step: schedule, then each request in a batch makes a token; those that reach their
+    length end (``finished_after`` overrides max_tokens)."""
+    plan = s.schedule(now)
     done = []
-    for rid in plan.prefill + plan.decode:
-        r = s.requests[rid]
-        if r.generated + 1 >= finished_after.get(rid, r.max_tokens):
-            done.append(rid)
-    s.update(plan, done)
+    for b in plan.batches:
+        for rid in b.requests:
+            r = s.requests[rid]
+            if s.generated(rid) + 1 >= (finished_after or {}).get(rid, r.max_tokens):
+                done.append(rid)
+    s.update(plan)
+    for rid in done:
+        s.finish(rid)
     return plan
 
 
+def _models(plan):
+    return [b.model for b in plan.batches]
+
+
 def test_one_model_fits_swaps_in_fcfs_order():
-    s = Scheduler(SchedulerConfig(budget=150))
+    s = _sched(150_000)
     for m in "abc":
-        s.add_model(m, 100)
+        s.add_model(m, 100_000, KVT)
     for i, m in enumerate("abca"):
         s.add_request(_req(i, m, max_tokens=1))
     order = []
     for _ in range(10):
-        plan = _run_step(s, {})
-        if plan.model:
-            order.append((plan.model, tuple(plan.loads), tuple(plan.evictions)))
+        plan = _run_step(s)
+        if plan.batches:
+            order.append((_models(plan)[0], tuple(plan.loads), tuple(plan.evictions)))
     # The oldest request's model runs (both of a's requests in one batch); a new model evicts the
     # least recently used idle one.
     assert order == [("a", ("a",), ()), ("b", ("b",), ("a",)), ("c", ("c",), ("b",))]
     assert not s.requests
 
 
+def test_oldest_request_runs_first_even_when_another_model_is_resident():
+    s = _sched(150_000)
+    for m in "ab":
+        s.add_model(m, 100_000, KVT)
+    s.add_request(_req(0, "a", max_tokens=1))
+    _run_step(s)  # a is resident and idle now
+    s.add_request(_req(1, "b", max_tokens=1, t=1.0))
+    s.add_request(_req(2, "a", max_tokens=1, t=2.0))  # newer, and its model is already there
+    p = _run_step(s)
+    assert _models(p) == ["b"] and p.evictions == ["a"] and p.loads == ["b"]
+
+
 def test_iteration_level_batching_joins_running_batch():
-    s = Scheduler(SchedulerConfig(budget=1000, max_batch_size=4))
-    s.add_model("a", 100)
+    s = _sched(1_000_000, max_batch_size=4)
+    s.add_model("a", 100_000, KVT)
     s.add_request(_req(0, "a", max_tokens=5))
-    p1 = s.schedule(); s.update(p1, [])
+    p1 = s.schedule()
+    s.update(p1)
     s.add_request(_req(1, "a", max_tokens=5))
     p2 = s.schedule()
-    assert p2.decode == ["r0"] and p2.prefill == ["r1"]
+    assert p2.batches[0].decode == ["r0"] and p2.batches[0].prefill == ["r1"]
+    assert s.generated("r0") == 1 and s.generated("r1") == 0
 
 
 def test_max_batch_and_tokens_per_step():
-    s = Scheduler(SchedulerConfig(budget=10_000, max_batch_size=2, max_tokens_per_step=10))
-    s.add_model("a", 100)
+    s = _sched(10_000_000, max_batch_size=2, max_tokens_per_step=10)
+    s.add_model("a", 100_000, KVT)
     for i in range(4):
         s.add_request(_req(i, "a", prompt=4))
-    p = s.schedule()
-    assert p.prefill == ["r0", "r1"]  # batch size caps at 2
-    s2 = Scheduler(SchedulerConfig(budget=10_000, max_batch_size=8, max_tokens_per_step=10))
-    s2.add_model("a", 100)
+    assert s.schedule().batches[0].prefill == ["r0", "r1"]  # batch size caps at 2
+    s2 = _sched(10_000_000, max_batch_size=8, max_tokens_per_step=10)
+    s2.add_model("a", 100_000, KVT)
     for i in range(4):
         s2.add_request(_req(i, "a", prompt=4))
-    assert s2.schedule().prefill == ["r0", "r1"]  # 4+4 tokens fit, a third prompt would make 12
+    assert s2.schedule().batches[0].prefill == ["r0", "r1"]  # 4+4 tokens fit, a third prompt would make 12
 
 
 def test_prefetch_next_model_when_it_fits():
-    s = Scheduler(SchedulerConfig(budget=250))
+    s = _sched(260_000)
     for m in "ab":
-        s.add_model(m, 100)
+        s.add_model(m, 100_000, KVT)
     s.add_request(_req(0, "a"))
     s.add_request(_req(1, "b"))
     p = s.schedule()
-    assert p.model == "a" and p.loads == ["a"] and p.prefetch == ["b"]
-    s2 = Scheduler(SchedulerConfig(budget=150))
+    assert _models(p) == ["a"] and p.loads == ["a"] and p.prefetch == ["b"]
+    assert s.state("b") == "loading"
+    s2 = _sched(160_000)
     for m in "ab":
-        s2.add_model(m, 100)
+        s2.add_model(m, 100_000, KVT)
     s2.add_request(_req(0, "a"))
     s2.add_request(_req(1, "b"))
     assert s2.schedule().prefetch == []  # b would need a's memory, and a is busy
 
 
+def test_loading_state_and_estimated_ready_time():
+    s = _sched(500_000, load_bandwidth=100_000.0)
+    s.add_model("a", 200_000, KVT)
+    s.add_request(_req(0, "a"))
+    p = s.schedule(now=10.0)
+    assert p.loads == ["a"] and s.state("a") == "loading" and s.models["a"].ready_at == 12.0
+    s.loaded("a")
+    assert s.state("a") == "resident" and s.models["a"].ready_at is None
+
+
+def test_update_advances_several_decode_steps_at_once():
+    s = _sched(1_000_000)
+    s.add_model("a", 100_000, KVT)
+    s.add_request(_req(0, "a", max_tokens=50))
+    s.update(s.schedule())
+    s.update(s.schedule(), steps=10)
+    assert s.generated("r0") == 11
+
+
 def test_pinned_model_never_evicted_and_blocked_request_fails():
-    s = Scheduler(SchedulerConfig(budget=150))
-    s.add_model("a", 100, pinned=True)
-    s.add_model("b", 100)
+    s = _sched(150_000)
+    s.add_model("a", 100_000, KVT, pinned=True)
+    s.add_model("b", 100_000, KVT)
     s.add_request(_req(0, "a", max_tokens=1))
-    _run_step(s, {})
+    _run_step(s)
     s.add_request(_req(1, "b"))
     p = s.schedule()
-    assert "a" not in p.evictions and p.model is None
-    assert p.failed and p.failed[0][0] == "r1" and "pinned" in p.failed[0][1]
+    assert "a" not in p.evictions and not p.batches
+    assert p.failed and p.failed[0][0] == "r1" and "pinned models (a)" in p.failed[0][1]
     assert not s.requests
 
 
+def test_a_model_with_steady_traffic_does_not_starve_another():
+    """Budget for one model; a always has running requests; b's one request arrived before most of
+    a's. b is served once the a requests older than it have drained; a then resumes."""
+    s = _sched(260_000, max_batch_size=8)  # one model and a full batch; never two models
+    for m in "ab":
+        s.add_model(m, 150_000, KVT)
+    n, now, b_served_at = 0, 0.0, None
+    s.add_request(_req(n, "a", max_tokens=20, t=now))
+    for step in range(300):
+        now = float(step)
+        if step % 3 == 0:  # a steady stream to a: its batch never empties on its own
+            n += 1
+            s.add_request(_req(n, "a", max_tokens=20, t=now))
+        if step == 5:
+            s.add_request(SchedRequest("b0", "b", 4, 3, now))
+        p = _run_step(s, now=now)
+        if "b" in _models(p) and b_served_at is None:
+            b_served_at = step
+    assert b_served_at is not None
+    # The a requests that arrived before b (t <= 5) have 20 tokens each: b runs right after them.
+    assert b_served_at <= 5 + 20 + 2
+    assert "b0" not in s.requests
+    assert any(r.model == "a" and r.state == "running" for r in s.requests.values())  # a resumed
+
+
+def test_kv_blocked_request_makes_others_drain_instead_of_failing():
+    s = _sched(400_000)  # both models (200 kB) fit, and r0 beside them, but not r0 and r1
+    s.add_model("a", 100_000, KVT)
+    s.add_model("b", 100_000, KVT)
+    s.add_request(_req(0, "a", prompt=100, max_tokens=200))  # 153.6 kB of KV cache
+    p = _run_step(s)
+    assert _models(p) == ["a"]
+    s.add_request(_req(1, "b", prompt=100, max_tokens=300, t=1.0))  # 204.8 kB: must wait for a's
+    s.add_request(_req(2, "a", prompt=100, max_tokens=200, t=2.0))  # newer: must not jump ahead of b
+    for _ in range(250):
+        p = _run_step(s)
+        assert not p.failed
+        if "b" in _models(p):
+            break
+    assert "r1" in p.batches[0].prefill and "r2" in s.requests and s.requests["r2"].state == "waiting"
+
+
+def test_devices_run_disjoint_batches_and_a_two_device_model_needs_both():
+    s = _sched((150_000, 150_000))
+    s.add_model("a", 100_000, KVT, devices=(0,))
+    s.add_model("b", 100_000, KVT, devices=(1,))
+    s.add_model("ab", (60_000, 60_000), (KVT, KVT), devices=(0, 1))  # tp=2: half on each device
+    s.add_request(_req(0, "a", max_tokens=2))
+    s.add_request(_req(1, "b", max_tokens=2))
+    s.add_request(_req(2, "ab", max_tokens=2))
+    p = _run_step(s)
+    assert sorted(_models(p)) == ["a", "b"] and p.loads == ["a", "b"]
+    assert s.free_bytes(0) == 150_000 - 100_000 - kv_region_bytes(6, KVT)
+    _run_step(s)
+    p = _run_step(s)  # a and b are idle now; ab evicts both, one per device
+    assert _models(p) == ["ab"] and sorted(p.evictions) == ["a", "b"]
+    assert s.free_bytes(0) == s.free_bytes(1) == 150_000 - 60_000 - kv_region_bytes(6, KVT)
+
+
 def test_bad_input():
-    s = Scheduler(SchedulerConfig(budget=100))
-    with pytest.raises(ValueError, match="more than the whole budget of 100"):
-        s.add_model("big", 101)
-    s.add_model("a", 90)
+    s = _sched(100_000)
+    with pytest.raises(ValueError, match="more than its whole budget of 100000"):
+        s.add_model("big", 100_001, KVT)
+    with pytest.raises(ValueError, match="placed on device 1, but there are 1 devices"):
+        s.add_model("far", 10, KVT, devices=(1,))
+    s.add_model("a", 90_000, KVT)
     with pytest.raises(KeyError, match="unknown model 'zzz'; registered: a"):
         s.add_request(_req(0, "zzz"))
     with pytest.raises(ValueError, match="exceeds the budget"):
-        s.add_request(_req(1, "a", kv=20))
+        s.add_request(_req(1, "a", prompt=40, max_tokens=20))
     with pytest.raises(ValueError, match="unknown policy"):
-        SchedulerConfig(budget=1, policy="lifo")
+        SchedulerConfig(budgets=1, policy="lifo")
 
 
 def test_computron_policy_counts_models():
-    s = Scheduler(SchedulerConfig(budget=10**9, policy="computron", max_loaded=2))
+    s = _sched(10**9, policy="computron", max_loaded=2)
     for m in "abc":
-        s.add_model(m, 10**8)
+        s.add_model(m, 10**8, KVT)
     for i, m in enumerate("abc"):
         s.add_request(_req(i, m, max_tokens=1))
     models, evictions = [], []
     for _ in range(6):
-        p = _run_step(s, {})
-        models += [p.model] if p.model else []
+        p = _run_step(s)
+        models += _models(p)
         evictions += p.evictions
         assert len(s.resident_models()) <= 2
         assert p.prefetch == []
@@ -137,41 +249,47 @@ def test_computron_policy_counts_models():
 @pytest.mark.parametrize("seed", range(5))
 def test_random_steps_keep_invariants(policy, seed):
     rng = random.Random(seed)
-    budget = 1000
-    s = Scheduler(SchedulerConfig(budget=budget, policy=policy, max_loaded=2, max_batch_size=rng.randint(1, 6),
-                                  max_tokens_per_step=rng.randint(8, 64)))
-    sizes = {f"m{i}": rng.randint(100, 600) for i in range(5)}
+    budget = 512_000
+    s = _sched(budget, policy=policy, max_loaded=2, max_batch_size=rng.randint(1, 6),
+               max_tokens_per_step=rng.randint(8, 64))
+    sizes = {f"m{i}": 512 * rng.randint(100, 600) for i in range(5)}
     for m, b in sizes.items():
-        s.add_model(m, b, pinned=(m == "m0" and seed % 2 == 0))
-    lengths, n = {}, 0
-    answered = set()
+        s.add_model(m, b, KVT, pinned=(m == "m0" and seed % 2 == 0))
+    lengths, reqs, n = {}, {}, 0
+    on_device, running = set(), set()  # what the plans say, tracked here independently
     for step in range(1000):
         for _ in range(rng.choice([0, 0, 1, 2])):
             m = rng.choice(list(sizes))
-            kv = rng.randint(1, 300)
+            r = SchedRequest(f"r{n}", m, rng.randint(1, 16), rng.randint(1, 150), float(step))
             try:
-                s.add_request(SchedRequest(f"r{n}", m, rng.randint(1, 16), rng.randint(1, 6), kv, float(step)))
-                lengths[f"r{n}"] = rng.randint(1, 6)
+                s.add_request(r)
+                lengths[r.id] = rng.randint(1, 6)
+                reqs[r.id] = (m, r.prompt_len + r.max_tokens)
             except ValueError:
                 pass
             n += 1
         if rng.random() < 0.02 and s.requests:  # a client goes away
             rid = rng.choice(list(s.requests))
             s.finish(rid)
-            answered.add(rid)
-        had_work = {m for m, st in s.models.items() if st.has_work}
-        plan = _run_step(s, lengths)
-        answered.update(r for r, _ in plan.failed)
-        # A model with work is never evicted; pinned never evicted.
-        assert not (set(plan.evictions) & had_work)
+            running.discard(rid)
+        busy = {reqs[r][0] for r in running}
+        plan = _run_step(s, lengths, now=float(step))
+        # A model with running requests is never evicted; a pinned one never.
+        assert not (set(plan.evictions) & busy)
         assert "m0" not in plan.evictions or seed % 2
-        # Bytes in use never exceed the budget.
-        assert s.used_bytes() <= budget
+        on_device = (on_device - set(plan.evictions)) | set(plan.loads) | set(plan.prefetch)
+        assert on_device == set(s.resident_models())
+        running |= {r for b in plan.batches for r in b.prefill}
+        running = {r for r in running if r in s.requests}
+        # Bytes in use, summed here from the sizes, never exceed the budget.
+        weights = sum(sizes[m] for m in on_device) if policy == "default" else 0
+        kv = sum(kv_region_bytes(reqs[r][1], KVT) for r in running)
+        assert weights + kv <= budget
+        assert s.free_bytes(0) == budget - weights - kv
         if policy == "computron":
-            assert len(s.resident_models()) <= 2
-        # Running requests always belong to resident models.
-        for m in s.models.values():
-            assert not m.running or m.resident
+            assert len(on_device) <= 2
+        # Batches run only models on the device.
+        assert set(_models(plan)) <= on_device
     # Draining: every request ends.
     for _ in range(5000):
         if not s.requests:

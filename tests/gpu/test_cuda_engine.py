@@ -34,7 +34,7 @@ def test_gpu_tokens_match_cpu_on_the_same_weights_and_survive_a_reload():
     for m in MODELS:
         cpu.register_model(m)
         # Presets draw their weights on the serving device; give the CPU engine the GPU's bytes.
-        cpu.executor.images[m].buffer.copy_(gpu.executor.images[m].buffer)
+        cpu.executor.models[m].image.buffer.copy_(gpu.executor.models[m].image.buffer)
     for m in MODELS:
         a = gpu.generate(m, "abc", GREEDY).output_ids
         assert a == cpu.generate(m, "abc", GREEDY).output_ids, m
@@ -58,7 +58,7 @@ def test_computron_policy_on_gpu():
     assert [legacy.generate(m, p, GREEDY).output_ids for m, p in jobs] == \
            [ref.generate(m, p, GREEDY).output_ids for m, p in jobs]
     assert legacy.stats["evictions"] == 5
-    host = legacy.executor.legacy_host["tiny-opt"]
+    host = legacy.executor.host["tiny-opt"]
     assert all(t.is_pinned() for t in host.values())  # pinned by the asynchronous copy-back
 
 
@@ -70,6 +70,21 @@ def test_host_images_are_pinned_by_registration_and_released():
     buf = host_buffer(64 * 2**20, pin=True)
     assert buf.is_pinned()
     eng = _engine(2**30)
-    assert all(img.buffer.is_pinned() for img in eng.executor.images.values())
+    assert all(m.image.buffer.is_pinned() for m in eng.executor.models.values())
     del buf
     gc.collect()  # the registration ends with the buffer: nothing raises at unregister
+
+
+def test_evicting_a_model_whose_copy_is_in_flight_waits_for_the_copy():
+    """A prefetch evicted at once: its region is reused only after its copy has landed, so the
+    compute stream can never write KV cache into memory the copy engine still fills."""
+    eng = Engine(EngineConfig(device="cuda", gpu_memory_budget=4 * 2**30, workspace_bytes=64 * 2**20))
+    eng.register_model("opt-350m")  # ~0.66 GB: a copy of ~12 ms, far longer than the calls below
+    eng.register_model("tiny-opt")
+    ref = eng.generate("tiny-opt", "abc", GREEDY).output_ids
+    eng.load("opt-350m")
+    swap = eng.executor.resident["opt-350m"].swap
+    assert not swap.events[-1].query()  # still copying
+    eng.offload("opt-350m")
+    assert swap.events[-1].query()  # the eviction waited for it
+    assert eng.generate("tiny-opt", "abc" * 40, GREEDY).output_ids and eng.generate("tiny-opt", "abc", GREEDY).output_ids == ref

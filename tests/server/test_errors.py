@@ -111,7 +111,7 @@ def test_429_when_the_queue_is_full():
         for t in waiting:
             t.start()
         deadline = time.monotonic() + 10
-        while live.call(lambda: len(engine.scheduler.models["tiny-opt"].waiting)) < 2:
+        while live.call(lambda: engine.model_stats("tiny-opt")["waiting"]) < 2:
             assert time.monotonic() < deadline
             time.sleep(0.01)
         r = httpx.post(live.url + "/v1/completions", json={"model": "tiny-opt", "prompt": "hi"})

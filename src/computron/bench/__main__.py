@@ -3,11 +3,10 @@
 import argparse
 import sys
 
-from . import round_robin, swap
+from .cli import add_parsers
 
 parser = argparse.ArgumentParser(prog="python -m computron.bench")
 sub = parser.add_subparsers(dest="bench", required=True)
-round_robin.add_parser(sub)
-swap.add_parser(sub)
+add_parsers(sub)
 args = parser.parse_args()
 sys.exit(int(args.func(args) or 0))

@@ -1,4 +1,7 @@
-"""Shared pieces of the benchmarks: machine description, statistics, JSON output, tables."""
+"""Shared pieces of the benchmarks: machine description, statistics, JSON output, tables.
+
+Torch is imported only by the functions that use it, so the command-line parsers stay torch-free.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +11,6 @@ import json
 import platform
 import statistics
 from pathlib import Path
-
-import torch
 
 
 def positive_int(text: str) -> int:
@@ -24,6 +25,8 @@ def positive_int(text: str) -> int:
 
 
 def machine() -> dict:
+    import torch
+
     info = {"host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "cpu_count": __import__("os").cpu_count()}
@@ -66,4 +69,6 @@ def print_table(title: str, header: list[str], rows: list[list]) -> None:
 
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
+        import torch
+
         torch.cuda.synchronize(device)

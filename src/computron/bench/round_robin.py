@@ -15,7 +15,7 @@ from ..config import EngineConfig, ModelSpec
 from ..engine import Engine, SamplingParams
 from ..memory.layout import layout_for
 from ..models import resolve_model
-from .common import machine, positive_int, print_table, summary, sync, write_json
+from .common import machine, positive_int, print_table, summary, write_json
 
 
 def run_policy(model: str, n: int, r: int, policy: str, blocking: bool, prompt_len: int, max_tokens: int,
@@ -37,8 +37,7 @@ def run_policy(model: str, n: int, r: int, policy: str, blocking: bool, prompt_l
     if blocking:
         for i, (name, p) in enumerate(zip(names, prompts)):
             req = eng.submit(name, p, params)
-            eng.run_until_done([req])
-            sync(eng.device)
+            eng.run_until_done([req])  # its tokens reached the host: the device work is done
             done.append(req)
     else:
         for name, p in zip(names[:warmup], prompts[:warmup]):
@@ -91,24 +90,3 @@ def main(args) -> int:
     print(f"wrote {out}")
     return 0
 
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("round-robin", help="N copies of a model, R requests round-robin, one copy fits")
-    p.add_argument("model")
-    p.add_argument("-n", type=positive_int, default=2, help="copies of the model")
-    p.add_argument("-r", type=positive_int, default=24, help="requests")
-    p.add_argument("--blocking", action="store_true", help="send each request after the previous answered")
-    p.add_argument("--policy", action="append", choices=["default", "computron"],
-                   help="policy to run (repeat for several; default: both)")
-    p.add_argument("--prompt-len", type=positive_int, default=8)
-    p.add_argument("--max-tokens", type=positive_int, default=2)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--out", default=None)
-    p.set_defaults(func=lambda a: main(_defaults(a)))
-
-
-def _defaults(a):
-    a.policy = a.policy or ["default", "computron"]
-    if a.device == "auto":
-        a.device = "cuda" if torch.cuda.is_available() else "cpu"
-    return a

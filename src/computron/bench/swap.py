@@ -1,7 +1,8 @@
 """``computron bench swap MODEL``: how fast one model moves from pinned host memory onto the device.
 
 Measured in one run, each the median of ``--repeats``:
-- the reference: one raw pinned host→device memcpy of the same bytes into the same memory;
+- the reference: one raw pinned host→device memcpy of the same bytes from the model's own host
+  image into free memory of the same arena (the executor's ``probe_link``);
 - swap-in: the engine's swapper (per-layer-group copies on its copy stream), from its first to
   last byte by CUDA events, and its bandwidth as a fraction of the reference;
 - eviction: wall time of releasing the model (nothing is copied back);
@@ -21,6 +22,7 @@ import torch
 
 from ..config import EngineConfig, ModelSpec
 from ..engine import Engine, SamplingParams
+from ..memory.host import HostImage
 from ..memory.layout import layout_for
 from ..models import resolve_model
 from ..models.transformer import DecoderLM, bind_weights
@@ -31,35 +33,17 @@ def _median(xs):
     return statistics.median(xs) if xs else None
 
 
-def _raw_memcpy(src: torch.Tensor, dst: torch.Tensor, repeats: int) -> list[float]:
-    times = []
-    for _ in range(repeats):
-        if dst.is_cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            dst.copy_(src, non_blocking=True)
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            times.append(time.perf_counter() - t0)
-    return times
-
-
 def _ttft(eng: Engine, name: str, prompt: list[int]) -> float:
-    sync(eng.device)
     t0 = time.perf_counter()
     req = eng.submit(name, prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-    eng.run_until_done([req])
-    sync(eng.device)
+    eng.run_until_done([req])  # the token came back to the host: the device work is done
     return req.first_token_at - t0
 
 
 def run(model: str, device: str, repeats: int, prompt_len: int, decode_tokens: int) -> dict:
     cfg, _ = resolve_model(model)
-    nbytes = layout_for(cfg).nbytes
+    layout = layout_for(cfg)
+    nbytes = layout.nbytes
     kv = (prompt_len + decode_tokens + 8) * cfg.kv_bytes_per_token()
     workspace = 4 * 2**30 if device != "cpu" else 256 * 2**20
     eng = Engine(EngineConfig(device=device, gpu_memory_budget=workspace + nbytes + kv + 2**20,
@@ -67,18 +51,16 @@ def run(model: str, device: str, repeats: int, prompt_len: int, decode_tokens: i
     t0 = time.perf_counter()
     eng.register_model(ModelSpec(model))
     startup_s = time.perf_counter() - t0
-    dev = eng.device
-    region = eng.executor.arena.allocate(nbytes, "weights", "memcpy-reference")
-    raw = _raw_memcpy(eng.executor.images[model].buffer, region.tensor, repeats + 1)[1:]
-    eng.executor.arena.release(region)
+    dev = torch.device(device)
+    raw = eng.executor.probe_link(model, repeats + 1)[1:]
+    events: list[tuple[str, float]] = []
+    eng.listeners.append(lambda kind, name, s, n: events.append((kind, s)))
 
     swap, evict = [], []
     for _ in range(repeats + 1):
-        eng.load(model)
-        res = eng.executor.resident[model]
-        swap.append(res.swap.seconds())
-        res.swap = None
-        sync(dev)
+        events.clear()
+        eng.load(model, wait=True)
+        swap += [s for k, s in events if k == "load"]
         t0 = time.perf_counter()
         eng.offload(model)
         evict.append(time.perf_counter() - t0)
@@ -86,34 +68,30 @@ def run(model: str, device: str, repeats: int, prompt_len: int, decode_tokens: i
 
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, cfg.vocab_size, (prompt_len,), generator=g).tolist()
-    runner = eng.executor.runners[model]
     cold, warm = [], []
     for _ in range(repeats + 1):
-        if model in eng.executor.resident:
-            eng.offload(model)
+        eng.offload(model)
         cold.append(_ttft(eng, model, prompt))
         warm.append(_ttft(eng, model, prompt))
     cold, warm = cold[1:], warm[1:]
     overlap = None
     if dev.type == "cuda":
-        # Re-run one cold start with the copy events kept, to line compute up against copies.
+        # One more cold start with the executor's trace on, to line compute up against copies.
         eng.offload(model)
-        eng.load(model)
-        swap_in = eng.executor.resident[model].swap
-        runner.trace = []
-        req = eng.submit(model, prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-        eng.run_until_done([req])
-        sync(dev)
-        copy_end = [swap_in.start.elapsed_time(e) / 1e3 for e in swap_in.events]
-        compute_start = [swap_in.start.elapsed_time(e) / 1e3 for e in runner.trace]
-        runner.trace = None
-        overlap = {"copy_end_s": copy_end, "compute_start_s": compute_start,
-                   "layer0_compute_starts_before_last_copy_ends": compute_start[1] < copy_end[-1]}
+        eng.core.trace = True
+        _ttft(eng, model, prompt)
+        eng.core.trace = False
+        tr = eng.core.last_trace[model]
+        overlap = {**tr, "layer0_compute_starts_before_last_copy_ends":
+                   tr["compute_start_s"][1] < tr["copy_end_s"][-1]}
 
     naive = []
     if dev.type == "cuda":
+        # The same weights (same seed, generated the same way) in pageable memory, moved by .to().
+        pageable = HostImage(layout, pin=False)
+        pageable.fill_random(cfg, 0, dev)
         m = DecoderLM(cfg)
-        bind_weights(m, {n: v.clone() for n, v in eng.executor.images[model].views.items()})  # pageable copies
+        bind_weights(m, pageable.views)
         for _ in range(max(2, repeats // 2)):
             sync(dev)
             t0 = time.perf_counter()
@@ -121,7 +99,7 @@ def run(model: str, device: str, repeats: int, prompt_len: int, decode_tokens: i
             sync(dev)
             naive.append(time.perf_counter() - t0)
             m.to("cpu")  # back to pageable memory for the next round
-        del m
+        del m, pageable
 
     decode = _decode_ms(eng, model, prompt, decode_tokens)
     hf = _hf_decode_ms(cfg, dev, prompt, decode_tokens) if decode_tokens else None
@@ -144,10 +122,8 @@ def _decode_ms(eng: Engine, model: str, prompt: list[int], n: int) -> float | No
         return None
     times = []
     for _ in range(3):
-        sync(eng.device)
         req = eng.submit(model, prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
         eng.run_until_done([req])
-        sync(eng.device)
         times.append((req.finished_at - req.first_token_at) / max(1, n - 1) * 1e3)
     return _median(times)
 
@@ -203,13 +179,3 @@ def main(args) -> int:
     print(f"wrote {out}")
     return 0
 
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("swap", help="swap-in/eviction time against a raw pinned memcpy of the same bytes")
-    p.add_argument("model", nargs="+")
-    p.add_argument("--repeats", type=positive_int, default=5)
-    p.add_argument("--prompt-len", type=positive_int, default=128)
-    p.add_argument("--decode-tokens", type=int, default=64)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--out", default=None)
-    p.set_defaults(func=main)

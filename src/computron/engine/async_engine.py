@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from .engine import Engine, Request
-from .sampling import SamplingParams
+from ..messages import SamplingParams
 
 log = logging.getLogger("computron.engine")
 

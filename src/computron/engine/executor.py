@@ -1,147 +1,71 @@
-"""Executors: where models live and run. The engine speaks to one through typed messages.
+"""The executor protocol: the only way the engine core reaches the devices.
 
-``InProcessExecutor`` serves every model on one device in this process: it owns the arena (the
-device memory budget), the swapper, the KV-cache blocks and one ``ModelRunner`` per model.
-A multi-GPU executor (one worker process per GPU) implements the same four calls.
+An executor owns everything that holds tensors (host images, device arenas, swappers, KV caches,
+model runners) and is spoken to with the messages of ``computron.messages`` alone. Nobody reads
+an executor's attributes: a worker-per-GPU executor or a simulated one fits behind the same calls.
+
+Implementations: ``InProcessExecutor`` (every model on one device of this process, the default),
+``LegacyExecutor`` (the original Computron's swap mechanics, for comparison). This module does
+not import torch; ``make_executor`` imports the chosen implementation.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
+from concurrent.futures import Future
+from typing import Callable, Protocol
 
-import torch
+from ..messages import ExecuteBatch, ExecutorStatus, ModelDescription, ModelInfo, Residency, StepResult
 
-from ..memory.arena import Arena, Region
-from ..memory.host import HostImage
-from ..memory.swapper import ImageSwapper, LegacySwapper, SwapIn
-from ..messages import ExecuteBatch, StepResult
-from ..models.config import ModelConfig
-from ..models.transformer import TORCH_DTYPES, AttnBatch
-from .runner import ModelRunner
-from .sampling import sample
+EXECUTORS = ("inprocess", "legacy")
 
 
-@dataclass
-class _Resident:
-    region: Region | None = None  # image mode
-    swap: SwapIn | None = None
-    legacy: dict | None = None  # legacy mode: name -> device tensor
-
-
-@dataclass
-class _Seq:
-    region: Region
-    capacity: int
-    generator: torch.Generator | None
-
-
-class InProcessExecutor:
-    def __init__(self, device: str | torch.device, arena_bytes: int, legacy: bool = False):
-        self.device = torch.device(device)
-        self.arena = Arena(arena_bytes, self.device)
-        self.legacy = legacy
-        self.swapper = LegacySwapper(self.device) if legacy else ImageSwapper(self.arena)
-        self.cfgs: dict[str, ModelConfig] = {}
-        self.images: dict[str, HostImage] = {}
-        self.legacy_host: dict[str, dict[str, torch.Tensor]] = {}
-        self.runners: dict[str, ModelRunner] = {}
-        self.resident: dict[str, _Resident] = {}
-        self.seqs: dict[str, _Seq] = {}
-
-    # ---- models ------------------------------------------------------------------------------
-    def register(self, name: str, cfg: ModelConfig, image: HostImage) -> None:
-        self.cfgs[name] = cfg
-        self.runners[name] = ModelRunner(cfg)
-        if self.legacy:
-            # The original kept per-parameter host tensors, pageable until the first eviction
-            # replaced them with pinned ones (the image then goes with its last view).
-            self.legacy_host[name] = dict(image.views)
-        else:
-            self.images[name] = image
+class Executor(Protocol):
+    def register(self, desc: ModelDescription, progress: Callable[[str], None] | None = None) -> ModelInfo:
+        """Build the model's host image (each rank its own shard). Slow; may run on another thread
+        while the engine steps. Raises ValueError (bad model) or MemoryError-like errors with a reason."""
 
     def unregister(self, name: str) -> None:
-        if name in self.resident:
-            self.evict(name)
-        for d in (self.cfgs, self.images, self.legacy_host, self.runners):
-            d.pop(name, None)
+        """Forget a model (evicting it first) and release its host image."""
 
-    def load(self, name: str) -> None:
-        if name in self.resident:
-            return
-        runner = self.runners[name]
-        if self.legacy:
-            dev, swap = self.swapper.swap_in(self.legacy_host[name])
-            runner.bind(id(dev), dev)
-            self.resident[name] = _Resident(legacy=dev, swap=swap)
-            return
-        region, swap = self.swapper.swap_in(name, self.images[name])
-        self.resident[name] = _Resident(region=region, swap=swap)
-        self._bind(name)
+    def apply(self, change: Residency) -> dict[str, float]:
+        """Evict, then start loads; returns seconds each eviction took (it waits for copies in flight)."""
 
-    def evict(self, name: str) -> float:
-        t0 = time.perf_counter()
-        res = self.resident.pop(name)
-        if res.swap is not None and res.swap.events is not None:
-            res.swap.events[-1].synchronize()  # a copy still in flight must not land in reused memory
-        self.runners[name].unbind()
-        if self.legacy:
-            self.legacy_host[name] = self.swapper.swap_out(res.legacy)
-        else:
-            self.swapper.swap_out(res.region)
-        return time.perf_counter() - t0
+    def execute(self, batches: list[ExecuteBatch]) -> Future[StepResult]:
+        """Run one step of each batch (batches use disjoint devices); the future holds the tokens,
+        loads that completed, requests that failed and devices that were lost."""
 
-    def _bind(self, name: str) -> None:
-        res = self.resident[name]
-        if res.region is not None:
-            key = (res.region.offset, res.region.version, id(res.region))
-            if key != self.runners[name]._bound_key:
-                self.runners[name].bind(key, self.images[name].layout.views(res.region.tensor))
+    def wait_loads(self) -> dict[str, float]:
+        """Wait for every copy in flight; seconds of each load that ended and was not reported yet."""
 
-    # ---- requests ----------------------------------------------------------------------------
-    def free(self, req_id: str) -> None:
-        seq = self.seqs.pop(req_id, None)
-        if seq is not None:
-            self.arena.release(seq.region)
+    def free(self, req_ids: list[str]) -> None:
+        """Release the KV caches of requests that ended."""
 
-    def _seq(self, cfg: ModelConfig, s) -> _Seq:
-        seq = self.seqs.get(s.req_id)
-        if seq is None:
-            region = self.arena.allocate(s.capacity * cfg.kv_bytes_per_token(), "kv", s.req_id)
-            gen = None
-            if s.params.seed is not None:
-                gen = torch.Generator(device=self.device)
-                gen.manual_seed(s.params.seed)
-            seq = self.seqs[s.req_id] = _Seq(region, s.capacity, gen)
-        return seq
+    def status(self) -> ExecutorStatus:
+        """Devices (capacity and what is in use) and which models are resident or still loading."""
 
-    def execute(self, batch: ExecuteBatch) -> StepResult:
-        name = batch.model
-        cfg, runner = self.cfgs[name], self.runners[name]
-        dtype = TORCH_DTYPES[cfg.dtype]
-        seqs = [self._seq(cfg, s) for s in batch.seqs]  # may compact the arena: bind afterwards
-        self._bind(name)
-        shape = (cfg.num_layers, 2, cfg.kv_heads, 0, cfg.head_dim)
-        caches = [q.region.tensor[: q.capacity * cfg.kv_bytes_per_token()].view(dtype).view(*shape[:3], q.capacity, shape[4]) for q in seqs]
-        ids, pos, starts, lengths, past = [], [], [], [], []
-        for s in batch.seqs:
-            starts.append(len(ids))
-            lengths.append(len(s.tokens))
-            past.append(s.past)
-            ids.extend(s.tokens)
-            pos.extend(range(s.past, s.past + len(s.tokens)))
-        ids_t = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
-        pos_t = torch.tensor(pos, dtype=torch.long).to(self.device, non_blocking=True)
-        res = self.resident[name]
-        t0 = time.perf_counter()
-        logits = runner.forward(ids_t, pos_t, AttnBatch(starts, lengths, past, caches), res.swap)
-        tokens = sample(logits, [s.params for s in batch.seqs], [q.generator for q in seqs]).tolist()
-        result = StepResult({s.req_id: t for s, t in zip(batch.seqs, tokens)},
-                            compute_s=time.perf_counter() - t0)
-        if res.swap is not None:
-            result.load_s[name] = res.swap.seconds()
-            res.swap = None  # loaded: later steps need not wait on its events
-        return result
+    def probe_link(self, name: str, repeats: int) -> list[float]:
+        """Seconds of a raw pinned host-to-device copy of ``name``'s image bytes on every rank at once,
+        into free device memory (the reference a swap is measured against)."""
 
-    def memory(self) -> dict[str, int]:
-        return {"weights": self.arena.used("weights"), "kv": self.arena.used("kv"), "total": self.arena.nbytes}
+    def shutdown(self) -> None:
+        """Release devices and stop workers."""
+
+
+def executor_kind(kind: str | None, policy: str) -> str:
+    """The executor a configuration asks for: the ``computron`` policy implies its legacy mechanics."""
+    kind = kind or ("legacy" if policy == "computron" else "inprocess")
+    if kind not in EXECUTORS:
+        raise ValueError(f"unknown executor {kind!r}; choose one of {', '.join(EXECUTORS)}")
+    return kind
+
+
+def make_executor(config) -> Executor:
+    """The executor for an ``EngineConfig``."""
+    kind = executor_kind(config.executor, config.policy)
+    if kind == "legacy":
+        from .legacy import LegacyExecutor
+
+        return LegacyExecutor(config)
+    from .inprocess import InProcessExecutor
+
+    return InProcessExecutor(config)

@@ -22,10 +22,11 @@ class ModelRunner:
         self._bound_key: object = None
         self.trace: list | None = None  # set to a list to record a CUDA event as each group's compute starts
 
-    def bind(self, key: object, tensors: dict[str, torch.Tensor]) -> None:
-        """Bind weights; ``key`` identifies where they live so re-binding the same place is free."""
+    def bind(self, key: object, tensors) -> None:
+        """Bind weights (a dict of tensors, or a function making one); ``key`` identifies where they
+        live, so re-binding the same place costs nothing."""
         if key != self._bound_key:
-            bind_weights(self.model, tensors)
+            bind_weights(self.model, tensors() if callable(tensors) else tensors)
             self._bound_key = key
 
     def unbind(self) -> None:

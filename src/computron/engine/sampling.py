@@ -1,4 +1,4 @@
-"""Sampling parameters (validated on the host) and the sampler (runs on the device, per row).
+"""The sampler: one token per row of a batch of logits, on the device (parameters: ``messages``).
 
 Each request with a seed owns a generator, so its tokens do not depend on what else shares
 its batch. Temperature 0 (or below ``GREEDY_BELOW``) is greedy: dividing logits by a vanishing
@@ -7,66 +7,50 @@ temperature would overflow them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
-GREEDY_BELOW = 1e-5
-SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = field(default_factory=tuple)
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        errors = []
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            errors.append(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not (0.0 <= float(self.temperature) <= 100.0):
-            errors.append(f"temperature must be between 0 and 100, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            errors.append(f"top_k must be a non-negative integer, got {self.top_k!r}")
-        if not (0.0 < float(self.top_p) <= 1.0):
-            errors.append(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
-            errors.append(f"seed must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed!r}")
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            errors.append("stop must be a list of non-empty strings")
-        if errors:
-            raise ValueError("; ".join(errors))
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_BELOW
+from ..messages import GREEDY_BELOW, SamplingParams  # noqa: F401  (re-exported)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> torch.Tensor:
-    """One token per row of ``logits`` [B, V]; returns int64 [B] on the logits' device."""
+    """One token per row of ``logits`` [B, V]; returns int64 [B] on the logits' device.
+
+    Host: one [B, 4] table of per-row knobs (temperature, top_k, top_p, greedy), sent to the
+    device in one transfer, and one exponential draw per seeded, non-greedy row. Device, for
+    the whole batch at once: temperature, then one sort of the batch for the masks (top-k: rank
+    in the sorted order below k; top-p: the smallest prefix whose mass, after top-k, reaches
+    top_p, i.e. a token is dropped once the mass before it reaches top_p; the top token always
+    survives), then the draw as an exponential race, token = argmax(prob / E) with E ~ Exp(1),
+    which picks each token with its probability. E is drawn in vocabulary order, so a seeded
+    row's token depends only on its logits and its own generator, never on the rest of the
+    batch. Greedy rows take the argmax of their logits.
+    """
     if all(p.greedy for p in params):
         return logits.argmax(dim=-1)
-    out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
-    for i, (p, gen) in enumerate(zip(params, generators)):
-        row = logits[i].float()
-        if p.greedy:
-            out[i] = row.argmax()
-            continue
-        row = row / p.temperature
-        if p.top_k and p.top_k < row.numel():
-            kth = torch.topk(row, p.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_logits, order = torch.sort(row, descending=True)
-            cum = sorted_logits.softmax(-1).cumsum(-1)
-            drop = cum - sorted_logits.softmax(-1) > p.top_p  # keep the smallest prefix reaching top_p
-            row = row.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-        out[i] = torch.multinomial(row.softmax(-1), 1, generator=gen)[0]
-    return out
+    B, V = logits.shape
+    dev = logits.device
+    # top_k 0 is off (k = V); top_p 1 is off (2: a cumulative sum that rounds to 1 never reaches it).
+    knobs = torch.tensor(
+        [[1.0 if p.greedy else p.temperature, min(p.top_k or V, V), p.top_p if p.top_p < 1.0 else 2.0, p.greedy]
+         for p in params], dtype=torch.float32, device=dev)
+    temperature, top_k, top_p, greedy = knobs.unbind(dim=1)
+    logits = logits.float()
+    scaled = logits / temperature[:, None]
+    if any(p.top_k or p.top_p < 1.0 for p in params if not p.greedy):
+        srt, order = scaled.sort(dim=-1, descending=True)
+        rank = torch.arange(V, dtype=torch.float32, device=dev)
+        srt = srt.masked_fill(rank >= top_k[:, None], float("-inf"))  # top-k by rank
+        probs = srt.softmax(dim=-1)
+        drop = (probs.cumsum(dim=-1) - probs) >= top_p[:, None]  # mass before the token
+        drop[:, 0] = False
+        probs = torch.zeros_like(probs).scatter_(1, order, probs.masked_fill(drop, 0.0))  # un-sort
+    else:
+        probs = scaled.softmax(dim=-1)
+    noise = torch.empty_like(probs)
+    if any(g is None for g in generators):
+        noise.exponential_()  # unseeded rows share the default generator
+    for i, (p, g) in enumerate(zip(params, generators)):
+        if g is not None and not p.greedy:
+            noise[i].exponential_(generator=g)  # a seeded row draws only from its own generator
+    drawn = (probs / noise.clamp_min_(torch.finfo(torch.float32).tiny)).argmax(dim=-1)  # E = 0 would make 0/0
+    return torch.where(greedy > 0, logits.argmax(dim=-1), drawn)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .layout import align_up
+from .units import align_up
 
 
 class OutOfMemory(RuntimeError):

@@ -14,12 +14,7 @@ import torch
 
 from ..models.config import ModelConfig
 from ..models.transformer import TORCH_DTYPES, DecoderLM, parameter_groups
-
-ALIGN = 512
-
-
-def align_up(n: int, a: int = ALIGN) -> int:
-    return (n + a - 1) // a * a
+from .units import ALIGN, align_up  # noqa: F401  (re-exported)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ On the CPU both degrade to plain synchronous copies so the whole path runs in te
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -31,16 +31,11 @@ class SwapIn:
 
     events: list | None = None
     start: object = None  # CUDA event recorded before the first copy
-    issued_at: float = field(default_factory=time.perf_counter)
     wall_s: float = 0.0  # synchronous swaps (CPU, legacy): measured wall time
 
     def wait(self, group: int) -> None:
         if self.events is not None:
             torch.cuda.current_stream().wait_event(self.events[group])
-
-    def wait_all(self) -> None:
-        if self.events is not None:
-            torch.cuda.current_stream().wait_event(self.events[-1])
 
     def done(self) -> bool:
         return self.events is None or self.events[-1].query()

@@ -18,7 +18,7 @@ import logging
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from .config import DTYPE_BYTES, ModelConfig
 
@@ -271,16 +271,11 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {n: tuple(p.shape) for n, p in DecoderLM(cfg).named_parameters()}
 
 
-def load_weights(path: str | Path, cfg: ModelConfig, views: dict[str, torch.Tensor],
-                 shard: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> None:
+def load_weights(path: str | Path, cfg: ModelConfig, views: dict[str, torch.Tensor]) -> None:
     """Copy the checkpoint in ``path`` into ``views`` (our name → tensor, each written exactly once).
 
-    ``views`` may hold a subset of the model's parameters (one pipeline stage); each must have the
-    full shape, unless ``shard(name, full)`` is given: then each parameter is assembled whole in a
-    temporary and ``shard`` returns the part of it that goes into ``views[name]``.
+    ``views`` may hold a subset of the model's parameters (one pipeline stage), each of full shape.
     """
-    import torch
-
     path = Path(path).expanduser()
     shapes, tensors = expected_shapes(cfg), tensor_files(path)
     written: set[str] = set()
@@ -290,25 +285,19 @@ def load_weights(path: str | Path, cfg: ModelConfig, views: dict[str, torch.Tens
             if name not in shapes:
                 raise CheckpointError(f"view {name!r} is not a parameter of model {cfg.name}")
             full = shapes[name]
-            if shard is None and tuple(view.shape) != full:
+            if tuple(view.shape) != full:
                 raise CheckpointError(f"view {name!r} has shape {list(view.shape)}, expected {list(full)}")
-            target = view if shard is None else torch.empty(full, dtype=view.dtype)
             for piece in plan(cfg, name, full[0]):
                 if piece.source not in tensors:
                     raise CheckpointError(f"checkpoint {path} lacks tensor {piece.source!r} (needed for {name})")
                 file, key = tensors[piece.source]
                 t = reader.get(file, key)
                 t = t.t() if piece.transpose else t
-                dest = target[piece.row : piece.row + piece.rows]
+                dest = view[piece.row : piece.row + piece.rows]
                 if t.shape != dest.shape:
                     raise CheckpointError(f"tensor {key!r} in {file} has shape {list(t.shape)}, expected "
                                           f"{list(dest.shape)} (for {name})")
                 dest.copy_(t)
-            if shard is not None:
-                part = shard(name, target)
-                if part.shape != view.shape:
-                    raise CheckpointError(f"shard of {name!r} has shape {list(part.shape)}, view {list(view.shape)}")
-                view.copy_(part)
             written.add(name)
     if written != set(views):  # the loop writes each view once; guard the invariant anyway
         raise CheckpointError(f"views left unwritten: {sorted(set(views) - written)}")

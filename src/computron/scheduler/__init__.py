@@ -1,6 +1,10 @@
-"""Pure scheduling logic (no torch): queues, batching, residency. Drives the engine and the simulator."""
+"""Pure scheduling logic (no torch): queues, batching, the per-device memory model and residency.
+
+The ``Scheduler`` is driven by the engine core; it never imports torch, so a simulation can drive it too.
+"""
 
 from .scheduler import POLICIES, Scheduler, SchedulerConfig
-from .state import ModelState, SchedRequest, StepPlan
+from .state import LOADING, OFFLOADED, RESIDENT, Batch, ModelState, SchedRequest, StepPlan
 
-__all__ = ["POLICIES", "Scheduler", "SchedulerConfig", "ModelState", "SchedRequest", "StepPlan"]
+__all__ = ["POLICIES", "Scheduler", "SchedulerConfig", "Batch", "ModelState", "SchedRequest", "StepPlan",
+           "LOADING", "OFFLOADED", "RESIDENT"]

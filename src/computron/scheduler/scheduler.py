@@ -1,114 +1,123 @@
-"""Scheduler: per-model FIFO queues, iteration-level batching and residency decisions.
+"""Scheduler: per-model FIFO queues, iteration-level batching, and the one memory model.
 
-Input: requests and models (sizes in bytes) and, after each step, which requests finished.
-Output: a ``StepPlan`` per step. It never touches a tensor: the engine applies the plan to real
-memory and the simulator applies it to a cost model.
+Input: models (bytes per rank, and the device of each rank), requests, the time, and after each
+step which requests ran. Output: a ``StepPlan`` per step. It never touches a tensor: the engine
+core hands the plan to an executor, whose arena only checks what the scheduler decided.
+
+Memory is accounted in bytes per device against that device's budget: weights of every model
+on the device (resident or loading) plus the KV cache reserved by running requests. Counters
+are kept incrementally, and models with work sit in a heap keyed by their oldest request, so a
+step costs about the same with 8 models or 512 and with 10 queued requests or 10,000.
 
 Policies:
-- ``default``: memory accounted in bytes (weights + reserved KV cache) against ``budget``;
-  the model holding the oldest outstanding request runs; idle models are evicted
-  least-recently-used; the next model with work is prefetched while this one computes, when it
-  fits without evicting a model that has work.
-- ``computron``: the original Computron: at most ``max_loaded`` models resident (a count, not
-  bytes), first-come-first-served across models, no prefetch. (Its swap mechanics, full load
-  before compute and copy-back on eviction, live in the executor.)
+- ``default``: models run in the order of their oldest outstanding request; one batch per model
+  per step, batches of one step on disjoint devices. A model not on its devices is loaded,
+  evicting models with nothing running, least recently used first. The next model with work is
+  prefetched while others compute, when it fits without evicting a model that has work.
+  No request waits forever: once a request cannot start because memory is held by running
+  requests of other models, those models stop admitting requests newer than it, drain, and
+  yield their memory.
+- ``computron``: the original Computron, for comparison: at most ``max_loaded`` models per
+  device (a count, not bytes; the weights live outside the budget), first come first served
+  across models, no prefetch.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from dataclasses import dataclass
 
-from .state import ModelState, SchedRequest, StepPlan
+from ..memory.units import kv_region_bytes
+from .state import LOADING, OFFLOADED, RESIDENT, Batch, ModelState, SchedRequest, StepPlan
 
 POLICIES = ("default", "computron")
 
 
 @dataclass
 class SchedulerConfig:
-    budget: int  # bytes for weights + KV cache on the device
+    budgets: tuple[int, ...] | int  # bytes for weights + KV cache, per device (an int: one device)
     policy: str = "default"
     max_batch_size: int = 32
     max_tokens_per_step: int = 2048
-    max_loaded: int = 1  # computron policy only
+    max_loaded: int = 1  # computron policy only: models per device
     prefetch: bool = True
+    load_bandwidth: float | None = None  # bytes/s per device, to estimate when a load ends
 
     def __post_init__(self) -> None:
+        if isinstance(self.budgets, int):
+            self.budgets = (self.budgets,)
+        self.budgets = tuple(self.budgets)
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
-        for name in ("budget", "max_batch_size", "max_tokens_per_step", "max_loaded"):
+        if not self.budgets:
+            raise ValueError("budgets needs at least one device")
+        for name in ("max_batch_size", "max_tokens_per_step", "max_loaded"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for d, b in enumerate(self.budgets):
+            if b < 1:
+                raise ValueError(f"the budget of device {d} must be at least 1 byte, got {b}")
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
+        self.counts_bytes = config.policy == "default"  # computron: weights live outside the budget
+        n = len(config.budgets)
+        self.weights_used = [0] * n
+        self.kv_used = [0] * n
+        self.on_device: list[dict[str, ModelState]] = [{} for _ in range(n)]
         self.models: dict[str, ModelState] = {}
         self.requests: dict[str, SchedRequest] = {}
         self.step_count = 0
+        self._heap: list = []  # (oldest arrival, tie, model) of models with work; stale entries skipped
+        self._tie = itertools.count()
+        self._fresh: set[str] = set()  # models this plan loads: never evicted by the same plan
+        # Bumped whenever memory or what may be evicted changes; a model found unable to start
+        # (or to be prefetched) stays so until then, so steady steps do not search again.
+        self._epoch = 0
+        self._stuck: dict[tuple[str, str], int] = {}
 
-    # ---- bookkeeping -------------------------------------------------------------------------
-    def add_model(self, name: str, weight_bytes: int, pinned: bool = False) -> None:
+    # ---- models --------------------------------------------------------------------------------
+    def add_model(self, name: str, weights: tuple[int, ...] | int, kv_per_token: tuple[int, ...] | int,
+                  devices: tuple[int, ...] = (0,), pinned: bool = False) -> None:
+        weights = (weights,) if isinstance(weights, int) else tuple(weights)
+        kv_per_token = (kv_per_token,) if isinstance(kv_per_token, int) else tuple(kv_per_token)
+        devices = tuple(devices)
         if name in self.models:
             raise ValueError(f"model {name!r} is already registered")
-        if self.config.policy == "default" and weight_bytes > self.config.budget:
-            raise ValueError(f"model {name!r} needs {weight_bytes} bytes of weights, more than the whole "
-                             f"budget of {self.config.budget} bytes")
-        self.models[name] = ModelState(name, weight_bytes, pinned)
+        if not len(weights) == len(kv_per_token) == len(devices):
+            raise ValueError(f"model {name!r}: {len(devices)} devices but {len(weights)} weight sizes and "
+                             f"{len(kv_per_token)} KV sizes")
+        for d, w in zip(devices, weights):
+            if not 0 <= d < len(self.config.budgets):
+                raise ValueError(f"model {name!r} is placed on device {d}, but there are "
+                                 f"{len(self.config.budgets)} devices")
+            if self.counts_bytes and w > self.config.budgets[d]:
+                raise ValueError(f"model {name!r} needs {w} bytes of weights on device {d}, more than its "
+                                 f"whole budget of {self.config.budgets[d]} bytes")
+        self.models[name] = ModelState(name, devices, weights, kv_per_token, pinned)
 
     def remove_model(self, name: str) -> None:
         m = self._model(name)
         if m.has_work:
             raise ValueError(f"model {name!r} still has {len(m.waiting) + len(m.running)} requests")
+        if m.on_device:
+            self._set_offloaded(m)
         del self.models[name]
 
     def set_pinned(self, name: str, pinned: bool) -> None:
         self._model(name).pinned = pinned
+        self._epoch += 1
 
-    def add_request(self, req: SchedRequest) -> None:
-        m = self._model(req.model)
-        if req.id in self.requests:
-            raise ValueError(f"request id {req.id!r} is already in use")
-        need = req.kv_bytes + (m.weight_bytes if self.config.policy == "default" else 0)
-        if need > self.config.budget:
-            raise ValueError(f"request {req.id!r} needs {req.kv_bytes} bytes of KV cache; with the model's "
-                             f"{m.weight_bytes} bytes that exceeds the budget of {self.config.budget} bytes")
-        self.requests[req.id] = req
-        m.waiting.append(req)
+    def state(self, name: str) -> str:
+        return self._model(name).state
 
-    def finish(self, req_id: str) -> None:
-        """A request ended (completed, failed or cancelled): drop it and free its KV reservation."""
-        req = self.requests.pop(req_id, None)
-        if req is None:
-            return
-        m = self.models[req.model]
-        if req.state == "running":
-            m.running.remove(req)
-        else:
-            m.waiting.remove(req)
-        req.state = "finished"
-
-    def update(self, plan: StepPlan, finished: list[str]) -> None:
-        for rid in plan.decode + plan.prefill:
-            if rid in self.requests:
-                self.requests[rid].generated += 1
-        for rid in finished:
-            self.finish(rid)
-
-    def plan_load(self, name: str) -> StepPlan:
-        """A plan that makes ``name`` resident now (admin load), evicting idle models if needed."""
+    def model_stats(self, name: str) -> dict:
         m = self._model(name)
-        plan = StepPlan()
-        if not self._ensure_resident(m, set(), plan, plan.loads):
-            raise ValueError(f"model {name!r} does not fit next to the models that are busy or pinned")
-        return plan
-
-    def mark_evicted(self, name: str) -> None:
-        """The engine dropped a model on its own (admin offload)."""
-        m = self._model(name)
-        if m.has_work:
-            raise ValueError(f"model {name!r} has requests in flight; it cannot be offloaded now")
-        m.resident = False
+        return {"state": m.state, "waiting": len(m.waiting), "running": len(m.running), "pinned": m.pinned,
+                "devices": list(m.devices)}
 
     def _model(self, name: str) -> ModelState:
         try:
@@ -116,107 +125,307 @@ class Scheduler:
         except KeyError:
             raise KeyError(f"unknown model {name!r}; registered: {', '.join(self.models) or 'none'}") from None
 
-    # ---- memory ------------------------------------------------------------------------------
-    def used_bytes(self) -> int:
-        weights = sum(m.weight_bytes for m in self.models.values() if m.resident)
-        kv = sum(m.kv_bytes for m in self.models.values())
-        return (kv if self.config.policy == "computron" else weights + kv)
+    # ---- requests ------------------------------------------------------------------------------
+    def add_request(self, req: SchedRequest) -> None:
+        m = self._model(req.model)
+        if req.id in self.requests:
+            raise ValueError(f"request id {req.id!r} is already in use")
+        req.kv = tuple(kv_region_bytes(req.prompt_len + req.max_tokens, k) for k in m.kv_per_token)
+        for d, w, kv in zip(m.devices, m.weights, req.kv):
+            need = kv + (w if self.counts_bytes else 0)
+            if need > self.config.budgets[d]:
+                raise ValueError(f"request {req.id!r} needs {kv} bytes of KV cache on device {d}; with the "
+                                 f"model's {w} bytes that exceeds the budget of {self.config.budgets[d]} bytes")
+        self.requests[req.id] = req
+        m.waiting.append(req)
+        self._queue(m)
+
+    def finish(self, req_id: str) -> None:
+        """A request ended (completed, failed or cancelled): drop it and free its KV reservation."""
+        req = self.requests.pop(req_id, None)
+        if req is None:
+            return
+        m = self.models[req.model]
+        self._epoch += 1
+        if req.state == "running":
+            del m.running[req_id]
+            for d, kv in zip(m.devices, req.kv):
+                self.kv_used[d] -= kv
+        else:
+            m.waiting.remove(req)
+        req.state = "finished"
+        self._queue(m)
+
+    def update(self, plan: StepPlan, steps: int = 1) -> None:
+        """The plan's batches ran ``steps`` times (several decode steps advanced in one call).
+        Costs one addition per batch: a request's progress is its model's steps since it joined."""
+        models = self.models
+        for b in plan.batches:
+            m = models.get(b.model)
+            if m is not None:
+                m.steps += steps
+
+    def generated(self, req_id: str) -> int:
+        """Tokens a request has made so far (0 while it waits)."""
+        r = self.requests[req_id]
+        return self.models[r.model].steps - r.joined if r.state == "running" else 0
+
+    # ---- residency -----------------------------------------------------------------------------
+    def loaded(self, name: str) -> None:
+        """The executor reports a model's copies done."""
+        m = self.models.get(name)
+        if m is not None and m.state == LOADING:
+            m.state, m.ready_at = RESIDENT, None
+
+    def offloaded(self, name: str) -> None:
+        """The model is not on its devices (admin offload, or a load that failed)."""
+        m = self._model(name)
+        if m.running:
+            raise ValueError(f"model {name!r} has requests in flight; it cannot be offloaded now")
+        if m.on_device:
+            self._set_offloaded(m)
+
+    def plan_load(self, name: str, now: float = 0.0) -> StepPlan:
+        """A plan that puts ``name`` on its devices now (admin load), evicting idle models if needed."""
+        m = self._model(name)
+        plan = StepPlan()
+        self._fresh.clear()
+        if not self._make_resident(m, set(), plan, plan.loads, now, evict_waiting=False):
+            raise ValueError(f"model {name!r} does not fit next to the models that are busy or pinned")
+        return plan
 
     def resident_models(self) -> list[str]:
-        return [m.name for m in self.models.values() if m.resident]
+        return [n for n, m in self.models.items() if m.on_device]
 
-    def _evictable(self, keep: set[str]) -> list[ModelState]:
-        idle = [m for m in self.models.values()
-                if m.resident and not m.has_work and not m.pinned and m.name not in keep]
-        return sorted(idle, key=lambda m: m.last_used)
+    def free_bytes(self, device: int) -> int:
+        used = self.kv_used[device] + (self.weights_used[device] if self.counts_bytes else 0)
+        return self.config.budgets[device] - used
 
-    def _make_room(self, nbytes: int, keep: set[str], plan: StepPlan) -> bool:
-        """Evict idle models (LRU) until ``nbytes`` more fit; plan the evictions only if it works."""
-        free = self.config.budget - self.used_bytes()
+    def _set_on_device(self, m: ModelState, now: float) -> None:
+        self._epoch += 1
+        m.state = LOADING
+        bw = self.config.load_bandwidth
+        m.ready_at = now + max(m.weights) / bw if bw else None
+        for d, w in zip(m.devices, m.weights):
+            self.weights_used[d] += w
+            self.on_device[d][m.name] = m
+
+    def _set_offloaded(self, m: ModelState) -> None:
+        self._epoch += 1
+        m.state, m.ready_at = OFFLOADED, None
+        for d, w in zip(m.devices, m.weights):
+            self.weights_used[d] -= w
+            del self.on_device[d][m.name]
+
+    def _victims(self, m: ModelState, need: dict[int, int], keep: set[str], evict_waiting: bool
+                 ) -> list[ModelState] | None:
+        """Models to evict (least recently used first) so ``need[d]`` more bytes fit on each device d,
+        or None when it cannot be done. Only models with nothing running are candidates."""
+        short = {d: n - self.free_bytes(d) for d, n in need.items() if n > self.free_bytes(d)}
+        if not short:
+            return []
+        cands = {c.name: c for d in short for c in self.on_device[d].values()
+                 if not c.running and not c.pinned and c.name not in keep and c.name not in self._fresh
+                 and (evict_waiting or not c.waiting)}
         victims = []
-        for m in self._evictable(keep):
-            if free >= nbytes:
+        for c in sorted(cands.values(), key=lambda c: c.last_used):
+            if not short:
                 break
-            victims.append(m)
-            free += m.weight_bytes
-        if free < nbytes:
+            touches = [d for d in c.devices if d in short]
+            if not touches:
+                continue
+            victims.append(c)
+            for d, w in zip(c.devices, c.weights):
+                if d in short:
+                    short[d] -= w
+                    if short[d] <= 0:
+                        del short[d]
+        return None if short else victims
+
+    def _make_room(self, m: ModelState, need: dict[int, int], keep: set[str], plan: StepPlan,
+                   evict_waiting: bool) -> bool:
+        victims = self._victims(m, need, keep, evict_waiting)
+        if victims is None:
             return False
-        for m in victims:
-            m.resident = False
-            plan.evictions.append(m.name)
+        for v in victims:
+            self._set_offloaded(v)
+            plan.evictions.append(v.name)
         return True
 
-    def _make_slot(self, keep: set[str], plan: StepPlan) -> bool:
-        """Computron policy: free a slot under ``max_loaded`` by evicting one idle model."""
-        if len(self.resident_models()) < self.config.max_loaded:
-            return True
-        victims = self._evictable(keep)
-        if not victims:
-            return False
-        victims[0].resident = False
-        plan.evictions.append(victims[0].name)
+    def _make_slot(self, m: ModelState, keep: set[str], plan: StepPlan) -> bool:
+        """Computron policy: a free slot under ``max_loaded`` on each of the model's devices."""
+        for d in m.devices:
+            if len(self.on_device[d]) < self.config.max_loaded:
+                continue
+            idle = [c for c in self.on_device[d].values()
+                    if not c.running and not c.pinned and c.name not in keep and c.name not in self._fresh]
+            if not idle:
+                return False
+            v = min(idle, key=lambda c: c.last_used)
+            self._set_offloaded(v)
+            plan.evictions.append(v.name)
         return True
 
-    def _ensure_resident(self, m: ModelState, keep: set[str], plan: StepPlan, into: list[str]) -> bool:
-        if m.resident:
+    def _make_resident(self, m: ModelState, keep: set[str], plan: StepPlan, into: list[str], now: float,
+                       evict_waiting: bool) -> bool:
+        if m.on_device:
             return True
         keep = keep | {m.name}
-        ok = self._make_slot(keep, plan) if self.config.policy == "computron" else self._make_room(m.weight_bytes, keep, plan)
+        if self.counts_bytes:
+            ok = self._make_room(m, dict(zip(m.devices, m.weights)), keep, plan, evict_waiting)
+        else:
+            ok = self._make_slot(m, keep, plan)
         if ok:
-            m.resident = True
+            self._set_on_device(m, now)
+            self._fresh.add(m.name)
             into.append(m.name)
         return ok
 
-    # ---- the step ----------------------------------------------------------------------------
-    def schedule(self) -> StepPlan:
+    # ---- the step ------------------------------------------------------------------------------
+    def _queue(self, m: ModelState) -> None:
+        key = m.oldest()
+        if key != m.heap_key:
+            m.heap_key = key
+            if key is not None:
+                heapq.heappush(self._heap, (key, next(self._tie), m))
+
+    def _by_age(self):
+        """Pop models with work, oldest request first; the caller queues them again with ``_queue``."""
+        heap = self._heap
+        while heap:
+            key, _, m = heapq.heappop(heap)
+            if m.heap_key == key and self.models.get(m.name) is m:
+                m.heap_key = None  # any other entry of m is stale from now on
+                yield key, m
+
+    def schedule(self, now: float = 0.0) -> StepPlan:
         self.step_count += 1
+        self._fresh.clear()
         plan = StepPlan()
-        busy = sorted((m for m in self.models.values() if m.has_work), key=lambda m: m.oldest_arrival())
-        target = None
-        for m in busy:
-            if self._ensure_resident(m, set(), plan, plan.loads):
-                target = m
+        free_devices = set(range(len(self.config.budgets)))
+        claimed: set[str] = set()
+        seen: list[tuple[float, ModelState]] = []
+        ages = self._by_age()
+        # The oldest model that has nothing running: if memory held by running requests keeps it
+        # from starting, every request newer than its head waits (the running models drain).
+        hold_after: float | None = None
+        for key, m in ages:
+            seen.append((key, m))
+            if not m.running:
+                if not self._can_start(m) and self._busy_near(m):
+                    hold_after = key
                 break
-        if target is None:
-            if busy and not any(m.resident and m.has_work for m in self.models.values()):
-                # Nothing can run and nothing will free memory: the head request cannot be served.
-                head = busy[0].waiting[0]
-                plan.failed.append((head.id, self._cannot_load_reason(busy[0])))
-                self.finish(head.id)
-            return plan
-        self._admit(target, plan)
-        target.last_used = self.step_count
-        plan.model = target.name
-        if self.config.prefetch and self.config.policy == "default":
-            for m in busy:
-                if m is not target and not m.resident:
-                    self._ensure_resident(m, {target.name} | {b.name for b in busy}, plan, plan.prefetch)
-                    break
+        for key, m in self._chain(seen, ages):
+            if not free_devices:
+                break
+            if not free_devices.issuperset(m.devices):
+                continue
+            if not self._make_resident(m, claimed, plan, plan.loads, now, evict_waiting=True):
+                if self._busy_near(m):
+                    hold_after = key if hold_after is None else hold_after
+                else:  # nothing runs that will ever free memory for it
+                    self._fail_head(m, plan, self._cannot_load_reason(m))
+                continue
+            batch = self._admit(m, plan, claimed, hold_after)
+            if batch is None:  # blocked on KV cache held by others: everything newer waits for it
+                if hold_after is None:
+                    hold_after = key
+                continue
+            if batch.prefill or batch.decode:
+                plan.batches.append(batch)
+                claimed.add(m.name)
+                free_devices.difference_update(m.devices)
+                m.last_used = self.step_count
+        if self.config.prefetch and self.counts_bytes:
+            self._prefetch(plan, claimed, seen, now)
+        for _, m in seen:
+            self._queue(m)
         return plan
 
-    def _cannot_load_reason(self, m: ModelState) -> str:
-        pinned = [p.name for p in self.models.values() if p.resident and p.pinned]
-        return (f"model {m.name!r} ({m.weight_bytes} bytes) cannot be loaded: the budget is "
-                f"{self.config.budget} bytes and pinned models ({', '.join(pinned) or 'none'}) hold the rest")
+    @staticmethod
+    def _chain(seen: list, ages):
+        """What ``seen`` holds, then more from ``ages``, recorded in ``seen``."""
+        yield from list(seen)
+        for item in ages:
+            seen.append(item)
+            yield item
 
-    def _admit(self, m: ModelState, plan: StepPlan) -> None:
+    def _can_start(self, m: ModelState) -> bool:
+        """Could m's head request start now, evicting only models with nothing running?"""
+        if self._stuck.get((m.name, "start")) == self._epoch:
+            return False
+        ok = self._can_start_now(m)
+        if not ok:
+            self._stuck[(m.name, "start")] = self._epoch
+        return ok
+
+    def _can_start_now(self, m: ModelState) -> bool:
+        head = m.waiting[0]
+        need = dict(zip(m.devices, head.kv))
+        if not m.on_device:
+            for d, w in zip(m.devices, m.weights):
+                need[d] += w if self.counts_bytes else 0
+        if not self.counts_bytes and not m.on_device and not self._slot_possible(m):
+            return False
+        return self._victims(m, need, set(), evict_waiting=True) is not None
+
+    def _slot_possible(self, m: ModelState) -> bool:
+        return all(len(self.on_device[d]) < self.config.max_loaded or
+                   any(not c.running and not c.pinned for c in self.on_device[d].values()) for d in m.devices)
+
+    def _prefetch(self, plan: StepPlan, claimed: set[str], seen: list, now: float) -> None:
+        """Load the next model with work that is not on its devices, if it fits beside the busy ones."""
+        for key, m in self._chain(seen, self._by_age()):
+            if not m.on_device and m.name not in claimed and m.has_work:
+                if self._stuck.get((m.name, "prefetch")) != self._epoch and not self._make_resident(
+                        m, claimed, plan, plan.prefetch, now, evict_waiting=False):
+                    self._stuck[(m.name, "prefetch")] = self._epoch
+                return
+
+    def _busy_near(self, m: ModelState) -> bool:
+        """Does any other model on m's devices have running requests (memory that will be freed)?"""
+        return any(c.running for d in m.devices for c in self.on_device[d].values() if c is not m)
+
+    def _fail_head(self, m: ModelState, plan: StepPlan, why: str) -> None:
+        head = m.waiting[0]
+        plan.failed.append((head.id, why))
+        self.finish(head.id)
+
+    def _cannot_load_reason(self, m: ModelState) -> str:
+        pinned = sorted({c.name for d in m.devices for c in self.on_device[d].values() if c.pinned})
+        return (f"model {m.name!r} ({sum(m.weights)} bytes on devices {list(m.devices)}) cannot be loaded: "
+                f"the budget is {list(self.config.budgets[d] for d in m.devices)} bytes and pinned models "
+                f"({', '.join(pinned) or 'none'}) hold the rest")
+
+    def _admit(self, m: ModelState, plan: StepPlan, claimed: set[str], hold_after: float | None) -> Batch | None:
+        """Running requests decode; waiting ones join while the batch, the token budget and memory
+        allow. None: the head request waits for KV cache that running requests of others hold."""
         cfg = self.config
-        plan.decode = [r.id for r in m.running]
-        tokens = len(plan.decode)
+        batch = Batch(m.name, decode=list(m.running))
+        tokens = len(batch.decode)
+        keep = claimed | {m.name}
         while m.waiting and len(m.running) < cfg.max_batch_size:
             req = m.waiting[0]
-            if plan.prefill and tokens + req.prompt_len > cfg.max_tokens_per_step:
+            if hold_after is not None and req.arrival > hold_after:
+                break  # drain: an older request of another model waits for this memory
+            if batch.prefill and tokens + req.prompt_len > cfg.max_tokens_per_step:
                 break
-            if self.config.budget - self.used_bytes() < req.kv_bytes and not self._make_room(
-                    req.kv_bytes, {m.name}, plan):
-                if not m.running:
-                    plan.failed.append((req.id, f"request {req.id!r} needs {req.kv_bytes} bytes of KV cache "
-                                                f"and only {self.config.budget - self.used_bytes()} can be freed"))
-                    self.finish(req.id)
-                    continue
-                break
+            need = {d: kv for d, kv in zip(m.devices, req.kv) if kv > self.free_bytes(d)}
+            if need and not self._make_room(m, dict(zip(m.devices, req.kv)), keep, plan, evict_waiting=True):
+                if m.running or batch.prefill:
+                    break
+                if self._busy_near(m):
+                    return None
+                self._fail_head(m, plan, f"request {req.id!r} needs {list(req.kv)} bytes of KV cache on devices "
+                                         f"{list(m.devices)} and only {[self.free_bytes(d) for d in m.devices]} "
+                                         "can be freed")
+                continue
             m.waiting.popleft()
-            req.state = "running"
-            m.running.append(req)
-            plan.prefill.append(req.id)
+            req.state, req.joined = "running", m.steps
+            self._epoch += 1
+            m.running[req.id] = req
+            for d, kv in zip(m.devices, req.kv):
+                self.kv_used[d] += kv
+            batch.prefill.append(req.id)
             tokens += req.prompt_len
+        return batch

@@ -1,7 +1,8 @@
-"""Pure scheduler state: requests and models as the scheduler sees them (sizes, queues, residency).
+"""Pure scheduler state: requests and models as the scheduler sees them, and the plan it emits.
 
-No torch here: this module, like the whole ``scheduler`` package, runs in the simulator and the
-tests without torch.
+No torch here: this module, like the whole ``scheduler`` package, runs in the engine and the
+tests without torch. Sizes are bytes per rank: ``ModelState.devices[i]`` is
+the device of rank *i*, and ``weights[i]``/``kv_per_token[i]`` are that rank's bytes.
 """
 
 from __future__ import annotations
@@ -9,65 +10,82 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+OFFLOADED, LOADING, RESIDENT = "offloaded", "loading", "resident"
 
-@dataclass(eq=False)
+
+@dataclass(eq=False, slots=True)
 class SchedRequest:
     id: str
     model: str
     prompt_len: int
     max_tokens: int
-    kv_bytes: int  # cache for prompt_len + max_tokens tokens, reserved at admission
     arrival: float
-    generated: int = 0
+    kv: tuple[int, ...] = ()  # KV-cache bytes per rank for prompt_len + max_tokens tokens (set on add)
+    joined: int = 0  # its model's step count when it was admitted (tokens made = steps since)
     state: str = "waiting"  # waiting | running | finished
-
-    @property
-    def prefilled(self) -> bool:
-        return self.state == "running" and self.generated > 0
 
 
 @dataclass(eq=False)
 class ModelState:
     name: str
-    weight_bytes: int
+    devices: tuple[int, ...]
+    weights: tuple[int, ...]
+    kv_per_token: tuple[int, ...]
     pinned: bool = False
-    resident: bool = False
-    last_used: int = -1
+    state: str = OFFLOADED
+    ready_at: float | None = None  # loading: when its copies are expected to end (None: unknown)
+    last_used: int = -1  # step count of its last batch (least recently used is evicted first)
     waiting: deque = field(default_factory=deque)
-    running: list = field(default_factory=list)
+    running: dict = field(default_factory=dict)  # req_id -> SchedRequest, in admission order
+    heap_key: float | None = None  # the oldest arrival this model is queued under in the scheduler's heap
+    steps: int = 0  # batches it has run: a running request has made ``steps - joined`` tokens
+
+    @property
+    def on_device(self) -> bool:
+        return self.state != OFFLOADED
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def oldest_arrival(self) -> float:
-        times = [r.arrival for r in self.running]
-        if self.waiting:
-            times.append(self.waiting[0].arrival)
-        return min(times) if times else float("inf")
+    def oldest(self) -> float | None:
+        """Arrival of its oldest outstanding request (running or waiting), None when idle."""
+        first = next(iter(self.running.values()), None)
+        a = first.arrival if first is not None else None
+        if self.waiting and (a is None or self.waiting[0].arrival < a):
+            a = self.waiting[0].arrival
+        return a
+
+
+@dataclass(slots=True)
+class Batch:
+    """One model's work in a step: ``prefill`` requests (newly admitted; their prompts run) and
+    ``decode`` requests (running; each generates its next token)."""
+
+    model: str
+    prefill: list[str] = field(default_factory=list)
+    decode: list[str] = field(default_factory=list)
 
     @property
-    def kv_bytes(self) -> int:
-        return sum(r.kv_bytes for r in self.running)
+    def requests(self) -> list[str]:
+        return self.prefill + self.decode
 
 
 @dataclass
 class StepPlan:
-    """What one engine step does: evict, then load, then run one batch of one model.
+    """What one engine step does: evict, then load, then run one batch per model.
 
-    ``prefill``: requests whose prompts run this step (newly admitted); ``decode``: running
-    requests generating their next token; ``prefetch``: loads issued for a later step, overlapped
-    with this step's compute; ``failed``: requests that can never run, with the reason.
+    Batches of one step use disjoint devices. ``prefetch``: loads issued for a later step,
+    overlapped with this step's compute. ``failed``: requests that can never run, with the reason
+    (the scheduler has already dropped them).
     """
 
     evictions: list[str] = field(default_factory=list)
     loads: list[str] = field(default_factory=list)
     prefetch: list[str] = field(default_factory=list)
-    model: str | None = None
-    prefill: list[str] = field(default_factory=list)
-    decode: list[str] = field(default_factory=list)
+    batches: list[Batch] = field(default_factory=list)
     failed: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return not (self.evictions or self.loads or self.prefetch or self.model or self.failed)
+        return not (self.evictions or self.loads or self.prefetch or self.batches or self.failed)

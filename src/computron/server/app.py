@@ -32,7 +32,6 @@ from .protocol import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger("computron.server")
 
-PARALLEL = {"dp": 1, "tp": 1, "pp": 1}
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # as in the OpenAI API; chat defaults to the rest of the context
 
 
@@ -84,7 +83,7 @@ class Service:
         if max_tokens is None:
             max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if messages is None else max(1, entry.cfg.max_position - len(ids))
         params = SamplingParams(max_tokens=max_tokens, **sampling)
-        waiting = len(eng.scheduler.models[model].waiting)
+        waiting = eng.model_stats(model)["waiting"]
         if waiting >= self.config.server.max_queue:
             raise QueueFull(model, waiting)
         return eng.submit(model, ids, params, rid, on_update)
@@ -92,11 +91,11 @@ class Service:
     def model_info(self, name: str) -> dict:
         """GET /v1/models entry (engine thread)."""
         eng = self.engine
-        entry, sm = eng.models[name], eng.scheduler.models[name]
+        entry, st = eng.models[name], eng.model_stats(name)
         return {"id": name, "object": "model", "created": self.created.get(name, self.started), "owned_by": "computron",
-                "state": eng.model_state(name), "bytes": entry.nbytes, "pinned": sm.pinned, "source": entry.source,
-                "max_model_len": entry.cfg.max_position, "dtype": entry.cfg.dtype, "queue": len(sm.waiting),
-                "running": len(sm.running), "parallel": dict(PARALLEL)}
+                "state": st["state"], "bytes": entry.nbytes, "pinned": st["pinned"], "source": entry.source,
+                "max_model_len": entry.cfg.max_position, "dtype": entry.cfg.dtype, "queue": st["waiting"],
+                "running": st["running"], "parallel": st["parallel"], "devices": st["devices"]}
 
     def models_list(self) -> dict:
         return {"object": "list", "data": [self.model_info(n) for n in self.engine.models],

@@ -19,14 +19,11 @@ what the engine was slowed by and what the request path added.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import math
-import multiprocessing
 import random
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,6 +92,8 @@ def percentile(xs: list[float], q: float) -> float:
 
 async def _drive(items: list[Item], concurrency: int, one) -> tuple[list[Sent], float]:
     """Send each item at its arrival time (at most ``concurrency`` in flight); (results, wall seconds)."""
+    import asyncio
+
     sem = asyncio.Semaphore(concurrency)
     t0 = time.perf_counter()
 
@@ -136,6 +135,8 @@ async def _http_one(client, url: str, item: Item, max_tokens: int) -> Sent:
 
 
 async def _http_run(url: str, items: list[Item], concurrency: int, max_tokens: int) -> tuple[list[Sent], float]:
+    import asyncio
+
     import httpx
 
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
@@ -147,6 +148,8 @@ async def _http_run(url: str, items: list[Item], concurrency: int, max_tokens: i
 
 def http_client(url: str, items: list[Item], concurrency: int, max_tokens: int) -> tuple[list[Sent], float]:
     """The HTTP load generator; runs in a process of its own."""
+    import asyncio
+
     return asyncio.run(_http_run(url, items, concurrency, max_tokens))
 
 
@@ -172,6 +175,10 @@ def summarize(runs: list[tuple[list[Sent], float]], reqs: dict, swaps: dict) -> 
 
 def run_bench(args) -> dict:
     """Both paths on one engine; returns the report."""
+    import asyncio
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
     from ..config import ComputronConfig, EngineConfig, ModelSpec, ServerConfig
     from ..engine import AsyncEngine, Engine, SamplingParams
     from .app import create_app
@@ -224,7 +231,7 @@ def run_bench(args) -> dict:
                 timed("direct", lambda: asyncio.run(_drive(items, args.concurrency, direct)))
                 timed("http", lambda: client.submit(http_client, server.url, items, args.concurrency,
                                                     args.max_tokens).result())
-        info = {**machine(), "device": str(engine.device)}
+        info = {**machine(), "device": engine.memory()["devices"][0]["device"]}
     finally:
         ae.shutdown()
     results = {p: summarize(runs[p], reqs, swaps[p]) for p in runs}
@@ -233,7 +240,7 @@ def run_bench(args) -> dict:
                 for k in ("ttft_p50_ms", "latency_p50_ms", "latency_p99_ms", "engine_latency_p50_ms")}
     settings = {k: (v if not isinstance(v, float) or math.isfinite(v) else "inf")
                 for k, v in vars(args).items() if k not in ("func", "out", "command", "bench")}
-    settings.update(budget=engine.budget, model_bytes=entry.nbytes)
+    settings.update(budget=engine.memory()["budget"], model_bytes=entry.nbytes)
     return {"benchmark": "serve", "machine": info, "settings": settings, "results": results, "http_overhead_pct": overhead}
 
 

@@ -142,8 +142,9 @@ def serve_main(args) -> int:
         print(f"computron serve: {e}", file=sys.stderr)
         return 2
     srv = cfg.server
-    log.info("engine on %s, memory budget %s (%s for weights and KV cache), policy %s", engine.device,
-             format_bytes(engine.budget), format_bytes(engine.arena_bytes), cfg.engine.policy)
+    for d in engine.memory()["devices"]:
+        log.info("engine on %s, memory budget %s (%s for weights and KV cache), policy %s", d["device"],
+                 format_bytes(d["budget"]), format_bytes(d["capacity"]), cfg.engine.policy)
     if srv.host not in ("127.0.0.1", "localhost", "::1") and not srv.api_key:
         log.warning("listening on %s without an API key: anyone who can reach it can use it", srv.host)
     ae = AsyncEngine(engine)

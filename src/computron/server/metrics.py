@@ -21,9 +21,8 @@ def engine_snapshot(engine) -> dict:
     """What a scrape needs from the engine; call on the engine thread."""
     models = {}
     for name in engine.models:
-        sm = engine.scheduler.models[name]
-        models[name] = {"waiting": len(sm.waiting), "running": len(sm.running), "state": engine.model_state(name),
-                        "pinned": sm.pinned}
+        st = engine.model_stats(name)
+        models[name] = {k: st[k] for k in ("waiting", "running", "state", "pinned")}
     return {"models": models, "memory": engine.memory(), "stats": dict(engine.stats)}
 
 

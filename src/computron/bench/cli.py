@@ -1,0 +1,57 @@
+"""Parsers of ``computron bench swap`` and ``computron bench round-robin``, without torch.
+
+Each parser's ``func`` imports its benchmark (and so torch) only when the command runs.
+"""
+
+from __future__ import annotations
+
+from .common import positive_int
+
+
+def _swap(args) -> int:
+    from . import swap
+
+    return swap.main(args)
+
+
+def _round_robin(args) -> int:
+    from . import round_robin
+
+    args.policy = args.policy or ["default", "computron"]
+    if args.device == "auto":
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    return round_robin.main(args)
+
+
+def add_swap_parser(sub) -> None:
+    p = sub.add_parser("swap", help="swap-in/eviction time against a raw pinned memcpy of the same bytes")
+    p.add_argument("model", nargs="+")
+    p.add_argument("--repeats", type=positive_int, default=5)
+    p.add_argument("--prompt-len", type=positive_int, default=128)
+    p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--out", default=None)
+    p.set_defaults(func=_swap)
+
+
+def add_round_robin_parser(sub) -> None:
+    p = sub.add_parser("round-robin", help="N copies of a model, R requests round-robin, one copy fits")
+    p.add_argument("model")
+    p.add_argument("-n", type=positive_int, default=2, help="copies of the model")
+    p.add_argument("-r", type=positive_int, default=24, help="requests")
+    p.add_argument("--blocking", action="store_true", help="send each request after the previous answered")
+    p.add_argument("--policy", action="append", choices=["default", "computron"],
+                   help="policy to run (repeat for several; default: both)")
+    p.add_argument("--prompt-len", type=positive_int, default=8)
+    p.add_argument("--max-tokens", type=positive_int, default=2)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--out", default=None)
+    p.set_defaults(func=_round_robin)
+
+
+def add_parsers(sub) -> None:
+    """Add ``round-robin`` and ``swap`` to a ``bench`` sub-parsers object."""
+    add_round_robin_parser(sub)
+    add_swap_parser(sub)

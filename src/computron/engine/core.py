@@ -1,0 +1,329 @@
+"""EngineCore: the step loop over token ids; torch-free, with an injected clock.
+
+What flows through: requests as token ids in, one token per running request per step out.
+Each step is four calls: ``Scheduler.schedule(now)`` → ``Executor.apply`` (evictions, loads)
+→ ``Executor.execute`` (one batch per model) → ``Scheduler.update``. A failure in a swap or a
+batch fails the requests it touched, never the loop, and residency is repaired from what the
+executor reports. The text layer (``Engine``) drives it; as nothing here needs torch or a real
+clock, a simulated executor and a virtual clock can drive this same loop.
+
+A request ends exactly once: on EOS or ``max_tokens`` here, on a stop string in the text layer,
+on an error, or aborted. ``on_token(req, token)`` and ``on_finish(req)`` tell the layer above.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..messages import ExecuteBatch, ModelInfo, Residency, SamplingParams, SeqInput, StepResult
+from ..scheduler import SchedRequest, Scheduler, SchedulerConfig, StepPlan
+from .executor import Executor
+
+
+class EngineError(ValueError):
+    """Bad input from a user (unknown model, prompt too long, bad parameters): a 4xx, not a crash."""
+
+
+@dataclass(eq=False)
+class CoreRequest:
+    id: str
+    model: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float = 0.0
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    load_s: float = 0.0  # swap-in seconds of a load that ended in the step of its first token
+    evict_s: float = 0.0  # eviction seconds of that step
+    compute_s: float = 0.0  # seconds of the batches it took part in
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class CoreConfig:
+    policy: str = "default"
+    max_batch_size: int = 32
+    max_tokens_per_step: int = 2048
+    max_loaded: int = 1
+    prefetch: bool = True
+
+
+class EngineCore:
+    def __init__(self, executor: Executor, config: CoreConfig | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
+        cfg = config or CoreConfig()
+        self.executor, self.clock = executor, clock
+        budgets = tuple(d.capacity for d in executor.status().devices)
+        self.scheduler = Scheduler(SchedulerConfig(
+            budgets=budgets, policy=cfg.policy, max_batch_size=cfg.max_batch_size,
+            max_tokens_per_step=cfg.max_tokens_per_step, max_loaded=cfg.max_loaded, prefetch=cfg.prefetch))
+        self.models: dict[str, ModelInfo] = {}
+        self.requests: dict[str, CoreRequest] = {}
+        self._ids = itertools.count()
+        self._to_free: list[str] = []
+        self.stats = {"swap_ins": 0, "evictions": 0, "swap_in_bytes": 0, "swap_in_seconds": 0.0, "steps": 0}
+        # listener(kind, model, seconds, nbytes), kind "load" (once its copies ended) or "evict"
+        self.listeners: list[Callable[[str, str, float, int], None]] = []
+        self.on_token: Callable[[CoreRequest, int], None] | None = None
+        self.on_finish: Callable[[CoreRequest], None] | None = None
+        self.trace = False  # ask the executor for a per-layer copy/compute trace of the next batches
+        self.last_trace: dict[str, dict] = {}
+
+    # ---- models --------------------------------------------------------------------------------
+    def add_model(self, info: ModelInfo, pinned: bool = False) -> None:
+        if info.name in self.models:
+            raise EngineError(f"a model named {info.name!r} is already registered")
+        try:
+            self.scheduler.add_model(info.name, info.weight_bytes, info.kv_bytes_per_token,
+                                     info.placement.devices, pinned)
+        except ValueError as e:
+            self.executor.unregister(info.name)
+            raise EngineError(str(e)) from None
+        self.models[info.name] = info
+
+    def remove_model(self, name: str) -> None:
+        self.info(name)
+        try:
+            self.scheduler.remove_model(name)  # refuses while requests are in flight
+        except ValueError as e:
+            raise EngineError(str(e)) from None
+        self.executor.unregister(name)
+        del self.models[name]
+
+    def info(self, name: str) -> ModelInfo:
+        try:
+            return self.models[name]
+        except KeyError:
+            raise EngineError(f"unknown model {name!r}; known models: {', '.join(self.models) or 'none'}") from None
+
+    def model_state(self, name: str) -> str:
+        """offloaded | loading | resident (a load ends when the executor says its copies are done)."""
+        self.info(name)
+        state = self.scheduler.state(name)
+        if state == "loading" and self.executor.status().models.get(name) == "resident":
+            self.scheduler.loaded(name)
+            state = "resident"
+        return state
+
+    def model_stats(self, name: str) -> dict:
+        return {**self.scheduler.model_stats(self.info(name).name), "state": self.model_state(name)}
+
+    def load(self, name: str, wait: bool = False) -> None:
+        """Admin: put a model on its devices now, evicting idle ones as the scheduler would;
+        with ``wait``, return once its copies have ended."""
+        self.info(name)
+        try:
+            plan = self.scheduler.plan_load(name, self.clock())
+        except ValueError as e:
+            raise EngineError(str(e)) from None
+        self._apply(plan)
+        if wait:
+            self._loaded(self.executor.wait_loads())
+
+    def offload(self, name: str) -> None:
+        self.info(name)
+        if self.scheduler.state(name) == "offloaded":
+            return
+        try:
+            self.scheduler.offloaded(name)
+        except ValueError as e:
+            raise EngineError(str(e)) from None
+        self._evict([name])
+
+    def set_pinned(self, name: str, pinned: bool) -> None:
+        self.scheduler.set_pinned(self.info(name).name, pinned)
+
+    # ---- requests ------------------------------------------------------------------------------
+    def new_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def add_request(self, req: CoreRequest) -> CoreRequest:
+        """Validate a request's token ids against its model and queue it."""
+        cfg = self.info(req.model).config
+        ids, max_tokens = req.prompt_ids, req.params.max_tokens
+        if not ids:
+            raise EngineError("the prompt is empty")
+        if any((not isinstance(t, int)) or t < 0 or t >= cfg.vocab_size for t in ids):
+            raise EngineError(f"prompt token ids must be integers in [0, {cfg.vocab_size})")
+        if len(ids) + max_tokens > cfg.max_position:
+            raise EngineError(
+                f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}: together "
+                f"{len(ids) + max_tokens}, {len(ids) + max_tokens - cfg.max_position} more than the context of "
+                f"{cfg.max_position} tokens of {req.model!r}")
+        if req.id in self.requests:
+            raise EngineError(f"request id {req.id!r} is already in use")
+        try:
+            self.scheduler.add_request(SchedRequest(req.id, req.model, len(ids), max_tokens, req.arrival))
+        except ValueError as e:
+            raise EngineError(str(e)) from None
+        self.requests[req.id] = req
+        return req
+
+    def abort(self, req_id: str, reason: str = "abort", error: str | None = None) -> None:
+        req = self.requests.get(req_id)
+        if req is not None and not req.done:
+            self.finish(req, reason, error)
+            self._flush_frees()
+
+    def has_work(self) -> bool:
+        return bool(self.requests)
+
+    def finish(self, req: CoreRequest, reason: str, error: str | None = None) -> None:
+        if req.done:
+            return
+        req.finish_reason, req.error, req.finished_at = reason, error, self.clock()
+        self.requests.pop(req.id, None)
+        self.scheduler.finish(req.id)
+        self._to_free.append(req.id)
+        if self.on_finish:
+            self.on_finish(req)
+
+    def _fail(self, req_ids, why: str) -> None:
+        for rid in req_ids:
+            req = self.requests.get(rid)
+            if req is not None:
+                self.finish(req, "error", why)
+
+    # ---- the step ------------------------------------------------------------------------------
+    def step(self) -> StepPlan:
+        """One iteration: schedule, swap, execute one batch per model, update. The KV caches of
+        requests that ended are released in one message at the end."""
+        try:
+            return self._step()
+        finally:
+            self._flush_frees()
+
+    def _step(self) -> StepPlan:
+        plan = self.scheduler.schedule(self.clock())
+        for rid, why in plan.failed:
+            self._fail([rid], why)
+        evict_s = self._apply(plan)
+        batches = [b for b in plan.batches if all(r in self.requests for r in b.requests)]
+        if not batches:
+            return plan
+        self.stats["steps"] += 1
+        msgs = [ExecuteBatch(b.model, [self._seq_input(self.requests[r]) for r in b.requests], self.trace)
+                for b in batches]
+        try:
+            result = self.executor.execute(msgs).result()
+        except Exception as e:  # a failed step fails its requests, never the engine
+            for b in batches:
+                self._fail(b.requests, f"execution failed: {type(e).__name__}: {e}")
+            return plan
+        self._absorb(result, batches, evict_s)
+        self.scheduler.update(plan)
+        return plan
+
+    def _seq_input(self, r: CoreRequest) -> SeqInput:
+        if r.output_ids:
+            return SeqInput(r.id, r.output_ids[-1:], len(r.prompt_ids) + len(r.output_ids) - 1,
+                            len(r.prompt_ids) + r.params.max_tokens, r.params)
+        return SeqInput(r.id, r.prompt_ids, 0, len(r.prompt_ids) + r.params.max_tokens, r.params)
+
+    def _loaded(self, loaded: dict[str, float]) -> None:
+        for name, s in loaded.items():
+            self.scheduler.loaded(name)
+            self.stats["swap_in_seconds"] += s
+            self._notify("load", name, s)
+
+    def _absorb(self, result: StepResult, batches, evict_s: float) -> None:
+        self._loaded(result.loaded)
+        if result.lost_devices:
+            self._lose(result.lost_devices)
+        self.last_trace = result.trace
+        for rid, why in result.failed.items():
+            self._fail([rid], why)
+        now = self.clock()
+        for b in batches:
+            compute = result.compute_s.get(b.model, 0.0)
+            for rid in b.requests:
+                r = self.requests.get(rid)
+                if r is None or rid not in result.tokens:
+                    continue
+                r.compute_s += compute
+                if not r.output_ids:
+                    r.first_token_at, r.load_s, r.evict_s = now, result.loaded.get(b.model, 0.0), evict_s
+                self._append(r, result.tokens[rid])
+
+    def _append(self, r: CoreRequest, token: int) -> None:
+        eos = self.models[r.model].config.eos_token_id
+        if token == eos and not r.params.ignore_eos:
+            self.finish(r, "stop")
+            return
+        r.output_ids.append(token)
+        if self.on_token:
+            self.on_token(r, token)  # may end it (a stop string)
+        if not r.done and len(r.output_ids) >= r.params.max_tokens:
+            self.finish(r, "length")
+
+    def _lose(self, devices: list[int]) -> None:
+        """Devices died: fail every request of a model on them; those models are off the device now."""
+        lost = set(devices)
+        for name, info in self.models.items():
+            if lost.intersection(info.placement.devices):
+                self._fail([r.id for r in list(self.requests.values()) if r.model == name],
+                           f"model {name!r} lost device(s) {sorted(lost)}")
+                if self.scheduler.state(name) != "offloaded":
+                    self.scheduler.offloaded(name)
+
+    # ---- residency -----------------------------------------------------------------------------
+    def _apply(self, plan: StepPlan) -> float:
+        """Evictions, then loads; returns eviction seconds. A failed load fails the requests of its
+        batch, and the scheduler is told what really is on the devices."""
+        self._flush_frees()
+        loads = plan.loads + plan.prefetch
+        if not (plan.evictions or loads):
+            return 0.0
+        try:
+            evicted = self.executor.apply(Residency(list(plan.evictions), loads))
+        except Exception as e:  # a swap that fails fails its requests, never the engine
+            present = self.executor.status().models
+            why = f"swap failed: {type(e).__name__}: {e}"
+            for b in plan.batches:
+                if b.model not in present:
+                    self._fail(b.requests, why)
+            for name in loads:
+                if name not in present and self.scheduler.state(name) != "offloaded":
+                    self.scheduler.offloaded(name)
+            evicted = {n: 0.0 for n in plan.evictions}
+            loads = [n for n in loads if n in present]
+        for name, s in evicted.items():
+            self.stats["evictions"] += 1
+            self._notify("evict", name, s)
+        for name in loads:
+            self.stats["swap_ins"] += 1
+            self.stats["swap_in_bytes"] += self.models[name].total_bytes
+        return sum(evicted.values())
+
+    def _evict(self, names: list[str]) -> None:
+        self._flush_frees()
+        for name, s in self.executor.apply(Residency(evict=names)).items():
+            self.stats["evictions"] += 1
+            self._notify("evict", name, s)
+
+    def _flush_frees(self) -> None:
+        if self._to_free:
+            ids, self._to_free = self._to_free, []
+            self.executor.free(ids)
+
+    def _notify(self, kind: str, model: str, seconds: float) -> None:
+        for fn in self.listeners:
+            fn(kind, model, seconds, self.models[model].total_bytes)
+
+    def memory(self) -> dict:
+        """Bytes per device as the executor holds them, beside the scheduler's accounting."""
+        st = self.executor.status()
+        return {"devices": [{"device": d.name, "budget": d.budget, "capacity": d.capacity, "weights": d.weights, "kv": d.kv,
+                             "scheduled": d.capacity - self.scheduler.free_bytes(d.index),
+                             "compactions": d.compactions} for d in st.devices],
+                "weights": sum(d.weights for d in st.devices), "kv": sum(d.kv for d in st.devices),
+                "total": sum(d.capacity for d in st.devices), "budget": sum(d.budget for d in st.devices)}

@@ -1,0 +1,275 @@
+"""InProcessExecutor: every model on one device of this process (the GPU, or the CPU without one).
+
+What lives here: each model's pinned host image (built at registration), the device arena
+(the memory budget less the workspace; weights and KV caches are regions of it), the swapper
+and its copy stream, one ``ModelRunner`` per model, and one KV region per running request.
+The engine core speaks to it only through the ``Executor`` protocol's messages; the arena
+checks the scheduler's decisions (an allocation that does not fit is a bug, reported as such).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..config import format_bytes
+from ..memory.arena import Arena, Region
+from ..memory.host import HostImage
+from ..memory.layout import WeightLayout, align_up, layout_for
+from ..memory.swapper import ImageSwapper, SwapIn
+from ..memory.units import kv_region_bytes
+from ..messages import (DeviceStatus, ExecuteBatch, ExecutorStatus, ModelDescription, ModelInfo, Placement,
+                        Residency, StepResult)
+from ..models import load_weights, resolve_model
+from ..models.config import ModelConfig
+from ..models.transformer import TORCH_DTYPES, AttnBatch
+from .runner import ModelRunner
+from .sampling import sample
+
+CPU_DEFAULT_BUDGET = 2 * 2**30
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but no CUDA GPU is available")
+    return dev
+
+
+@dataclass
+class _Model:
+    cfg: ModelConfig
+    layout: WeightLayout
+    runner: ModelRunner
+    image: HostImage | None = None
+
+
+@dataclass
+class _Resident:
+    region: Region | None = None
+    swap: SwapIn | None = None
+
+
+@dataclass
+class _Seq:
+    region: Region
+    capacity: int
+    generator: torch.Generator | None
+
+
+class InProcessExecutor:
+    pin_images = True  # page-locked host images (on a GPU): copies at the link's full speed
+
+    def __init__(self, config):
+        self.device = pick_device(config.device)
+        budget = config.gpu_memory_budget
+        if budget is None:
+            budget = int(torch.cuda.mem_get_info(self.device)[0] * 0.9) if self.device.type == "cuda" \
+                else CPU_DEFAULT_BUDGET
+        workspace = config.workspace_bytes if config.workspace_bytes is not None else min(budget // 10, 2 * 2**30)
+        if workspace >= budget:
+            raise ValueError(f"workspace of {format_bytes(workspace)} leaves nothing of the "
+                             f"{format_bytes(budget)} budget")
+        self.budget = budget
+        self.arena = Arena(align_up(budget - workspace) - 512, self.device)
+        self.swapper = ImageSwapper(self.arena)
+        self.models: dict[str, _Model] = {}
+        self.resident: dict[str, _Resident] = {}
+        self.seqs: dict[str, _Seq] = {}
+        self._lock = threading.Lock()  # registration runs on other threads
+
+    # ---- models --------------------------------------------------------------------------------
+    def register(self, desc: ModelDescription, progress: Callable[[str], None] | None = None) -> ModelInfo:
+        if desc.placement.devices != (0,):
+            raise ValueError(f"model {desc.name!r}: this executor runs every model on one device "
+                             f"(asked for {desc.placement.dims} on devices {list(desc.placement.devices)})")
+        with self._lock:
+            if desc.name in self.models:
+                raise ValueError(f"a model named {desc.name!r} is already registered")
+        cfg, ckpt = resolve_model(desc.source, dtype=desc.dtype)
+        layout = layout_for(cfg)
+        if layout.nbytes > self.arena.nbytes:
+            raise ValueError(
+                f"model {desc.name!r} needs {format_bytes(layout.nbytes)} of weights, more than the "
+                f"{format_bytes(self.arena.nbytes)} the memory budget leaves for weights and KV cache "
+                f"(budget {format_bytes(self.budget)})")
+        if progress:
+            progress(f"building host image of {desc.name} ({format_bytes(layout.nbytes)})")
+        image = HostImage(layout, pin=self.device.type == "cuda" and self.pin_images)
+        if ckpt is None:
+            image.fill_random(cfg, desc.seed, self.device)
+        else:
+            load_weights(ckpt, cfg, image.views)
+        model = _Model(cfg, layout, ModelRunner(cfg), image)
+        self._keep_image(desc.name, model)
+        with self._lock:
+            if desc.name in self.models:
+                raise ValueError(f"a model named {desc.name!r} is already registered")
+            self.models[desc.name] = model
+        return ModelInfo(desc.name, cfg, ckpt, Placement(), (self._weight_bytes(model),),
+                         (cfg.kv_bytes_per_token(),))
+
+    def _keep_image(self, name: str, model: _Model) -> None:
+        """Hook for the legacy mechanics, which keep weights per parameter instead."""
+
+    def _weight_bytes(self, model: _Model) -> int:
+        return model.layout.nbytes
+
+    def unregister(self, name: str) -> None:
+        if name in self.resident:
+            self._evict(name)
+        with self._lock:
+            self.models.pop(name, None)
+
+    # ---- residency -----------------------------------------------------------------------------
+    def apply(self, change: Residency) -> dict[str, float]:
+        evicted = {}
+        for name in change.evict:
+            t0 = time.perf_counter()
+            self._evict(name)
+            evicted[name] = time.perf_counter() - t0
+        for name in change.load:
+            if name not in self.resident:
+                self._load(name)
+        return evicted
+
+    def _load(self, name: str) -> None:
+        region, swap = self.swapper.swap_in(name, self.models[name].image)
+        self.resident[name] = _Resident(region, swap)
+
+    def _evict(self, name: str) -> None:
+        res = self.resident.pop(name)
+        if res.swap is not None and res.swap.events is not None:
+            res.swap.events[-1].synchronize()  # a copy still in flight must not land in reused memory
+        self.models[name].runner.unbind()
+        self.swapper.swap_out(res.region)
+
+    def _bind(self, name: str) -> None:
+        """Point the runner at the weights (again, if the arena moved them)."""
+        region = self.resident[name].region
+        self.models[name].runner.bind((region.offset, region.version, id(region)),
+                                      lambda: self.models[name].layout.views(region.tensor))
+
+    # ---- requests ------------------------------------------------------------------------------
+    def free(self, req_ids: list[str]) -> None:
+        for rid in req_ids:
+            seq = self.seqs.pop(rid, None)
+            if seq is not None:
+                self.arena.release(seq.region)
+
+    def _seq(self, cfg: ModelConfig, s) -> _Seq:
+        seq = self.seqs.get(s.req_id)
+        if seq is None:
+            region = self.arena.allocate(kv_region_bytes(s.capacity, cfg.kv_bytes_per_token()), "kv", s.req_id)
+            gen = None
+            if s.params.seed is not None:
+                gen = torch.Generator(device=self.device)
+                gen.manual_seed(s.params.seed)
+            seq = self.seqs[s.req_id] = _Seq(region, s.capacity, gen)
+        return seq
+
+    def execute(self, batches: list[ExecuteBatch]) -> Future:
+        fut: Future = Future()
+        try:
+            result = StepResult()
+            for batch in batches:
+                self._run(batch, result)
+            self._poll_loads(result)
+            fut.set_result(result)
+        except Exception as e:
+            fut.set_exception(e)
+        return fut
+
+    def _run(self, batch: ExecuteBatch, result: StepResult) -> None:
+        name = batch.model
+        model = self.models[name]
+        cfg, runner = model.cfg, model.runner
+        dtype = TORCH_DTYPES[cfg.dtype]
+        seqs = [self._seq(cfg, s) for s in batch.seqs]  # may compact the arena: bind afterwards
+        self._bind(name)
+        shape = (cfg.num_layers, 2, cfg.kv_heads, 0, cfg.head_dim)
+        per_token = cfg.kv_bytes_per_token()
+        caches = [q.region.tensor[: q.capacity * per_token].view(dtype).view(*shape[:3], q.capacity, shape[4])
+                  for q in seqs]
+        ids, pos, starts, lengths, past = [], [], [], [], []
+        for s in batch.seqs:
+            starts.append(len(ids))
+            lengths.append(len(s.tokens))
+            past.append(s.past)
+            ids.extend(s.tokens)
+            pos.extend(range(s.past, s.past + len(s.tokens)))
+        ids_t = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
+        pos_t = torch.tensor(pos, dtype=torch.long).to(self.device, non_blocking=True)
+        res = self.resident[name]
+        if batch.trace:
+            runner.trace = []
+        t0 = time.perf_counter()
+        logits = runner.forward(ids_t, pos_t, AttnBatch(starts, lengths, past, caches), res.swap)
+        tokens = sample(logits, [s.params for s in batch.seqs], [q.generator for q in seqs]).tolist()
+        result.compute_s[name] = time.perf_counter() - t0
+        result.tokens.update((s.req_id, t) for s, t in zip(batch.seqs, tokens))
+        if batch.trace:
+            result.trace[name] = self._trace(res.swap, runner)
+        if res.swap is not None:
+            result.loaded[name] = res.swap.seconds()
+            res.swap = None  # loaded: later steps need not wait on its events
+
+    @staticmethod
+    def _trace(swap: SwapIn | None, runner: ModelRunner) -> dict:
+        events, runner.trace = runner.trace, None
+        if swap is None or swap.events is None:
+            return {}
+        return {"copy_end_s": [swap.start.elapsed_time(e) / 1e3 for e in swap.events],
+                "compute_start_s": [swap.start.elapsed_time(e) / 1e3 for e in events]}
+
+    def _poll_loads(self, result: StepResult, wait: bool = False) -> None:
+        """Report loads whose copies ended (waiting for those in flight only when asked)."""
+        for name, res in self.resident.items():
+            if res.swap is not None and (wait or res.swap.done()):
+                result.loaded[name] = res.swap.seconds()
+                res.swap = None
+
+    def wait_loads(self) -> dict[str, float]:
+        result = StepResult()
+        self._poll_loads(result, wait=True)
+        return result.loaded
+
+    # ---- status --------------------------------------------------------------------------------
+    def status(self) -> ExecutorStatus:
+        a = self.arena
+        dev = DeviceStatus(0, str(self.device), a.nbytes, a.used("weights"), a.used("kv"), a.compactions, self.budget)
+        models = {n: "loading" if r.swap is not None and not r.swap.done() else "resident"
+                  for n, r in self.resident.items()}
+        return ExecutorStatus([dev], models)
+
+    def probe_link(self, name: str, repeats: int) -> list[float]:
+        src = self.models[name].image.buffer
+        region = self.arena.allocate(src.numel(), "weights", "link-probe")
+        try:
+            return [_timed_copy(region.tensor[: src.numel()], src) for _ in range(repeats)]
+        finally:
+            self.arena.release(region)
+
+    def shutdown(self) -> None:
+        for name in list(self.resident):
+            self._evict(name)
+
+
+def _timed_copy(dst: torch.Tensor, src: torch.Tensor) -> float:
+    if dst.is_cuda:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src, non_blocking=True)
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) / 1e3
+    t0 = time.perf_counter()
+    dst.copy_(src)
+    return time.perf_counter() - t0

@@ -1,0 +1,18 @@
+"""Byte sizes shared by the scheduler (which accounts memory) and the executors (which allocate it).
+
+Pure Python: the scheduler sizes regions with these functions, and the arena
+hands out exactly these sizes, so the two never disagree about a byte.
+"""
+
+from __future__ import annotations
+
+ALIGN = 512  # every region and every parameter inside a weight image starts at a multiple of this
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+def kv_region_bytes(tokens: int, bytes_per_token: int) -> int:
+    """Device bytes of one sequence's key/value cache holding ``tokens`` tokens."""
+    return align_up(max(1, tokens * bytes_per_token))

@@ -27,7 +27,7 @@ from computron.parallel.dims import ParallelDims  # noqa: E402
 from computron.planner.estimate import CostModel, PlanConfig, PlanContext  # noqa: E402
 from computron.planner.hardware import parse_compact  # noqa: E402
 from computron.planner.layout import stage_envs  # noqa: E402
-from computron.planner.model import ModelSpec  # noqa: E402
+from computron.planner.model import TransformerShape  # noqa: E402
 
 KORTHIKANTI = [  # name, layers, hidden, heads, tp, pp, global batch, seconds
     ("22B", 48, 6144, 64, 8, 1, 4, 1.42),
@@ -49,7 +49,7 @@ NARAYANAN = [  # name, heads, hidden, layers, tp, pp, GPUs, global batch, achiev
 ]
 
 
-def predict(m: ModelSpec, tp: int, pp: int, dp: int, mbs: int = 1, v: int = 1) -> dict:
+def predict(m: TransformerShape, tp: int, pp: int, dp: int, mbs: int = 1, v: int = 1) -> dict:
     nodes = tp * pp * dp // 8
     cluster = parse_compact(f"a100-80gb:8x{nodes}")
     placement = (cluster.node_types[0],) * nodes
@@ -65,11 +65,11 @@ def predict(m: ModelSpec, tp: int, pp: int, dp: int, mbs: int = 1, v: int = 1) -
 def main() -> int:
     rows = []
     for name, L, h, a, tp, pp, B, sec in KORTHIKANTI:
-        m = ModelSpec(f"gpt-{name}", "gpt", L, h, a, 4 * h, 51200, 2048, B)
+        m = TransformerShape(f"gpt-{name}", "gpt", L, h, a, 4 * h, 51200, 2048, B)
         rows.append({"source": "Korthikanti 2022 (full recompute)", "model": name, "tp": tp, "pp": pp, "dp": 1,
                      "gpus": tp * pp, "global_batch": B, "published_s": sec, **predict(m, tp, pp, 1)})
     for name, a, h, L, tp, pp, gpus, B, tflops in NARAYANAN:
-        m = ModelSpec(f"gpt-{name}", "gpt", L, h, a, 4 * h, 51200, 2048, B)
+        m = TransformerShape(f"gpt-{name}", "gpt", L, h, a, 4 * h, 51200, 2048, B)
         flops = 96 * B * 2048 * L * h * h * (1 + 2048 / (6 * h) + 51200 / (16 * L * h))
         dp = gpus // (tp * pp)
         rows.append({"source": "Narayanan 2021 Table 1 (mbs=1, v=1 assumed)", "model": name, "tp": tp, "pp": pp,

@@ -1,6 +1,10 @@
-"""The `computron` command's engine parts: generate and the swap benchmarks, on the CPU."""
+"""The `computron` command's engine parts (generate and the swap benchmarks, on the CPU) and its help without torch."""
 
 import json
+import subprocess
+import sys
+
+import pytest
 
 from computron.cli import main
 
@@ -40,8 +44,16 @@ def test_bench_swap_reports_against_raw_copy(tmp_path):
 
 
 def test_bench_rejects_nonpositive_counts(capsys):
-    import pytest
-
     with pytest.raises(SystemExit):
         main(["bench", "round-robin", "tiny-opt", "-n", "0"])
     assert "must be at least 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["ps", "--help"], ["plan", "search", "--help"],
+                                  ["bench", "swap", "--help"], ["bench", "round-robin", "--help"]])
+def test_help_works_without_torch(argv):
+    code = ("import sys; sys.modules['torch'] = None; from computron.cli import main; "
+            f"sys.exit(main({argv!r}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"usage: computron {' '.join(argv[:-1])}".rstrip()), out.stdout

@@ -11,7 +11,7 @@ from computron.parallel.dims import ParallelDims
 from computron.planner.estimate import CostModel, PlanConfig, PlanContext
 from computron.planner.hardware import parse_compact
 from computron.planner.layout import stage_envs
-from computron.planner.model import ModelSpec
+from computron.planner.model import TransformerShape
 
 CASES = [  # name, layers, hidden, heads, pp, global batch, published seconds per iteration
     ("22B", 48, 6144, 64, 1, 4, 1.42),
@@ -23,7 +23,7 @@ CASES = [  # name, layers, hidden, heads, pp, global batch, published seconds pe
 
 @pytest.mark.parametrize("name,L,h,a,pp,B,published", CASES)
 def test_korthikanti_full_recompute(name, L, h, a, pp, B, published):
-    m = ModelSpec(name, "gpt", L, h, a, 4 * h, 51200, 2048, B)
+    m = TransformerShape(name, "gpt", L, h, a, 4 * h, 51200, 2048, B)
     nodes = pp  # tp=8 fills one 8-GPU node per stage
     cl = parse_compact(f"a100-80gb:8x{nodes}")
     placement = (cl.node_types[0],) * nodes

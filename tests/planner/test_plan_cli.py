@@ -135,7 +135,7 @@ def test_add_parser_wires_into_a_top_level_cli(capsys):
       "--mbs", "1"], "does not match whole nodes"),
     (["estimate", "--model", "gpt2-345m", "--cluster", "a100-80gb:8x1", "--tp", "1", "--pp", "1", "--dp", "8",
       "--mbs", "3"], "not divisible by dp*mbs"),
-    (["estimate", "--model", "llama2-7b", "--cluster", "v100:8x1", "--tp", "8", "--pp", "1", "--dp", "1",
+    (["estimate", "--model", "llama-2-7b", "--cluster", "v100:8x1", "--tp", "8", "--pp", "1", "--dp", "1",
       "--mbs", "1"], "no bfloat16"),
     (["estimate", "--model", "gpt2-345m", "--cluster", "a100-80gb:8x1", "--tp", "1", "--pp", "50", "--dp", "1",
       "--mbs", "1"], "exceeds the 24 layers"),
@@ -152,7 +152,7 @@ def test_bad_yaml_inputs(tmp_path, capsys):
     code, _, err = run(["search", "--model", "gpt2-345m", "--cluster", str(bad)], capsys)
     assert code == 2 and "unknown fields ['colour']" in err
     m = tmp_path / "m.yaml"
-    m.write_text("preset: llama2-7b\nhidden: 4001\n")
+    m.write_text("preset: llama-2-7b\nhidden: 4001\n")
     code, _, err = run(["search", "--model", str(m), "--cluster", "a100-80gb:8x1"], capsys)
     assert code == 2 and "not a multiple of heads" in err
 

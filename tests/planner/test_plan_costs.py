@@ -8,10 +8,10 @@ import pytest
 from computron.planner import costs
 from computron.planner.costs import Assumptions
 from computron.planner.hardware import GPU_TYPES
-from computron.planner.model import ModelSpec, preset
+from computron.planner.model import TransformerShape, preset
 
 A100 = GPU_TYPES["a100-80gb"]
-GPT = ModelSpec("g", "gpt", layers=4, hidden=1024, heads=16, ffn=4096, vocab=50000, seq_len=512, global_batch=32)
+GPT = TransformerShape("g", "gpt", layers=4, hidden=1024, heads=16, ffn=4096, vocab=50000, seq_len=512, global_batch=32)
 
 
 def test_roofline_compute_and_memory_bound():
@@ -62,7 +62,7 @@ def test_activation_memory_is_korthikanti(t):
 
 
 def test_activation_memory_llama_gqa_flash():
-    m = preset("llama2-70b")  # gated, no dropout, flash, 8 kv heads
+    m = preset("llama-2-70b")  # gated, no dropout, flash, 8 kv heads
     t, b, s, h = 8, 1, m.seq_len, m.hidden
     M = b * s
     expect = 2 * M * 4 * h + 2 * M * (2 * h / t + 2 * 1 * 128) + 2 * M * m.ffn / t * 3 + 4 * b * 64 / t * s
@@ -125,7 +125,7 @@ def test_usable_memory():
 
 
 def test_model_flops_match_megatron_formula():
-    m = ModelSpec("x", "gpt", 96, 12288, 96, 4 * 12288, 51200, 2048, 64)
+    m = TransformerShape("x", "gpt", 96, 12288, 96, 4 * 12288, 51200, 2048, 64)
     B, s, l, h, V = 64, 2048, 96, 12288, 51200
     megatron = 72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))
     assert costs.model_flops_per_iteration(m) == pytest.approx(megatron, rel=1e-9)
@@ -135,8 +135,8 @@ def test_parameter_counts():
     h, f = GPT.hidden, GPT.ffn
     assert GPT.layer_params(1) == 4 * h * h + 2 * h * f + 3 * h + h + f + h + 4 * h
     assert preset("gpt2-1.5b").total_params() == pytest.approx(1.558e9, rel=2e-3)
-    assert preset("llama2-7b").total_params() == pytest.approx(6.738e9, rel=2e-3)
-    assert preset("llama2-70b").total_params() == pytest.approx(68.98e9, rel=2e-3)
+    assert preset("llama-2-7b").total_params() == pytest.approx(6.738e9, rel=2e-3)
+    assert preset("llama-2-70b").total_params() == pytest.approx(68.98e9, rel=2e-3)
     # sharding: matrices split over tp, norms and row biases replicated
     assert GPT.layer_params(4) == pytest.approx((4 * h * h + 2 * h * f + 3 * h + f) / 4 + h + h + 4 * h)
 

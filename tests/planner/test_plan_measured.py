@@ -5,9 +5,9 @@ import pytest
 from computron.planner.estimate import CostModel
 from computron.planner.hardware import GPU_TYPES
 from computron.planner.measured import model_shape, table_from_dict
-from computron.planner.model import ModelSpec
+from computron.planner.model import TransformerShape
 
-M = ModelSpec("m", "gpt", layers=4, hidden=64, heads=4, ffn=256, vocab=256, seq_len=32, global_batch=16)
+M = TransformerShape("m", "gpt", layers=4, hidden=64, heads=4, ffn=256, vocab=256, seq_len=32, global_batch=16)
 
 
 def table():
@@ -34,6 +34,6 @@ def test_cost_model_uses_profile_then_roofline():
 
 def test_shape_mismatch_is_refused():
     with pytest.raises(ValueError, match="hidden=64"):
-        CostModel(ModelSpec("n", "gpt", 4, 128, 4, 512, 256, 32, 16), profile=table())
+        CostModel(TransformerShape("n", "gpt", 4, 128, 4, 512, 256, 32, 16), profile=table())
     with pytest.raises(ValueError, match="not a planner profile"):
         table_from_dict({"x": 1})

@@ -4,12 +4,12 @@ import os
 
 import pytest
 
-from computron.planner.model import ModelSpec
+from computron.planner.model import TransformerShape
 from computron.planner.pareto import (ParetoPoint, compositions_upto, dominates, parse_node_types, pareto_front,
                                       plot, sweep)
 from computron.planner.search import SearchOptions
 
-SMALL = ModelSpec("small", "gpt", layers=8, hidden=1024, heads=16, ffn=4096, vocab=32000, seq_len=1024, global_batch=32)
+SMALL = TransformerShape("small", "gpt", layers=8, hidden=1024, heads=16, ffn=4096, vocab=32000, seq_len=1024, global_batch=32)
 
 
 def test_compositions_upto():

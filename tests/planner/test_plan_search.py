@@ -9,10 +9,10 @@ from computron.parallel.dims import ParallelDims
 from computron.planner.estimate import CostModel, PlanConfig, PlanContext
 from computron.planner.hardware import parse_compact
 from computron.planner.layout import distinct_orderings, stage_envs
-from computron.planner.model import ModelSpec, preset
+from computron.planner.model import TransformerShape, preset
 from computron.planner.search import SearchOptions, _layouts, block_orderings, capped_min_max, divisors, search
 
-SMALL = ModelSpec("small", "gpt", layers=8, hidden=1024, heads=16, ffn=4096, vocab=32000, seq_len=1024, global_batch=32)
+SMALL = TransformerShape("small", "gpt", layers=8, hidden=1024, heads=16, ffn=4096, vocab=32000, seq_len=1024, global_batch=32)
 
 
 def brute_force(m, cluster, opts):
@@ -42,7 +42,7 @@ def brute_force(m, cluster, opts):
 @pytest.mark.parametrize("model,spec", [
     (SMALL, "a100-80gb:4x1,a10:4x1"),
     # memory binds: 13B-class layers on 24 GB A10s next to 80 GB A100s
-    (ModelSpec("mid", "llama", layers=16, hidden=5120, heads=40, ffn=13824, vocab=32000, seq_len=2048,
+    (TransformerShape("mid", "llama", layers=16, hidden=5120, heads=40, ffn=13824, vocab=32000, seq_len=2048,
                global_batch=16, dtype="bfloat16"), "a100-80gb:4x1,a10:4x2"),
 ])
 def test_branch_and_bound_finds_the_brute_force_optimum(model, spec):
@@ -78,7 +78,7 @@ def test_large_cluster_is_searched_in_blocks():
 
 
 def test_infeasible_plans_never_returned():
-    m = replace(preset("llama2-13b"), global_batch=64)
+    m = replace(preset("llama-2-13b"), global_batch=64)
     cluster = parse_compact("a10:4x4")
     res = search(m, cluster, SearchOptions(top=50, recompute="none"))
     assert res.plans, "some plan should fit on 16 A10s"
@@ -90,7 +90,7 @@ def test_infeasible_plans_never_returned():
 
 
 def test_nothing_fits_returns_no_plan():
-    m = preset("llama2-70b")
+    m = preset("llama-2-70b")
     res = search(m, parse_compact("l4:8x1"), SearchOptions())
     assert res.plans == []
 

@@ -15,7 +15,7 @@ from ..config import EngineConfig, ModelSpec
 from ..engine import Engine, SamplingParams
 from ..memory.layout import layout_for
 from ..models import resolve_model
-from .common import machine, positive_int, print_table, summary, write_json
+from .common import machine, print_table, summary, write_json
 
 
 def run_policy(model: str, n: int, r: int, policy: str, blocking: bool, prompt_len: int, max_tokens: int,

@@ -26,7 +26,7 @@ from ..memory.host import HostImage
 from ..memory.layout import layout_for
 from ..models import resolve_model
 from ..models.transformer import DecoderLM, bind_weights
-from .common import machine, positive_int, print_table, sync, write_json
+from .common import machine, print_table, sync, write_json
 
 
 def _median(xs):

@@ -4,7 +4,7 @@ Pure CPU and torch-free (only ``planner.profile`` imports torch, inside its func
 Modules, in the order data flows through them:
 
 - ``hardware``: GPU and node presets, cluster YAML and compact specs -> Cluster
-- ``model``: model presets and YAML -> ModelSpec
+- ``model``: model presets and YAML -> TransformerShape
 - ``costs``: the cost formulas (roofline compute, collectives, p2p, optimizer, memory)
 - ``measured``: measured per-layer profiles (from ``plan profile``) in place of the roofline
 - ``layout``: placement + ParallelDims -> what each pipeline stage sees (StageEnv)
@@ -19,9 +19,9 @@ from .costs import Assumptions
 from .errors import PlannerError
 from .estimate import CostModel, PlanConfig, PlanContext, PlanResult
 from .hardware import GPU_TYPES, Cluster, NodeType, load_cluster, parse_compact
-from .model import PRESETS, ModelSpec, load_model
+from .model import PRESETS, TransformerShape, load_model
 from .search import SearchOptions
 
 __all__ = ["Assumptions", "PlannerError", "CostModel", "PlanConfig", "PlanContext", "PlanResult", "GPU_TYPES",
-           "Cluster", "NodeType", "load_cluster", "parse_compact", "PRESETS", "ModelSpec", "load_model",
+           "Cluster", "NodeType", "load_cluster", "parse_compact", "PRESETS", "TransformerShape", "load_model",
            "SearchOptions"]

@@ -19,7 +19,7 @@ from .estimate import METHODS, CostModel, PlanConfig, PlanContext
 from .hardware import Cluster, load_cluster
 from .layout import check_dims, parse_placement, placement_text, stage_envs
 from .measured import load_profile
-from .model import ModelSpec, load_model
+from .model import PRESETS, TransformerShape, load_model
 
 FORMATTER = argparse.ArgumentDefaultsHelpFormatter
 
@@ -35,7 +35,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="preset name (gpt2-1.5b, llama2-7b, ...) or a YAML file")
+    p.add_argument("--model", required=True, help=f"preset name ({', '.join(PRESETS)}) or a YAML file")
     p.add_argument("--seq-len", type=int, help="override the model's sequence length")
     p.add_argument("--global-batch", type=int, help="override the global batch (sequences per iteration)")
 
@@ -141,11 +141,11 @@ def _console():
     return Console(width=None if sys.stdout.isatty() else 220, soft_wrap=False)
 
 
-def _model(args) -> ModelSpec:
+def _model(args) -> TransformerShape:
     return load_model(args.model, seq_len=args.seq_len, global_batch=args.global_batch)
 
 
-def _cost_model(args, m: ModelSpec) -> CostModel:
+def _cost_model(args, m: TransformerShape) -> CostModel:
     a = Assumptions(bytes_per_param=args.bytes_per_param, memory_margin=args.memory_margin)
     prof = load_profile(args.profile, args.profile_gpu) if args.profile else None
     return CostModel(m, a, prof)

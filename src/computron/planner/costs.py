@@ -1,6 +1,6 @@
 """The cost model: small pure functions, one formula each (seconds, bytes, FLOPs).
 
-What flows through: a :class:`~computron.planner.model.ModelSpec`, a GPU type, the TP degree
+What flows through: a :class:`~computron.planner.model.TransformerShape`, a GPU type, the TP degree
 ``t`` and micro-batch size ``b`` go in; seconds (or bytes) come out. Nothing here knows about
 stages, schedules or placements: estimate.py composes these into a plan's time.
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .hardware import GpuType
-from .model import ModelSpec
+from .model import TransformerShape
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ def roofline(flops: float, nbytes: float, gpu: GpuType, dtype: str, a: Assumptio
     return max(flops / peak, nbytes / (gpu.hbm_bw * a.hbm_eff)) + a.kernel_overhead_s
 
 
-def layer_gemms(m: ModelSpec, t: int, b: int) -> list[tuple[str, float, float]]:
+def layer_gemms(m: TransformerShape, t: int, b: int) -> list[tuple[str, float, float]]:
     """Forward GEMMs of one layer on one TP rank: ``(name, FLOPs, bytes)``, FLOPs = 2*M*K*N.
 
     QKV: M x h x (h/t + 2kd); out: M x h/t x h; MLP: M x h x f/t (twice when gated) and
@@ -78,14 +78,14 @@ def layer_gemms(m: ModelSpec, t: int, b: int) -> list[tuple[str, float, float]]:
     return out
 
 
-def flash_attention_fwd(m: ModelSpec, t: int, b: int) -> tuple[float, float]:
+def flash_attention_fwd(m: TransformerShape, t: int, b: int) -> tuple[float, float]:
     """Fused causal attention: ``FLOPs = 4*b*(a/t)*s^2*d / 2`` (masked blocks skipped), bytes of Q,K,V,O."""
     heads = b * m.heads / t
     s, d = m.seq_len, m.head_dim
     return heads * 4.0 * s * s * d * 0.5, heads * m.bytes_per_elem * 4 * s * d
 
 
-def elementwise_bytes(m: ModelSpec, t: int, b: int) -> float:
+def elementwise_bytes(m: TransformerShape, t: int, b: int) -> float:
     """HBM traffic of one layer's non-GEMM forward kernels on one TP rank (bytes).
 
     Replicated over TP (no sequence parallelism): 2 norms (read+write, 4*Mh), 2 residual adds
@@ -107,7 +107,7 @@ def elementwise_bytes(m: ModelSpec, t: int, b: int) -> float:
 ELEMENTWISE_KERNELS = 8  # norms, residual adds, dropouts, activation, softmax: kernels per layer forward
 
 
-def layer_compute(m: ModelSpec, gpu: GpuType, t: int, b: int, a: Assumptions = DEFAULT) -> tuple[float, float]:
+def layer_compute(m: TransformerShape, gpu: GpuType, t: int, b: int, a: Assumptions = DEFAULT) -> tuple[float, float]:
     """(forward, backward) seconds of one layer's compute on one TP rank, communication excluded.
 
     forward = sum of roofline(GEMM) + fused attention + elementwise bytes / (hbm_bw * hbm_eff);
@@ -123,13 +123,13 @@ def layer_compute(m: ModelSpec, gpu: GpuType, t: int, b: int, a: Assumptions = D
     return gemm + attn + elem, 2 * gemm + 2.5 * attn + 2 * elem
 
 
-def embedding_compute(m: ModelSpec, gpu: GpuType, t: int, b: int, a: Assumptions = DEFAULT) -> tuple[float, float]:
+def embedding_compute(m: TransformerShape, gpu: GpuType, t: int, b: int, a: Assumptions = DEFAULT) -> tuple[float, float]:
     """(fwd, bwd) of the input embedding: gather + position add + dropout, ~4 x e*M*h bytes each way."""
     x = 4 * m.bytes_per_elem * b * m.seq_len * m.hidden / (gpu.hbm_bw * a.hbm_eff) + 2 * a.kernel_overhead_s
     return x, x
 
 
-def head_compute(m: ModelSpec, gpu: GpuType, t: int, b: int, a: Assumptions = DEFAULT) -> tuple[float, float]:
+def head_compute(m: TransformerShape, gpu: GpuType, t: int, b: int, a: Assumptions = DEFAULT) -> tuple[float, float]:
     """(fwd, bwd) of final norm + logits GEMM (M x h x V/t) + vocab-parallel cross entropy.
 
     Cross entropy reads/writes fp32 logits ~4 times forward and ~2 times backward: 16 and 8 bytes x M*V/t.
@@ -153,20 +153,20 @@ def ring_allreduce(nbytes: float, n: int, bw: float, latency: float) -> float:
     return 2.0 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * latency
 
 
-def tp_allreduce(m: ModelSpec, t: int, b: int, intra_bw: float, a: Assumptions = DEFAULT) -> float:
+def tp_allreduce(m: TransformerShape, t: int, b: int, intra_bw: float, a: Assumptions = DEFAULT) -> float:
     """One Megatron TP all-reduce of the layer output (e*b*s*h bytes) over NVLink/PCIe inside a node."""
     nbytes = m.bytes_per_elem * b * m.seq_len * m.hidden
     return ring_allreduce(nbytes, t, intra_bw * a.intra_eff, a.intra_latency_s)
 
 
-def layer_tp_comm(m: ModelSpec, t: int, b: int, intra_bw: float, a: Assumptions = DEFAULT) -> tuple[float, float]:
+def layer_tp_comm(m: TransformerShape, t: int, b: int, intra_bw: float, a: Assumptions = DEFAULT) -> tuple[float, float]:
     """(fwd, bwd) TP communication of one layer: 2 all-reduces forward (after attention and MLP,
     Megatron's g), 2 backward (before QKV and MLP-up, Megatron's f)."""
     x = tp_allreduce(m, t, b, intra_bw, a)
     return 2 * x, 2 * x
 
 
-def p2p_time(m: ModelSpec, t: int, b: int, link_bw: float, intra_bw: float, a: Assumptions = DEFAULT,
+def p2p_time(m: TransformerShape, t: int, b: int, link_bw: float, intra_bw: float, a: Assumptions = DEFAULT,
              crosses: bool = True) -> float:
     """Send one activation (E = e*b*s*h bytes) to the next stage: ``E/link_bw + p2p_latency``.
 
@@ -189,7 +189,7 @@ def dp_allreduce(params_rank: float, dp: int, bw: float, latency: float, a: Assu
     return ring_allreduce(params_rank * a.grad_bytes, dp, bw, latency)
 
 
-def embedding_sync(m: ModelSpec, t: int, bw: float, latency: float, a: Assumptions = DEFAULT) -> float:
+def embedding_sync(m: TransformerShape, t: int, bw: float, latency: float, a: Assumptions = DEFAULT) -> float:
     """Tied word embeddings with pp>1: all-reduce of the V*h/t gradient between the first and last
     stage (2 ranks: ``bytes / bw + 2*latency``)."""
     return ring_allreduce(m.vocab * m.hidden / t * a.grad_bytes, 2, bw, latency)
@@ -203,7 +203,7 @@ def optimizer_step(params_rank: float, gpu: GpuType, dp: int, zero1: bool, a: As
 
 
 # ---------------------------------------------------------------- memory
-def activation_bytes(m: ModelSpec, t: int, b: int) -> float:
+def activation_bytes(m: TransformerShape, t: int, b: int) -> float:
     """Activations one layer keeps for backward, per micro-batch, per TP rank (Korthikanti et al. 2022).
 
     GPT with dropout and standard attention gives ``s*b*h*(10 + 24/t + 5*a*s/(h*t))``. In general:
@@ -224,18 +224,18 @@ def activation_bytes(m: ModelSpec, t: int, b: int) -> float:
     return rep + sh + sc
 
 
-def layer_input_bytes(m: ModelSpec, b: int) -> float:
+def layer_input_bytes(m: TransformerShape, b: int) -> float:
     """With full recomputation a layer keeps only its input, ``e*b*s*h`` (replicated over TP)."""
     return m.bytes_per_elem * b * m.seq_len * m.hidden
 
 
-def embedding_activation_bytes(m: ModelSpec, b: int) -> float:
+def embedding_activation_bytes(m: TransformerShape, b: int) -> float:
     """First stage: embedding output (+ its dropout mask)."""
     M = b * m.seq_len
     return m.bytes_per_elem * M * m.hidden + (M * m.hidden if m.dropout else 0)
 
 
-def head_activation_bytes(m: ModelSpec, t: int, b: int) -> float:
+def head_activation_bytes(m: TransformerShape, t: int, b: int) -> float:
     """Last stage: logits (e bytes) and their fp32 copy for the loss, ``(e + 4) * M * V/t``."""
     return (m.bytes_per_elem + 4) * b * m.seq_len * m.vocab / t
 
@@ -254,7 +254,7 @@ def usable_memory(gpu: GpuType, a: Assumptions = DEFAULT) -> float:
 
 
 # ---------------------------------------------------------------- FLOP accounting (for reports)
-def model_flops_per_iteration(m: ModelSpec) -> float:
+def model_flops_per_iteration(m: TransformerShape) -> float:
     """Model FLOPs of one iteration (fwd+bwd = 3x forward, no recomputation), full s^2 attention:
     ``3 * B * (L * (2*M*P_matmul + 4*s^2*h) + 2*s*h*V)`` with M = s (per sequence)."""
     s, h = m.seq_len, m.hidden

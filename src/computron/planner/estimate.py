@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from computron.parallel.dims import ParallelDims
 
@@ -25,7 +24,10 @@ from .errors import PlannerError
 from .hardware import GpuType, NodeType
 from .layout import StageEnv
 from .measured import ProfileTable
-from .model import ModelSpec
+from .model import TransformerShape
+
+if TYPE_CHECKING:
+    import numpy as np
 
 METHODS = ("balanced", "greedy", "exact")
 
@@ -40,7 +42,7 @@ class PlanConfig:
     recompute: bool = False  # full activation recomputation
     zero1: bool = False  # optimizer state sharded over data-parallel ranks
 
-    def micro_batches(self, m: ModelSpec) -> int:
+    def micro_batches(self, m: TransformerShape) -> int:
         """m = global batch / (dp * mbs); raise when it does not divide or violates the schedule."""
         dp, pp = self.dims.dp, self.dims.pp
         if self.mbs < 1 or m.global_batch % (dp * self.mbs):
@@ -59,7 +61,7 @@ class PlanConfig:
 class CostModel:
     """Per-layer costs of one model, from the roofline or a measured profile, cached."""
 
-    def __init__(self, model: ModelSpec, assumptions: Assumptions = DEFAULT, profile: ProfileTable | None = None):
+    def __init__(self, model: TransformerShape, assumptions: Assumptions = DEFAULT, profile: ProfileTable | None = None):
         if profile is not None:
             profile.check_model(model)
         self.model, self.a, self.profile = model, assumptions, profile
@@ -98,7 +100,7 @@ class MemoryTerms:
     act_fixed: float  # once (logits)
 
 
-def memory_terms(m: ModelSpec, tp: int, mbs: int, s: int, p: int, recompute: bool, act: float) -> MemoryTerms:
+def memory_terms(m: TransformerShape, tp: int, mbs: int, s: int, p: int, recompute: bool, act: float) -> MemoryTerms:
     """The memory terms of stage s of p; ``act`` is one layer's activations per micro-batch."""
     fixed = act_mb = act_fixed = 0.0
     if s == 0:

@@ -28,7 +28,7 @@ from computron.parallel.dims import ParallelDims
 from .costs import Assumptions
 from .errors import PlannerError
 from .hardware import Cluster, NodeType
-from .model import ModelSpec
+from .model import TransformerShape
 
 
 _UIDS = itertools.count()
@@ -59,7 +59,7 @@ class StageEnv:
         return "+".join(sorted({n.gpu.name for n in self.nodes}))
 
 
-def check_dims(m: ModelSpec, dims: ParallelDims, gpus_per_node: list[int]) -> None:
+def check_dims(m: TransformerShape, dims: ParallelDims, gpus_per_node: list[int]) -> None:
     """Raise PlannerError when ``dims`` cannot shard ``m`` or fit TP groups inside nodes."""
     try:
         dims.validate_for(num_layers=m.layers, num_heads=m.heads, num_kv_heads=m.kv)

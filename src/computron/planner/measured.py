@@ -15,13 +15,13 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 
 from .errors import PlannerError
-from .model import ModelSpec
+from .model import TransformerShape
 
 FORMAT = "computron-plan-profile/1"
 SHAPE_KEYS = ("family", "hidden", "heads", "kv_heads", "ffn", "seq_len", "flash_attention")
 
 
-def model_shape(m: ModelSpec) -> dict:
+def model_shape(m: TransformerShape) -> dict:
     """The fields of a model a layer profile depends on."""
     return {"family": m.family, "hidden": m.hidden, "heads": m.heads, "kv_heads": m.kv, "ffn": m.ffn,
             "seq_len": m.seq_len, "flash_attention": bool(m.flash_attention)}
@@ -36,7 +36,7 @@ class ProfileTable:
     entries: dict[int, list[tuple[int, float, float, float | None]]] = field(default_factory=dict)
     source: str = ""
 
-    def check_model(self, m: ModelSpec) -> None:
+    def check_model(self, m: TransformerShape) -> None:
         """Raise when the profile was measured for another layer shape."""
         want = model_shape(m)
         diff = [f"{k}={self.shape.get(k)!r} (model has {want[k]!r})" for k in SHAPE_KEYS if k in self.shape and self.shape[k] != want[k]]

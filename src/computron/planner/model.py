@@ -1,11 +1,13 @@
 """The model being trained: shape, batch and family switches, with presets and YAML loading.
 
 What flows through: ``--model`` (a preset name or a YAML file, optionally with a ``preset:`` base
-and overrides) becomes a :class:`ModelSpec`. Parameter counts per tensor-parallel rank are derived
-here (used by the memory model and the gradient all-reduce); FLOPs and times live in costs.py.
+and overrides) becomes a :class:`TransformerShape`. Parameter counts per tensor-parallel rank are
+derived here (used by the memory model and the gradient all-reduce); FLOPs and times live in costs.py.
 
 This is a training-side description (sequence length, global batch) of the same decoder shapes
-``computron.models`` serves; it is kept self-contained so the planner imports nothing heavy.
+``computron.models`` serves; it is kept self-contained so the planner imports nothing heavy. A
+model both know goes by the name ``computron.models.presets`` gives it (``llama-2-7b``); the
+planner's earlier spellings (``llama2-7b``) still resolve, as aliases.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ DTYPE_BYTES = {"float16": 2, "bfloat16": 2}
 
 
 @dataclass(frozen=True)
-class ModelSpec:
+class TransformerShape:
     """A decoder-only Transformer and its training batch.
 
     ``family`` "gpt": LayerNorm, GeLU MLP, biases, learned positions, dropout, tied embeddings.
@@ -127,14 +129,16 @@ class ModelSpec:
 
 
 def _gpt(name, layers, hidden, heads, seq, batch, vocab=50257, ffn=None):
-    return ModelSpec(name, "gpt", layers, hidden, heads, ffn or 4 * hidden, vocab, seq, batch, dtype="float16")
+    return TransformerShape(name, "gpt", layers, hidden, heads, ffn or 4 * hidden, vocab, seq, batch,
+                            dtype="float16")
 
 
 def _llama(name, layers, hidden, heads, kv, ffn, vocab, seq, batch):
-    return ModelSpec(name, "llama", layers, hidden, heads, ffn, vocab, seq, batch, kv_heads=kv, dtype="bfloat16")
+    return TransformerShape(name, "llama", layers, hidden, heads, ffn, vocab, seq, batch, kv_heads=kv,
+                            dtype="bfloat16")
 
 
-PRESETS: dict[str, ModelSpec] = {m.name: m for m in [
+PRESETS: dict[str, TransformerShape] = {m.name: m for m in [
     _gpt("gpt2-345m", 24, 1024, 16, 1024, 512),
     _gpt("gpt2-1.5b", 48, 1600, 25, 1024, 512),
     # GPT-3 shapes (Brown et al. 2020, Table 2.1); global batch from the paper's token batch / 2048
@@ -144,17 +148,21 @@ PRESETS: dict[str, ModelSpec] = {m.name: m for m in [
     _gpt("gpt3-13b", 40, 5120, 40, 2048, 1024),
     _gpt("gpt3-175b", 96, 12288, 96, 2048, 1536),
     # Llama 2 (Touvron et al. 2023): 4M-token batches of 4096; Llama 3: 8192-token context
-    _llama("llama2-7b", 32, 4096, 32, 32, 11008, 32000, 4096, 1024),
-    _llama("llama2-13b", 40, 5120, 40, 40, 13824, 32000, 4096, 1024),
-    _llama("llama2-70b", 80, 8192, 64, 8, 28672, 32000, 4096, 1024),
-    _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192, 512),
-    _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192, 512),
+    _llama("llama-2-7b", 32, 4096, 32, 32, 11008, 32000, 4096, 1024),
+    _llama("llama-2-13b", 40, 5120, 40, 40, 13824, 32000, 4096, 1024),
+    _llama("llama-2-70b", 80, 8192, 64, 8, 28672, 32000, 4096, 1024),
+    _llama("llama-3-8b", 32, 4096, 32, 8, 14336, 128256, 8192, 512),
+    _llama("llama-3-70b", 80, 8192, 64, 8, 28672, 128256, 8192, 512),
 ]}
 
-_FIELDS = {f.name for f in fields(ModelSpec)}
+# The planner's earlier names, kept so that old commands, result files and YAML bases still resolve.
+ALIASES: dict[str, str] = {"llama2-7b": "llama-2-7b", "llama2-13b": "llama-2-13b", "llama2-70b": "llama-2-70b",
+                           "llama3-8b": "llama-3-8b", "llama3-70b": "llama-3-70b"}
+
+_FIELDS = {f.name for f in fields(TransformerShape)}
 
 
-def model_from_dict(data: dict, default_name: str = "custom") -> ModelSpec:
+def model_from_dict(data: dict, default_name: str = "custom") -> TransformerShape:
     """A model from parsed YAML: either all fields, or ``preset: NAME`` plus overrides."""
     if not isinstance(data, dict):
         raise PlannerError("model YAML must be a mapping of field: value")
@@ -169,17 +177,19 @@ def model_from_dict(data: dict, default_name: str = "custom") -> ModelSpec:
     if missing:
         raise PlannerError(f"model YAML without 'preset' needs {sorted(missing)}")
     data.setdefault("name", default_name)
-    return ModelSpec(**data)
+    return TransformerShape(**data)
 
 
-def preset(name: str) -> ModelSpec:
+def preset(name: str) -> TransformerShape:
+    """A preset by its name or an alias of it (case-insensitive)."""
     key = name.strip().lower()
+    key = ALIASES.get(key, key)
     if key not in PRESETS:
         raise PlannerError(f"unknown model {name!r}; presets: {', '.join(PRESETS)} (or a YAML file)")
     return PRESETS[key]
 
 
-def load_model(arg: str, **overrides) -> ModelSpec:
+def load_model(arg: str, **overrides) -> TransformerShape:
     """``--model``: a preset name or a YAML file; ``overrides`` (seq_len=..., global_batch=...) win."""
     if arg.endswith((".yaml", ".yml", ".json")) or os.path.isfile(arg):
         import yaml

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from .errors import PlannerError
 from .estimate import CostModel, PlanResult
 from .hardware import Cluster, NodeType, gpu_type, make_node_type
-from .model import ModelSpec
+from .model import TransformerShape
 from .search import SearchOptions, search
 
 _ITEM = re.compile(r"^([A-Za-z0-9_.\-]+)(?::(\d+)(?:[xX*](\d+))?)?$")
@@ -72,7 +72,7 @@ def compositions_upto(caps: list[int], max_nodes: int) -> list[tuple[int, ...]]:
     return out
 
 
-def sweep(m: ModelSpec, types: list[NodeType], caps: list[int | None], max_nodes: int,
+def sweep(m: TransformerShape, types: list[NodeType], caps: list[int | None], max_nodes: int,
           opts: SearchOptions = SearchOptions(), cm: CostModel | None = None) -> list[ParetoPoint]:
     """Fastest feasible plan of every composition (each uses all its nodes)."""
     cm = cm or CostModel(m)

@@ -5,6 +5,9 @@ when k layers do not fit in its memory) goes in; a tuple of p layer counts summi
 out (or None when nothing fits). Layers of one model are identical, so a partition is a list of
 counts and contiguity is automatic.
 
+numpy is imported inside the functions that use it, so that importing the planner (and building
+the ``computron`` command line) stays quick.
+
 - ``balanced``: equal counts, the remainder to the middle stages (Megatron's default).
 - ``greedy``: water-filling for linear costs ``k * t_s + c_s``: every stage starts with one
   layer, each further layer goes where it raises that stage's time the least. Minimises the
@@ -17,8 +20,10 @@ from __future__ import annotations
 
 import heapq
 import math
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 INF = math.inf
 
@@ -56,6 +61,8 @@ def greedy(L: int, t: list[float], c: list[float], caps: list[int]) -> tuple[int
 
 def linear_costs(L: int, t: list[float], c: list[float], caps: list[int]) -> np.ndarray:
     """The cost table of linear stage times: ``cost[s][k] = k*t_s + c_s`` for 1 <= k <= caps[s]."""
+    import numpy as np
+
     p = len(t)
     k = np.arange(L + 1, dtype=float)
     table = np.outer(np.ones(p), k) * np.asarray(t, dtype=float)[:, None] + np.asarray(c, dtype=float)[:, None]
@@ -71,6 +78,8 @@ def exact(cost: np.ndarray) -> tuple[int, ...] | None:
     Pass 2: ``g[s][j] = min_k g[s-1][j-k] + cost[s][k]`` over stage costs <= T* gives the counts.
     O(p * L^2), vectorised over (j, k).
     """
+    import numpy as np
+
     cost = np.asarray(cost, dtype=float)
     p, L1 = cost.shape
     L = L1 - 1

@@ -1,6 +1,6 @@
 """``plan profile``: time one Transformer layer's forward and backward on the local device.
 
-What flows through: a ModelSpec, TP degrees and micro-batch sizes go in; a profile dict (the
+What flows through: a TransformerShape, TP degrees and micro-batch sizes go in; a profile dict (the
 file format measured.py reads) comes out, one entry per (tp, mbs) with the median forward and
 backward seconds of one layer shard and the bytes it saves for backward.
 
@@ -20,7 +20,7 @@ import statistics
 import time
 
 from .measured import FORMAT, model_shape
-from .model import ModelSpec
+from .model import TransformerShape
 
 
 def planner_gpu_name(device_name: str, memory_bytes: float = 0.0) -> str:
@@ -38,7 +38,7 @@ def planner_gpu_name(device_name: str, memory_bytes: float = 0.0) -> str:
     return "unknown"
 
 
-def build_layer(m: ModelSpec, tp: int, device, dtype):
+def build_layer(m: TransformerShape, tp: int, device, dtype):
     """One decoder layer's TP shard as a torch.nn.Module (pre-norm, causal self-attention, MLP)."""
     import torch
     from torch import nn
@@ -90,7 +90,7 @@ def build_layer(m: ModelSpec, tp: int, device, dtype):
     return Layer().to(device=device, dtype=dtype)
 
 
-def measure(layer, mbs: int, m: ModelSpec, device, dtype, warmup: int = 3, repeats: int = 10) -> dict:
+def measure(layer, mbs: int, m: TransformerShape, device, dtype, warmup: int = 3, repeats: int = 10) -> dict:
     """Median forward and backward seconds of ``layer`` on a (mbs, seq, hidden) input, and the bytes
     of the tensors autograd saves (activations, parameters excluded)."""
     import torch
@@ -140,7 +140,7 @@ def measure(layer, mbs: int, m: ModelSpec, device, dtype, warmup: int = 3, repea
             "peak_bytes": peak}
 
 
-def run_profile(m: ModelSpec, tps: list[int], sizes: list[int], device: str = "auto", gpu: str | None = None,
+def run_profile(m: TransformerShape, tps: list[int], sizes: list[int], device: str = "auto", gpu: str | None = None,
                 warmup: int = 3, repeats: int = 10, log=print) -> dict:
     """Profile every (tp, mbs) and return the profile file's content (see measured.py)."""
     import torch

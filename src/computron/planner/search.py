@@ -36,7 +36,7 @@ from . import schedule
 from .estimate import METHODS, CostModel, PlanConfig, PlanContext, PlanResult, max_layers, memory_terms
 from .hardware import Cluster
 from .layout import check_dims, compositions, distinct_orderings, stage_envs, stage_node_names
-from .model import ModelSpec
+from .model import TransformerShape
 
 OBJECTIVES = ("time", "cost", "throughput")
 
@@ -95,7 +95,7 @@ def _recompute_options(opts: SearchOptions) -> tuple[bool, ...]:
     return {"auto": (False, True), "none": (False,), "full": (True,)}[opts.recompute]
 
 
-def _layouts(m: ModelSpec, n_gpus: int, per_node: list[int], opts: SearchOptions):
+def _layouts(m: TransformerShape, n_gpus: int, per_node: list[int], opts: SearchOptions):
     """Valid ParallelDims for n_gpus GPUs on nodes of the given sizes."""
     g = reduce(math.gcd, per_node)
     for tp in divisors(g):
@@ -115,7 +115,7 @@ def _layouts(m: ModelSpec, n_gpus: int, per_node: list[int], opts: SearchOptions
             yield dims
 
 
-def _tau(m: ModelSpec, nt, tp: int, b: int, cm: CostModel, rec: bool = False) -> float:
+def _tau(m: TransformerShape, nt, tp: int, b: int, cm: CostModel, rec: bool = False) -> float:
     """Seconds one TP group of node type ``nt`` spends per layer per sample at micro-batch ``b``
     (forward + backward op, TP all-reduces included, plus the recomputed forward with ``rec``)."""
     key = ("tau", id(nt), tp, b, rec)
@@ -131,7 +131,7 @@ class _StageTables:
     """Per group (tp/pp/dp fixed): upper bounds on the layers a stage on a given set of node types
     can hold at each stage index, and its per-layer time, computed once per set."""
 
-    def __init__(self, m: ModelSpec, dims: ParallelDims, opts: SearchOptions, cm: CostModel):
+    def __init__(self, m: TransformerShape, dims: ParallelDims, opts: SearchOptions, cm: CostModel):
         self.m, self.dims, self.opts, self.cm = m, dims, opts, cm
         self.sets: list[tuple] = []  # node-type tuples, by set id
         self._ids: dict = {}
@@ -190,7 +190,7 @@ def capped_min_max(L: int, w: list[float], caps: list[int], least: int = 1) -> f
     return math.inf if left > 1e-9 else floor
 
 
-def _free_bound(m: ModelSpec, dims: ParallelDims, stage_nodes, b: int, cm: CostModel) -> float:
+def _free_bound(m: TransformerShape, dims: ParallelDims, stage_nodes, b: int, cm: CostModel) -> float:
     """A bound for plans whose stages fall on these node types (in any order) at micro-batch b,
     memory ignored: a stage runs at its slowest type's ``tau_s``; one replica's B/dp samples
     through L layers take at least ``(B/dp) * L / sum_s 1/tau_s``."""
@@ -198,7 +198,7 @@ def _free_bound(m: ModelSpec, dims: ParallelDims, stage_nodes, b: int, cm: CostM
     return m.global_batch / dims.dp * m.layers / rate
 
 
-def _capped_bound(m: ModelSpec, sig: tuple[int, ...], b: int, v: int, opts: SearchOptions,
+def _capped_bound(m: TransformerShape, sig: tuple[int, ...], b: int, v: int, opts: SearchOptions,
                   tabs: _StageTables) -> tuple[float, bool]:
     """(bound, recompute) for plans whose stage s falls on node set ``sig[s]``, at micro-batch b and
     v: the capped fractional min-max times the micro-batches, without recomputation when the caps
@@ -217,7 +217,7 @@ def _capped_bound(m: ModelSpec, sig: tuple[int, ...], b: int, v: int, opts: Sear
     return math.inf, False
 
 
-def _group_bound(m: ModelSpec, comp: dict[str, int], nts: dict, dims: ParallelDims, sizes, cm: CostModel) -> float:
+def _group_bound(m: TransformerShape, comp: dict[str, int], nts: dict, dims: ParallelDims, sizes, cm: CostModel) -> float:
     """A bound for every plan of one composition and layout, whatever the placement and partition:
     B*L layer-samples shared by TP groups of total rate ``R = sum_g n_g / tau_g`` (tau at the best
     allowed micro-batch size) take at least ``B*L / R``."""
@@ -226,7 +226,7 @@ def _group_bound(m: ModelSpec, comp: dict[str, int], nts: dict, dims: ParallelDi
     return m.global_batch * m.layers / rate
 
 
-def _groups(m: ModelSpec, cluster: Cluster, opts: SearchOptions, cm: CostModel):
+def _groups(m: TransformerShape, cluster: Cluster, opts: SearchOptions, cm: CostModel):
     """Yield (time bound, (composition, node types, dims, micro-batch sizes, price))."""
     for comp in compositions(cluster, opts.all_nodes):
         nts = {name: cluster.by_name(name) for name in comp}
@@ -288,7 +288,7 @@ def _gatherings(group, opts: SearchOptions, cm: CostModel, stats: dict):
     yield from by_types.items()
 
 
-def search(m: ModelSpec, cluster: Cluster, opts: SearchOptions = SearchOptions(), cm: CostModel | None = None) -> SearchResult:
+def search(m: TransformerShape, cluster: Cluster, opts: SearchOptions = SearchOptions(), cm: CostModel | None = None) -> SearchResult:
     """The best ``opts.top`` feasible plans for ``m`` on ``cluster`` (see module docstring).
 
     Best-first branch and bound over one heap of entries, each popped in order of a valid lower

@@ -66,6 +66,7 @@ class EngineConfig:
     max_batch_size: int = 32
     max_tokens_per_step: int = 2048
     max_loaded: int = 1  # computron policy: models resident at once
+    kv_block_tokens: int = 16  # tokens per block of the paged KV cache
     prefetch: bool = True
 
     def __post_init__(self) -> None:

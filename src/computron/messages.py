@@ -111,22 +111,23 @@ class ModelInfo:
 # ---- steps -------------------------------------------------------------------------------------
 @dataclass
 class Residency:
-    """Residency changes, applied in order: evictions (release, nothing copied back), then loads
+    """Memory changes, applied in order: KV caches of preempted requests released (their sampling
+    state kept: they resume by recomputing), evictions (nothing copied back), then loads
     (asynchronous copies; compute may start while they are in flight)."""
 
     evict: list[str] = field(default_factory=list)
     load: list[str] = field(default_factory=list)
+    release: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.evict or self.load)
+        return bool(self.evict or self.load or self.release)
 
 
 @dataclass
 class SeqInput:
     req_id: str
     tokens: list[int]  # the new tokens of this step (the prompt on prefill, one token on decode)
-    past: int  # tokens already in the request's cache
-    capacity: int  # cache capacity in tokens (prompt + max_tokens), fixed at admission
+    past: int  # tokens already in the request's cache (0: a prefill, or a recompute after preemption)
     params: SamplingParams
 
 
@@ -164,3 +165,4 @@ class DeviceStatus:
 class ExecutorStatus:
     devices: list[DeviceStatus]
     models: dict[str, str]  # name -> "resident" | "loading" (copies in flight); absent: offloaded
+    kv_block_tokens: int = 16  # tokens per block of its paged KV caches

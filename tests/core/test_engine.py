@@ -154,40 +154,43 @@ def test_failed_step_fails_its_requests_not_the_engine():
 
 
 def test_compaction_moves_weights_and_kv_in_many_chunks_and_tokens_stay_the_same():
-    """Arena (T bytes): [A weights][hole kA][B weights][B's KV k1][tail]. A request for k2 bytes of
-    KV, more than either hole but not more than both, compacts: B's weights and k1 slide down by
-    kA, a move of many kA-sized chunks each; B must then still produce the reference tokens."""
-    ref = make_engine(64 * 2**20, models=["tiny-opt", "tiny-llama"])
-    info_a, info_b = ref.models["tiny-opt"].info, ref.models["tiny-llama"].info
-    a, b = info_a.total_bytes, info_b.total_bytes
-    ka = kv_region_bytes(8, info_a.kv_bytes_per_token[0])  # A: 4 prompt + 4 new tokens
-    k1 = kv_region_bytes(24, info_b.kv_bytes_per_token[0])  # B: 16 + 8
-    k2 = kv_region_bytes(28, info_b.kv_bytes_per_token[0])  # B: 20 + 8
-    tail = ka
-    assert k1 > ka and ka < k2 <= ka + tail and b > 8 * ka
-    arena = a + ka + b + k1 + tail
+    """Arena: [A][hole h][B][r1's KV blocks][tail t], h one KV block of A, smaller than a block
+    of B. Loading C (h < c, t < c <= h + t) compacts: B's weights and r1's blocks slide down by h,
+    in many h-sized chunks; r1 must go on to produce the reference tokens."""
+    a_, b_, c_ = "tiny-llama", "tiny-opt", "tiny-gpt2"
+    ref = make_engine(64 * 2**20, models=[b_])
+    sizes = {m: ref.models[m].nbytes for m in [b_]}
+    probe = make_engine(64 * 2**20, models=[a_, c_])
+    sizes.update({m: probe.models[m].nbytes for m in [a_, c_]})
+    bt = probe.executor.status().kv_block_tokens
+    block = {m: kv_region_bytes(bt, e.info.kv_bytes_per_token[0])
+             for m, e in {**probe.models, **ref.models}.items()}
+    h = block[a_]
+    prompt1, params1 = list(range(30, 50)), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    k1 = 2 * block[b_]  # 20 + 8 tokens: two blocks, taken at the prefill
+    assert h < block[b_] and sizes[b_] > 20 * h
+    t = sizes[c_] - h
+    arena = sizes[a_] + h + sizes[b_] + k1 + t
     eng = Engine(EngineConfig(device="cpu", gpu_memory_budget=arena + 512 + 50_000, workspace_bytes=50_000))
-    for m in ("tiny-opt", "tiny-llama"):
+    for m in (a_, b_, c_):
         eng.register_model(m)
     assert eng.memory()["total"] == arena
-    p1 = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    prompt1, prompt2 = list(range(30, 46)), list(range(50, 70))
-    want1, want2 = ref.generate("tiny-llama", prompt1, p1).output_ids, ref.generate("tiny-llama", prompt2, p1).output_ids
+    want = ref.generate(b_, prompt1, params1).output_ids
 
-    eng.load("tiny-opt")
-    eng.set_pinned("tiny-opt", True)
-    ra = eng.submit("tiny-opt", [1, 2, 3, 4], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-    eng.step()  # A's KV region right after A
-    eng.load("tiny-llama")  # B right after A's KV
-    eng.run_until_done([ra])  # A's KV is freed: a hole of kA in front of B
-    r1 = eng.submit("tiny-llama", prompt1, p1)
-    eng.step()  # k1 goes to the tail, behind B
+    eng.load(a_)
+    eng.set_pinned(a_, True)
+    ra = eng.submit(a_, [1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    eng.step()  # one KV block of A, right behind A
+    eng.load(b_)  # B right behind that block
+    eng.run_until_done([ra])  # the block is freed: a hole of h in front of B
+    r1 = eng.submit(b_, prompt1, params1)
+    eng.step()  # r1's two blocks go behind B (the hole is too small for them)
     assert eng.memory()["devices"][0]["compactions"] == 0
-    r2 = eng.submit("tiny-llama", prompt2, p1)
-    eng.run_until_done([r1, r2])
+    eng.load(c_)  # fits only in the hole and the tail together
     assert eng.memory()["devices"][0]["compactions"] == 1
-    assert r1.output_ids == want1 and r2.output_ids == want2
-    assert eng.stats["swap_ins"] == 2 and eng.stats["evictions"] == 0
+    eng.run_until_done([r1])
+    assert r1.output_ids == want
+    assert eng.stats["swap_ins"] == 3 and eng.stats["evictions"] == 0 and eng.stats["preemptions"] == 0
 
 
 def test_compaction_under_churn_keeps_outputs():
@@ -281,3 +284,27 @@ def test_async_loop_answers_every_request_when_a_step_raises(monkeypatch):
     finally:
         ae.shutdown()
     assert req.finish_reason == "error" and "scheduler bug" in req.error and not eng.requests
+
+
+def test_preempted_requests_recompute_and_match_undisturbed_runs():
+    """A budget with room for the model and a few KV blocks: four growing requests cannot all
+    keep their caches, so the newest are preempted (blocks freed), wait, and recompute. Their
+    tokens, greedy and seeded alike, equal those of each request run alone."""
+    ref = make_engine(64 * 2**20, models=["tiny-llama"])
+    weights, per_token = ref.models["tiny-llama"].nbytes, ref.models["tiny-llama"].info.kv_bytes_per_token[0]
+    bt = ref.executor.status().kv_block_tokens
+    block = kv_region_bytes(bt, per_token)
+    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=1.0, seed=5, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=0.8, top_k=20, seed=9, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)]
+    prompts = [list(range(10 + i, 30 + i)) for i in range(4)]  # 20 + 40 tokens: 4 blocks each at the end
+    want = [ref.generate("tiny-llama", p, sp).output_ids for p, sp in zip(prompts, params)]
+    arena = weights + 10 * block  # all four start (2 blocks each) but cannot all grow to 4
+    eng = Engine(EngineConfig(device="cpu", gpu_memory_budget=arena + 512 + 50_000, workspace_bytes=50_000))
+    eng.register_model("tiny-llama")
+    reqs = [eng.submit("tiny-llama", p, sp) for p, sp in zip(prompts, params)]
+    eng.run_until_done(reqs)
+    assert eng.stats["preemptions"] >= 1
+    assert [r.output_ids for r in reqs] == want
+    assert eng.memory()["kv"] == 0

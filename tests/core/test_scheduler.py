@@ -9,7 +9,9 @@ import pytest
 from computron.memory.units import kv_region_bytes
 from computron.scheduler import SchedRequest, Scheduler, SchedulerConfig
 
-KVT = 512  # bytes of KV cache per token in these tests' models: a request of t tokens holds 512 t
+KVT = 512  # bytes of KV cache per token in these tests' models
+BT = 16  # tokens per KV block: a block is 8 KiB
+BLOCK = kv_region_bytes(BT, KVT)
 
 
 def test_wire_scheduler_and_engine_core_import_without_torch():
@@ -29,7 +31,7 @@ def _req(i, model, prompt=4, max_tokens=3, t=None):
 
 
 def _sched(budgets, **kw):
-    return Scheduler(SchedulerConfig(budgets=budgets, **kw))
+    return Scheduler(SchedulerConfig(budgets=budgets, **{"block_tokens": BT, **kw}))
 
 
 def _run_step(s, finished_after=None, now=0.0):
@@ -207,11 +209,11 @@ def test_devices_run_disjoint_batches_and_a_two_device_model_needs_both():
     s.add_request(_req(2, "ab", max_tokens=2))
     p = _run_step(s)
     assert sorted(_models(p)) == ["a", "b"] and p.loads == ["a", "b"]
-    assert s.free_bytes(0) == 150_000 - 100_000 - kv_region_bytes(6, KVT)
+    assert s.free_bytes(0) == 150_000 - 100_000 - BLOCK  # a 4-token prompt: one block
     _run_step(s)
     p = _run_step(s)  # a and b are idle now; ab evicts both, one per device
     assert _models(p) == ["ab"] and sorted(p.evictions) == ["a", "b"]
-    assert s.free_bytes(0) == s.free_bytes(1) == 150_000 - 60_000 - kv_region_bytes(6, KVT)
+    assert s.free_bytes(0) == s.free_bytes(1) == 150_000 - 60_000 - BLOCK
 
 
 def test_bad_input():
@@ -245,45 +247,76 @@ def test_computron_policy_counts_models():
     assert models == ["a", "b", "c"] and evictions == ["a"]
 
 
+def test_a_request_that_cannot_grow_preempts_the_newest_and_both_finish():
+    """Blocks are taken as sequences grow. Two requests fit at first but not at full length: the
+    newer is preempted (its blocks freed), waits, and resumes from where it was (recompute)."""
+    small = kv_region_bytes(4, KVT)
+    s = _sched(100_000 + 5 * small, block_tokens=4)
+    s.add_model("a", 100_000, KVT)
+    s.add_request(_req(0, "a", prompt=4, max_tokens=8))  # 12 tokens: 3 blocks at the end
+    s.add_request(_req(1, "a", prompt=4, max_tokens=8))
+    made = {"r0": 0, "r1": 0}
+    preempted = []
+    for _ in range(40):
+        p = _run_step(s)
+        preempted += p.preempted
+        for b in p.batches:
+            for rid in b.requests:
+                made[rid] += 1
+        assert s.free_bytes(0) >= 0
+        if not s.requests:
+            break
+    assert preempted == ["r1"]
+    assert made == {"r0": 8, "r1": 8}  # r1's recompute made its next token: no step was lost or repeated
+    assert not s.requests and s.free_bytes(0) == 5 * small
+
+
 @pytest.mark.parametrize("policy", ["default", "computron"])
 @pytest.mark.parametrize("seed", range(5))
 def test_random_steps_keep_invariants(policy, seed):
     rng = random.Random(seed)
     budget = 512_000
     s = _sched(budget, policy=policy, max_loaded=2, max_batch_size=rng.randint(1, 6),
-               max_tokens_per_step=rng.randint(8, 64))
+               max_tokens_per_step=rng.randint(8, 64), block_tokens=4)
     sizes = {f"m{i}": 512 * rng.randint(100, 600) for i in range(5)}
     for m, b in sizes.items():
         s.add_model(m, b, KVT, pinned=(m == "m0" and seed % 2 == 0))
     lengths, reqs, n = {}, {}, 0
-    on_device, running = set(), set()  # what the plans say, tracked here independently
+    on_device, held, made = set(), {}, {}  # what the plans say, tracked here independently
     for step in range(1000):
         for _ in range(rng.choice([0, 0, 1, 2])):
             m = rng.choice(list(sizes))
             r = SchedRequest(f"r{n}", m, rng.randint(1, 16), rng.randint(1, 150), float(step))
             try:
                 s.add_request(r)
-                lengths[r.id] = rng.randint(1, 6)
-                reqs[r.id] = (m, r.prompt_len + r.max_tokens)
+                # Most end early (EOS); a few run long, to grow their caches past other requests'.
+                lengths[r.id] = rng.randint(1, r.max_tokens if rng.random() < 0.1 else min(6, r.max_tokens))
+                reqs[r.id], made[r.id] = (m, r.prompt_len), 0
             except ValueError:
                 pass
             n += 1
         if rng.random() < 0.02 and s.requests:  # a client goes away
             rid = rng.choice(list(s.requests))
             s.finish(rid)
-            running.discard(rid)
-        busy = {reqs[r][0] for r in running}
+            held.pop(rid, None)
         plan = _run_step(s, lengths, now=float(step))
-        # A model with running requests is never evicted; a pinned one never.
+        # A model with running requests is never evicted (one whose requests this step preempted may
+        # be: they lost their cache already); a pinned one never.
+        busy = {reqs[r][0] for r in held if r not in plan.preempted}
         assert not (set(plan.evictions) & busy)
         assert "m0" not in plan.evictions or seed % 2
         on_device = (on_device - set(plan.evictions)) | set(plan.loads) | set(plan.prefetch)
         assert on_device == set(s.resident_models())
-        running |= {r for b in plan.batches for r in b.prefill}
-        running = {r for r in running if r in s.requests}
+        for rid in plan.preempted:
+            held.pop(rid, None)
+        for b in plan.batches:
+            for rid in b.requests:  # its cache holds its prompt and the tokens it had made
+                held[rid] = -(-(reqs[rid][1] + made[rid]) // 4)
+                made[rid] += 1
+        held = {r: n for r, n in held.items() if r in s.requests}
         # Bytes in use, summed here from the sizes, never exceed the budget.
         weights = sum(sizes[m] for m in on_device) if policy == "default" else 0
-        kv = sum(kv_region_bytes(reqs[r][1], KVT) for r in running)
+        kv = sum(held.values()) * kv_region_bytes(4, KVT)
         assert weights + kv <= budget
         assert s.free_bytes(0) == budget - weights - kv
         if policy == "computron":
@@ -291,7 +324,7 @@ def test_random_steps_keep_invariants(policy, seed):
         # Batches run only models on the device.
         assert set(_models(plan)) <= on_device
     # Draining: every request ends.
-    for _ in range(5000):
+    for _ in range(20_000):
         if not s.requests:
             break
         _run_step(s, lengths)

@@ -7,13 +7,15 @@ All on the CPU in float32.
 
 from __future__ import annotations
 
+import random
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from computron.memory.layout import WeightLayout
-from computron.models import AttnBatch, DecoderLM, bind_weights, load_weights, read_config
+from computron.models import DecoderLM, bind_weights, load_weights, read_config
+from computron.models.kvcache import KVPool, block_bytes, paged_batch
 
 
 def randomize(model: torch.nn.Module, seed: int = 0) -> None:
@@ -36,16 +38,23 @@ def load_ours(path, dtype: torch.dtype = torch.float32):
     return cfg, model
 
 
-def new_cache(cfg, capacity: int = 64, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return torch.zeros(cfg.num_layers, 2, cfg.kv_heads, capacity, cfg.head_dim, dtype=dtype)
+def new_cache(cfg, capacity: int = 64, dtype: torch.dtype = torch.float32, block_tokens: int = 4):
+    """One sequence's paged cache: (pool, its block ids), the blocks in a shuffled order."""
+    n = -(-capacity // block_tokens)
+    cfg = cfg.with_(dtype=str(dtype).removeprefix("torch."))
+    pool = KVPool(torch.zeros(n * block_bytes(cfg, block_tokens), dtype=torch.uint8), cfg, block_tokens,
+                  block_bytes(cfg, block_tokens))
+    ids = list(range(n))
+    random.Random(n).shuffle(ids)
+    return pool, ids
 
 
 @torch.no_grad()
-def step(model, ids: list[int], past: int, cache: torch.Tensor) -> torch.Tensor:
+def step(model, ids: list[int], past: int, cache) -> torch.Tensor:
     """Logits [len(ids), vocab] for one sequence's new tokens after ``past`` cached ones."""
+    pool, blocks = cache
     n = len(ids)
-    batch = AttnBatch(starts=[0], lengths=[n], past=[past], caches=[cache])
-    return model(torch.tensor(ids), torch.arange(past, past + n), batch)
+    return model(torch.tensor(ids), torch.arange(past, past + n), paged_batch(pool, [(blocks, past, n)], "cpu"))
 
 
 @pytest.fixture(scope="session")

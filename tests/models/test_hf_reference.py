@@ -70,12 +70,13 @@ def test_cached_decode_matches_full_sequence(pair, lm):
 def test_two_sequences_in_one_flat_batch(pair, lm):
     """A decode token of one sequence and a prefill of another, laid end to end in one step."""
     ref, cfg, ours = pair
-    from computron.models import AttnBatch
+    from computron.models.kvcache import paged_batch
 
     a, b = IDS[:9], IDS[4:12]
-    cache_a, cache_b = lm.new_cache(cfg), lm.new_cache(cfg)
+    pool, blocks = lm.new_cache(cfg, capacity=64)
+    cache_a, cache_b = (pool, blocks[::2]), (pool, blocks[1::2])  # interleaved blocks of one pool
     lm.step(ours, a[:-1], 0, cache_a)
-    batch = AttnBatch(starts=[0, 1], lengths=[1, len(b)], past=[len(a) - 1, 0], caches=[cache_a, cache_b])
+    batch = paged_batch(pool, [(cache_a[1], len(a) - 1, 1), (cache_b[1], 0, len(b))], "cpu")
     with torch.no_grad():
         got = ours(torch.tensor(a[-1:] + b), torch.tensor([len(a) - 1, *range(len(b))]), batch)
     torch.testing.assert_close(got[0], _ref_logits(ref, a)[-1], atol=1e-4, rtol=1e-4)

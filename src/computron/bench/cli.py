@@ -1,4 +1,4 @@
-"""Parsers of ``computron bench swap`` and ``computron bench round-robin``, without torch.
+"""Parsers of ``computron bench swap``, ``round-robin`` and ``decode``, without torch.
 
 Each parser's ``func`` imports its benchmark (and so torch) only when the command runs.
 """
@@ -51,7 +51,28 @@ def add_round_robin_parser(sub) -> None:
     p.set_defaults(func=_round_robin)
 
 
+def _decode(args) -> int:
+    from . import decode
+
+    return decode.main(args)
+
+
+def add_decode_parser(sub) -> None:
+    p = sub.add_parser("decode", help="decode step time and tokens/s of one resident model by batch size, "
+                                      "against the weight-read floor and transformers")
+    p.add_argument("model", nargs="+")
+    p.add_argument("--batch", type=positive_int, nargs="+", default=[1, 8, 32, 128])
+    p.add_argument("--prompt-len", type=positive_int, default=128)
+    p.add_argument("--new-tokens", type=positive_int, default=128)
+    p.add_argument("--repeats", type=positive_int, default=3)
+    p.add_argument("--no-reference", action="store_true", help="skip transformers' generate")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--out", default=None)
+    p.set_defaults(func=_decode)
+
+
 def add_parsers(sub) -> None:
-    """Add ``round-robin`` and ``swap`` to a ``bench`` sub-parsers object."""
+    """Add ``round-robin``, ``swap`` and ``decode`` to a ``bench`` sub-parsers object."""
     add_round_robin_parser(sub)
     add_swap_parser(sub)
+    add_decode_parser(sub)

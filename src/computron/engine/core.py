@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ..config import EngineConfig
 from ..messages import ExecuteBatch, ModelInfo, Residency, SamplingParams, SeqInput, StepResult
 from ..scheduler import SchedRequest, Scheduler, SchedulerConfig, StepPlan
 from .executor import Executor
@@ -48,29 +49,22 @@ class CoreRequest:
         return self.finish_reason is not None
 
 
-@dataclass
-class CoreConfig:
-    policy: str = "default"
-    max_batch_size: int = 32
-    max_tokens_per_step: int = 2048
-    max_loaded: int = 1
-    prefetch: bool = True
-
-
 class EngineCore:
-    def __init__(self, executor: Executor, config: CoreConfig | None = None,
+    def __init__(self, executor: Executor, config: EngineConfig | None = None,
                  clock: Callable[[], float] = time.perf_counter):
-        cfg = config or CoreConfig()
+        cfg = config or EngineConfig()
         self.executor, self.clock = executor, clock
-        budgets = tuple(d.capacity for d in executor.status().devices)
+        st = executor.status()  # the executor's devices and KV block size are the truth
         self.scheduler = Scheduler(SchedulerConfig(
-            budgets=budgets, policy=cfg.policy, max_batch_size=cfg.max_batch_size,
-            max_tokens_per_step=cfg.max_tokens_per_step, max_loaded=cfg.max_loaded, prefetch=cfg.prefetch))
+            budgets=tuple(d.capacity for d in st.devices), policy=cfg.policy, max_batch_size=cfg.max_batch_size,
+            max_tokens_per_step=cfg.max_tokens_per_step, max_loaded=cfg.max_loaded, prefetch=cfg.prefetch,
+            block_tokens=st.kv_block_tokens))
         self.models: dict[str, ModelInfo] = {}
         self.requests: dict[str, CoreRequest] = {}
         self._ids = itertools.count()
         self._to_free: list[str] = []
-        self.stats = {"swap_ins": 0, "evictions": 0, "swap_in_bytes": 0, "swap_in_seconds": 0.0, "steps": 0}
+        self.stats = {"swap_ins": 0, "evictions": 0, "swap_in_bytes": 0, "swap_in_seconds": 0.0, "steps": 0,
+                      "preemptions": 0}
         # listener(kind, model, seconds, nbytes), kind "load" (once its copies ended) or "evict"
         self.listeners: list[Callable[[str, str, float, int], None]] = []
         self.on_token: Callable[[CoreRequest, int], None] | None = None
@@ -211,8 +205,8 @@ class EngineCore:
         if not batches:
             return plan
         self.stats["steps"] += 1
-        msgs = [ExecuteBatch(b.model, [self._seq_input(self.requests[r]) for r in b.requests], self.trace)
-                for b in batches]
+        msgs = [ExecuteBatch(b.model, [self._prefill(self.requests[r]) for r in b.prefill] +
+                             [self._decode(self.requests[r]) for r in b.decode], self.trace) for b in batches]
         try:
             result = self.executor.execute(msgs).result()
         except Exception as e:  # a failed step fails its requests, never the engine
@@ -223,11 +217,14 @@ class EngineCore:
         self.scheduler.update(plan)
         return plan
 
-    def _seq_input(self, r: CoreRequest) -> SeqInput:
-        if r.output_ids:
-            return SeqInput(r.id, r.output_ids[-1:], len(r.prompt_ids) + len(r.output_ids) - 1,
-                            len(r.prompt_ids) + r.params.max_tokens, r.params)
-        return SeqInput(r.id, r.prompt_ids, 0, len(r.prompt_ids) + r.params.max_tokens, r.params)
+    @staticmethod
+    def _prefill(r: CoreRequest) -> SeqInput:
+        """The whole prompt; after a preemption, the prompt and the tokens made so far (recompute)."""
+        return SeqInput(r.id, r.prompt_ids + r.output_ids, 0, r.params)
+
+    @staticmethod
+    def _decode(r: CoreRequest) -> SeqInput:
+        return SeqInput(r.id, r.output_ids[-1:], len(r.prompt_ids) + len(r.output_ids) - 1, r.params)
 
     def _loaded(self, loaded: dict[str, float]) -> None:
         for name, s in loaded.items():
@@ -281,10 +278,11 @@ class EngineCore:
         batch, and the scheduler is told what really is on the devices."""
         self._flush_frees()
         loads = plan.loads + plan.prefetch
-        if not (plan.evictions or loads):
+        if not (plan.evictions or loads or plan.preempted):
             return 0.0
+        self.stats["preemptions"] += len(plan.preempted)
         try:
-            evicted = self.executor.apply(Residency(list(plan.evictions), loads))
+            evicted = self.executor.apply(Residency(list(plan.evictions), loads, list(plan.preempted)))
         except Exception as e:  # a swap that fails fails its requests, never the engine
             present = self.executor.status().models
             why = f"swap failed: {type(e).__name__}: {e}"

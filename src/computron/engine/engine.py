@@ -15,7 +15,7 @@ from typing import Callable
 from ..config import EngineConfig, ModelSpec
 from ..messages import ModelDescription, ModelInfo, SamplingParams
 from ..models import IncrementalDecoder, load_tokenizer
-from .core import CoreConfig, CoreRequest, EngineCore, EngineError
+from .core import CoreRequest, EngineCore, EngineError
 from .executor import Executor, make_executor
 
 
@@ -61,9 +61,7 @@ class Engine:
             self.executor = executor or make_executor(cfg)
         except ValueError as e:
             raise EngineError(str(e)) from None
-        self.core = EngineCore(self.executor, CoreConfig(
-            policy=cfg.policy, max_batch_size=cfg.max_batch_size, max_tokens_per_step=cfg.max_tokens_per_step,
-            max_loaded=cfg.max_loaded, prefetch=cfg.prefetch), clock)
+        self.core = EngineCore(self.executor, cfg, clock)
         self.core.on_token, self.core.on_finish = self._on_token, self._on_finish
         self.clock = clock
         self.models: dict[str, ModelEntry] = {}

@@ -1,8 +1,9 @@
 """InProcessExecutor: every model on one device of this process (the GPU, or the CPU without one).
 
 What lives here: each model's pinned host image (built at registration), the device arena
-(the memory budget less the workspace; weights and KV caches are regions of it), the swapper
-and its copy stream, one ``ModelRunner`` per model, and one KV region per running request.
+(the memory budget less the workspace; weights and KV-cache blocks are regions of it), the
+swapper and its copy stream, one ``ModelRunner`` per model, and each running request's blocks
+(taken as its sequence grows, released when it ends or is preempted).
 The engine core speaks to it only through the ``Executor`` protocol's messages; the arena
 checks the scheduler's decisions (an allocation that does not fit is a bug, reported as such).
 """
@@ -20,14 +21,13 @@ import torch
 from ..config import format_bytes
 from ..memory.arena import Arena, Region
 from ..memory.host import HostImage
-from ..memory.layout import WeightLayout, align_up, layout_for
+from ..memory.layout import ALIGN, WeightLayout, align_up, layout_for
 from ..memory.swapper import ImageSwapper, SwapIn
-from ..memory.units import kv_region_bytes
 from ..messages import (DeviceStatus, ExecuteBatch, ExecutorStatus, ModelDescription, ModelInfo, Placement,
                         Residency, StepResult)
 from ..models import load_weights, resolve_model
 from ..models.config import ModelConfig
-from ..models.transformer import TORCH_DTYPES, AttnBatch
+from ..models.kvcache import KVPool, paged_batch
 from .runner import ModelRunner
 from .sampling import sample
 
@@ -48,6 +48,7 @@ class _Model:
     cfg: ModelConfig
     layout: WeightLayout
     runner: ModelRunner
+    pool: KVPool  # its layers' KV-cache views over the whole arena (block ids: offsets / ALIGN)
     image: HostImage | None = None
 
 
@@ -59,8 +60,7 @@ class _Resident:
 
 @dataclass
 class _Seq:
-    region: Region
-    capacity: int
+    blocks: list[Region]  # its KV-cache blocks, in token order
     generator: torch.Generator | None
 
 
@@ -78,7 +78,8 @@ class InProcessExecutor:
             raise ValueError(f"workspace of {format_bytes(workspace)} leaves nothing of the "
                              f"{format_bytes(budget)} budget")
         self.budget = budget
-        self.arena = Arena(align_up(budget - workspace) - 512, self.device)
+        self.block_tokens = config.kv_block_tokens
+        self.arena = Arena(align_up(budget - workspace) - ALIGN, self.device)
         self.swapper = ImageSwapper(self.arena)
         self.models: dict[str, _Model] = {}
         self.resident: dict[str, _Resident] = {}
@@ -107,7 +108,7 @@ class InProcessExecutor:
             image.fill_random(cfg, desc.seed, self.device)
         else:
             load_weights(ckpt, cfg, image.views)
-        model = _Model(cfg, layout, ModelRunner(cfg), image)
+        model = _Model(cfg, layout, ModelRunner(cfg), KVPool(self.arena.buffer, cfg, self.block_tokens, ALIGN), image)
         self._keep_image(desc.name, model)
         with self._lock:
             if desc.name in self.models:
@@ -130,6 +131,9 @@ class InProcessExecutor:
 
     # ---- residency -----------------------------------------------------------------------------
     def apply(self, change: Residency) -> dict[str, float]:
+        for rid in change.release:
+            if rid in self.seqs:
+                self._release(self.seqs[rid])
         evicted = {}
         for name in change.evict:
             t0 = time.perf_counter()
@@ -162,17 +166,27 @@ class InProcessExecutor:
         for rid in req_ids:
             seq = self.seqs.pop(rid, None)
             if seq is not None:
-                self.arena.release(seq.region)
+                self._release(seq)
 
-    def _seq(self, cfg: ModelConfig, s) -> _Seq:
+    def _release(self, seq: _Seq) -> None:
+        for region in seq.blocks:
+            self.arena.release(region)
+        seq.blocks = []
+
+    def _seq(self, model: _Model, s) -> _Seq:
+        """The request's state, with blocks for every token it will hold after this step."""
         seq = self.seqs.get(s.req_id)
         if seq is None:
-            region = self.arena.allocate(kv_region_bytes(s.capacity, cfg.kv_bytes_per_token()), "kv", s.req_id)
             gen = None
             if s.params.seed is not None:
                 gen = torch.Generator(device=self.device)
                 gen.manual_seed(s.params.seed)
-            seq = self.seqs[s.req_id] = _Seq(region, s.capacity, gen)
+            seq = self.seqs[s.req_id] = _Seq([], gen)
+        if s.past == 0 and seq.blocks:
+            self._release(seq)  # a recompute starts from an empty cache
+        need = -(-(s.past + len(s.tokens)) // self.block_tokens)
+        while len(seq.blocks) < need:
+            seq.blocks.append(self.arena.allocate(model.pool.block_bytes, "kv", s.req_id))
         return seq
 
     def execute(self, batches: list[ExecuteBatch]) -> Future:
@@ -190,28 +204,21 @@ class InProcessExecutor:
     def _run(self, batch: ExecuteBatch, result: StepResult) -> None:
         name = batch.model
         model = self.models[name]
-        cfg, runner = model.cfg, model.runner
-        dtype = TORCH_DTYPES[cfg.dtype]
-        seqs = [self._seq(cfg, s) for s in batch.seqs]  # may compact the arena: bind afterwards
+        runner = model.runner
+        seqs = [self._seq(model, s) for s in batch.seqs]  # may compact the arena: bind afterwards
         self._bind(name)
-        shape = (cfg.num_layers, 2, cfg.kv_heads, 0, cfg.head_dim)
-        per_token = cfg.kv_bytes_per_token()
-        caches = [q.region.tensor[: q.capacity * per_token].view(dtype).view(*shape[:3], q.capacity, shape[4])
-                  for q in seqs]
-        ids, pos, starts, lengths, past = [], [], [], [], []
+        attn = paged_batch(model.pool, [([b.offset // ALIGN for b in q.blocks], s.past, len(s.tokens))
+                                        for q, s in zip(seqs, batch.seqs)], self.device)
+        ids, pos = [], []
         for s in batch.seqs:
-            starts.append(len(ids))
-            lengths.append(len(s.tokens))
-            past.append(s.past)
             ids.extend(s.tokens)
             pos.extend(range(s.past, s.past + len(s.tokens)))
-        ids_t = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
-        pos_t = torch.tensor(pos, dtype=torch.long).to(self.device, non_blocking=True)
+        ids_t = torch.tensor([ids, pos], dtype=torch.long).to(self.device, non_blocking=True)
         res = self.resident[name]
         if batch.trace:
             runner.trace = []
         t0 = time.perf_counter()
-        logits = runner.forward(ids_t, pos_t, AttnBatch(starts, lengths, past, caches), res.swap)
+        logits = runner.forward(ids_t[0], ids_t[1], attn, res.swap)
         tokens = sample(logits, [s.params for s in batch.seqs], [q.generator for q in seqs]).tolist()
         result.compute_s[name] = time.perf_counter() - t0
         result.tokens.update((s.req_id, t) for s, t in zip(batch.seqs, tokens))
@@ -247,7 +254,7 @@ class InProcessExecutor:
         dev = DeviceStatus(0, str(self.device), a.nbytes, a.used("weights"), a.used("kv"), a.compactions, self.budget)
         models = {n: "loading" if r.swap is not None and not r.swap.done() else "resident"
                   for n, r in self.resident.items()}
-        return ExecutorStatus([dev], models)
+        return ExecutorStatus([dev], models, self.block_tokens)
 
     def probe_link(self, name: str, repeats: int) -> list[float]:
         src = self.models[name].image.buffer

@@ -2,7 +2,8 @@
 
 What flows through: a flat batch of token ids ``[N]`` (all sequences of a step laid end to end,
 prefill chunks and single decode tokens alike), their positions ``[N]`` and an ``AttnBatch``
-that says where each sequence starts and which key/value cache block it writes. The model is
+that says where each sequence's tokens are and which blocks of the paged key/value cache hold
+its past; attention runs once per layer for the whole batch (``attention.py``). The model is
 built on the meta device; its weights are bound later as views into wherever they live (a
 host image on the CPU, an arena region on the GPU) by :func:`bind_weights`, so it never owns a
 full copy of its own. The runner drives it layer by layer (``embed`` → ``layers[i]`` →
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention import decode_attention, prefill_attention, write_kv
 from .config import ModelConfig
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -25,17 +27,25 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 
 @dataclass
 class AttnBatch:
-    """Where each sequence of a flat token batch sits and which cache it uses.
+    """Where each sequence of a flat token batch sits in a paged key/value cache (``kvcache.py``).
 
-    ``starts[s]``/``lengths[s]``: the slice of the flat batch holding sequence *s*'s new tokens;
-    ``past[s]``: tokens already in its cache; ``caches[s]``: its key/value block of shape
-    ``[num_layers, 2, kv_heads, capacity, head_dim]`` (layer *i* writes ``caches[s][i]``).
+    ``k[i]``/``v[i]``: layer *i*'s cache, ``[num_blocks, block_tokens, kv_heads, head_dim]``;
+    ``slots[N]``: where each new token's key and value go (block id * block_tokens + offset);
+    ``block_tables[B, max_blocks]``: each sequence's block ids in order; ``seq_lens[B]``: its
+    tokens in the cache once this step's are written; ``query_lens[B]``/``cu_query[B+1]``: its
+    new tokens and where they start in the flat batch; ``last[B]``: its last new token's row;
+    ``decode``: every sequence has exactly one new token.
     """
 
-    starts: list[int]
-    lengths: list[int]
-    past: list[int]
-    caches: list[torch.Tensor]
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    slots: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_lens: torch.Tensor
+    cu_query: torch.Tensor
+    last: torch.Tensor
+    decode: bool
     rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin of shape [N, head_dim]
 
 
@@ -102,33 +112,13 @@ class Attention(nn.Module):
             cos, sin = batch.rope[0][:, None, :], batch.rope[1][:, None, :]
             qk = qk * cos + _rotate_half(qk) * sin
         q, k = qk.split([hq, hk], dim=1)
-        outs = []
-        for start, n, past, cache in zip(batch.starts, batch.lengths, batch.past, batch.caches):
-            kv = cache[self.layer_idx]  # [2, hk, capacity, d]
-            kv[0, :, past : past + n] = k[start : start + n].transpose(0, 1)
-            kv[1, :, past : past + n] = v[start : start + n].transpose(0, 1)
-            keys, values = kv[0, :, : past + n], kv[1, :, : past + n]
-            qs = q[start : start + n].transpose(0, 1)  # [hq, n, d]
-            outs.append(_attend(qs, keys, values, past).transpose(0, 1).reshape(n, hq * d))
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
-        return F.linear(out, self.o_weight, self.o_bias)
-
-
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:
-    """Causal attention of n new queries over past+n keys; q [hq, n, d], k/v [hk, past+n, d]."""
-    hq, n, d = q.shape
-    hk = k.shape[0]
-    if n == 1:
-        # Decode: the query heads sharing a key/value head attend as one group of `hq // hk` rows,
-        # so grouped-query attention reads the cache in place instead of copying it per head.
-        return F.scaled_dot_product_attention(q.view(hk, hq // hk, d), k, v).view(hq, 1, d)
-    if hk != hq:
-        k, v = k.repeat_interleave(hq // hk, dim=0), v.repeat_interleave(hq // hk, dim=0)
-    if past == 0:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    total = past + n
-    mask = torch.arange(total, device=q.device)[None, :] <= (past + torch.arange(n, device=q.device))[:, None]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        kc, vc = batch.k[self.layer_idx], batch.v[self.layer_idx]
+        write_kv(kc, vc, k, v, batch.slots)
+        if batch.decode:
+            out = decode_attention(q, kc, vc, batch.block_tables, batch.seq_lens)
+        else:
+            out = prefill_attention(q, kc, vc, batch.block_tables, batch.seq_lens, batch.query_lens, batch.cu_query)
+        return F.linear(out.reshape(-1, hq * d), self.o_weight, self.o_bias)
 
 
 class MLP(nn.Module):

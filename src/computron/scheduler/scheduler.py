@@ -43,6 +43,7 @@ class SchedulerConfig:
     max_loaded: int = 1  # computron policy only: models per device
     prefetch: bool = True
     load_bandwidth: float | None = None  # bytes/s per device, to estimate when a load ends
+    block_tokens: int = 16  # tokens per block of the paged KV cache
 
     def __post_init__(self) -> None:
         if isinstance(self.budgets, int):
@@ -52,7 +53,7 @@ class SchedulerConfig:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if not self.budgets:
             raise ValueError("budgets needs at least one device")
-        for name in ("max_batch_size", "max_tokens_per_step", "max_loaded"):
+        for name in ("max_batch_size", "max_tokens_per_step", "max_loaded", "block_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         for d, b in enumerate(self.budgets):
@@ -97,7 +98,8 @@ class Scheduler:
             if self.counts_bytes and w > self.config.budgets[d]:
                 raise ValueError(f"model {name!r} needs {w} bytes of weights on device {d}, more than its "
                                  f"whole budget of {self.config.budgets[d]} bytes")
-        self.models[name] = ModelState(name, devices, weights, kv_per_token, pinned)
+        blocks = tuple(kv_region_bytes(self.config.block_tokens, k) for k in kv_per_token)
+        self.models[name] = ModelState(name, devices, weights, blocks, pinned)
 
     def remove_model(self, name: str) -> None:
         m = self._model(name)
@@ -130,8 +132,9 @@ class Scheduler:
         m = self._model(req.model)
         if req.id in self.requests:
             raise ValueError(f"request id {req.id!r} is already in use")
-        req.kv = tuple(kv_region_bytes(req.prompt_len + req.max_tokens, k) for k in m.kv_per_token)
-        for d, w, kv in zip(m.devices, m.weights, req.kv):
+        full = self._blocks(req.prompt_len + req.max_tokens)  # it must be able to finish alone
+        for d, w, bb in zip(m.devices, m.weights, m.block_bytes):
+            kv = full * bb
             need = kv + (w if self.counts_bytes else 0)
             if need > self.config.budgets[d]:
                 raise ValueError(f"request {req.id!r} needs {kv} bytes of KV cache on device {d}; with the "
@@ -149,8 +152,7 @@ class Scheduler:
         self._epoch += 1
         if req.state == "running":
             del m.running[req_id]
-            for d, kv in zip(m.devices, req.kv):
-                self.kv_used[d] -= kv
+            self._take_blocks(m, -req.blocks)
         else:
             m.waiting.remove(req)
         req.state = "finished"
@@ -166,9 +168,9 @@ class Scheduler:
                 m.steps += steps
 
     def generated(self, req_id: str) -> int:
-        """Tokens a request has made so far (0 while it waits)."""
+        """Tokens a request has made so far."""
         r = self.requests[req_id]
-        return self.models[r.model].steps - r.joined if r.state == "running" else 0
+        return self.models[r.model].steps - r.joined if r.state == "running" else r.done
 
     # ---- residency -----------------------------------------------------------------------------
     def loaded(self, name: str) -> None:
@@ -320,6 +322,8 @@ class Scheduler:
                 break
             if not free_devices.issuperset(m.devices):
                 continue
+            if hold_after is not None and key > hold_after and not m.on_device:
+                continue  # it could admit nothing: do not take memory the older request waits for
             if not self._make_resident(m, claimed, plan, plan.loads, now, evict_waiting=True):
                 if self._busy_near(m):
                     hold_after = key if hold_after is None else hold_after
@@ -360,8 +364,7 @@ class Scheduler:
         return ok
 
     def _can_start_now(self, m: ModelState) -> bool:
-        head = m.waiting[0]
-        need = dict(zip(m.devices, head.kv))
+        need = self._kv_need(m, self._blocks_at_start(m.waiting[0]))
         if not m.on_device:
             for d, w in zip(m.devices, m.weights):
                 need[d] += w if self.counts_bytes else 0
@@ -397,35 +400,89 @@ class Scheduler:
                 f"the budget is {list(self.config.budgets[d] for d in m.devices)} bytes and pinned models "
                 f"({', '.join(pinned) or 'none'}) hold the rest")
 
+    def _blocks(self, tokens: int) -> int:
+        return -(-tokens // self.config.block_tokens)
+
+    def _blocks_at_start(self, req: SchedRequest) -> int:
+        """Blocks a waiting request needs to start: its prompt, and what it made before a preemption."""
+        return self._blocks(req.prompt_len + req.done)
+
+    def _kv_need(self, m: ModelState, blocks: int) -> dict[int, int]:
+        return {d: blocks * bb for d, bb in zip(m.devices, m.block_bytes)}
+
+    def _fits(self, need: dict[int, int]) -> bool:
+        return all(n <= self.free_bytes(d) for d, n in need.items())
+
+    def _take_blocks(self, m: ModelState, blocks: int) -> None:
+        self._epoch += 1
+        for d, bb in zip(m.devices, m.block_bytes):
+            self.kv_used[d] += blocks * bb
+
+    def _preempt(self, m: ModelState, req: SchedRequest, plan: StepPlan) -> None:
+        """Stop a running request: free its blocks; it waits at the head of its queue and will
+        recompute its cache (prompt and the tokens it made) when it runs again."""
+        req.done, req.state = m.steps - req.joined, "waiting"
+        del m.running[req.id]
+        self._take_blocks(m, -req.blocks)
+        req.blocks = 0
+        m.waiting.appendleft(req)
+        plan.preempted.append(req.id)
+
+    def _grow(self, m: ModelState, req: SchedRequest, blocks: int, plan: StepPlan, keep: set[str]) -> bool:
+        """Give a running request ``blocks`` more blocks: evict idle models, else preempt this
+        model's newest running requests. False when ``req`` itself had to be preempted."""
+        need = self._kv_need(m, blocks)
+        if not self._fits(need) and not self._make_room(m, need, keep, plan, evict_waiting=True):
+            for victim in reversed(list(m.running.values())):
+                self._preempt(m, victim, plan)
+                if victim is req:
+                    return False
+                if self._fits(need):
+                    break
+        req.blocks += blocks
+        self._take_blocks(m, blocks)
+        return True
+
     def _admit(self, m: ModelState, plan: StepPlan, claimed: set[str], hold_after: float | None) -> Batch | None:
-        """Running requests decode; waiting ones join while the batch, the token budget and memory
-        allow. None: the head request waits for KV cache that running requests of others hold."""
+        """Running requests decode (each first gets the block its next token needs); waiting ones
+        join while the batch, the token budget and memory allow. None: the head request waits for
+        KV cache that running requests of other models hold."""
         cfg = self.config
-        batch = Batch(m.name, decode=list(m.running))
-        tokens = len(batch.decode)
+        batch = Batch(m.name)
         keep = claimed | {m.name}
+        bt = cfg.block_tokens
+        for req in list(m.running.values()):  # oldest first: the newest are preempted first
+            if req.state != "running":
+                continue  # preempted to make room for an older one
+            blocks = -(-(req.prompt_len + m.steps - req.joined) // bt) - req.blocks
+            if blocks > 0 and not self._grow(m, req, blocks, plan, keep):
+                continue
+            batch.decode.append(req.id)
+        if m.running == {} and not batch.decode and plan.preempted and self._busy_near(m):
+            return None  # all it had running was preempted for memory others hold: they drain first
+        tokens = len(batch.decode)
         while m.waiting and len(m.running) < cfg.max_batch_size:
             req = m.waiting[0]
             if hold_after is not None and req.arrival > hold_after:
                 break  # drain: an older request of another model waits for this memory
-            if batch.prefill and tokens + req.prompt_len > cfg.max_tokens_per_step:
+            length = req.prompt_len + req.done
+            if batch.prefill and tokens + length > cfg.max_tokens_per_step:
                 break
-            need = {d: kv for d, kv in zip(m.devices, req.kv) if kv > self.free_bytes(d)}
-            if need and not self._make_room(m, dict(zip(m.devices, req.kv)), keep, plan, evict_waiting=True):
-                if m.running or batch.prefill:
+            blocks = self._blocks(length)
+            need = self._kv_need(m, blocks)
+            if not self._fits(need) and not self._make_room(m, need, keep, plan, evict_waiting=True):
+                if m.running or batch.prefill or req.id in plan.preempted:
                     break
                 if self._busy_near(m):
                     return None
-                self._fail_head(m, plan, f"request {req.id!r} needs {list(req.kv)} bytes of KV cache on devices "
-                                         f"{list(m.devices)} and only {[self.free_bytes(d) for d in m.devices]} "
-                                         "can be freed")
+                self._fail_head(m, plan, f"request {req.id!r} needs {list(need.values())} bytes of KV cache on "
+                                         f"devices {list(m.devices)} and only "
+                                         f"{[self.free_bytes(d) for d in m.devices]} can be freed")
                 continue
             m.waiting.popleft()
-            req.state, req.joined = "running", m.steps
-            self._epoch += 1
+            req.state, req.joined, req.done, req.blocks = "running", m.steps - req.done, 0, blocks
             m.running[req.id] = req
-            for d, kv in zip(m.devices, req.kv):
-                self.kv_used[d] += kv
+            self._take_blocks(m, blocks)
             batch.prefill.append(req.id)
-            tokens += req.prompt_len
+            tokens += length
         return batch

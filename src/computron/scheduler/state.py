@@ -2,7 +2,7 @@
 
 No torch here: this module, like the whole ``scheduler`` package, runs in the engine and the
 tests without torch. Sizes are bytes per rank: ``ModelState.devices[i]`` is
-the device of rank *i*, and ``weights[i]``/``kv_per_token[i]`` are that rank's bytes.
+the device of rank *i*, and ``weights[i]``/``block_bytes[i]`` are that rank's bytes.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ class SchedRequest:
     prompt_len: int
     max_tokens: int
     arrival: float
-    kv: tuple[int, ...] = ()  # KV-cache bytes per rank for prompt_len + max_tokens tokens (set on add)
+    blocks: int = 0  # KV-cache blocks it holds (on each of its model's ranks)
     joined: int = 0  # its model's step count when it was admitted (tokens made = steps since)
+    done: int = 0  # tokens it had made when it was preempted (it recomputes them when it resumes)
     state: str = "waiting"  # waiting | running | finished
 
 
@@ -30,7 +31,7 @@ class ModelState:
     name: str
     devices: tuple[int, ...]
     weights: tuple[int, ...]
-    kv_per_token: tuple[int, ...]
+    block_bytes: tuple[int, ...]  # one KV-cache block (block_tokens tokens of every layer) per rank
     pinned: bool = False
     state: str = OFFLOADED
     ready_at: float | None = None  # loading: when its copies are expected to end (None: unknown)
@@ -76,16 +77,18 @@ class StepPlan:
     """What one engine step does: evict, then load, then run one batch per model.
 
     Batches of one step use disjoint devices. ``prefetch``: loads issued for a later step,
-    overlapped with this step's compute. ``failed``: requests that can never run, with the reason
-    (the scheduler has already dropped them).
+    overlapped with this step's compute. ``preempted``: running requests stopped to free KV
+    cache (they wait again and recompute). ``failed``: requests that can never run, with the
+    reason (the scheduler has already dropped them).
     """
 
     evictions: list[str] = field(default_factory=list)
     loads: list[str] = field(default_factory=list)
     prefetch: list[str] = field(default_factory=list)
     batches: list[Batch] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
     failed: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return not (self.evictions or self.loads or self.prefetch or self.batches or self.failed)
+        return not (self.evictions or self.loads or self.prefetch or self.batches or self.failed or self.preempted)

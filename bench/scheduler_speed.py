@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from computron.scheduler import SchedRequest, Scheduler, SchedulerConfig  # noqa: E402
 
 TARGET_US = 20.0
-WEIGHTS, KV_PER_TOKEN = 100 * 2**20, 2**10
+WEIGHTS, KV_PER_TOKEN = 100 * 2**20, 256
 
 
 def build(models: int, queued: int, batch: int) -> Scheduler:
@@ -37,7 +37,7 @@ def build(models: int, queued: int, batch: int) -> Scheduler:
         s.add_model(f"m{i}", WEIGHTS, KV_PER_TOKEN)
     t = 0.0
     for j in range(batch):  # the running batch of m0 (nothing ends while the steps are timed)
-        s.add_request(SchedRequest(f"run{j}", "m0", 16, 1000, t))
+        s.add_request(SchedRequest(f"run{j}", "m0", 16, 4000, t))
         t += 1.0
     for j in range(queued):  # round-robin over the other models, all newer than the batch
         s.add_request(SchedRequest(f"q{j}", f"m{1 + j % (models - 1)}", 16, 64, t))

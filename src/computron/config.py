@@ -67,6 +67,7 @@ class EngineConfig:
     max_tokens_per_step: int = 2048
     max_loaded: int = 1  # computron policy: models resident at once
     kv_block_tokens: int = 16  # tokens per block of the paged KV cache
+    cuda_graphs: bool = True  # replay each model's decode step as a CUDA graph (GPU only)
     prefetch: bool = True
 
     def __post_init__(self) -> None:

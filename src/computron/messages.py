@@ -166,3 +166,4 @@ class ExecutorStatus:
     devices: list[DeviceStatus]
     models: dict[str, str]  # name -> "resident" | "loading" (copies in flight); absent: offloaded
     kv_block_tokens: int = 16  # tokens per block of its paged KV caches
+    stats: dict = field(default_factory=dict)  # counters of its own (e.g. CUDA graph captures and their seconds)

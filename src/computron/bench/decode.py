@@ -125,7 +125,7 @@ def run(model: str, device: str, batches: list[int], prompt_len: int, new: int, 
     for b in batches:
         rows[b]["step_over_floor"] = rows[b]["step_s_median"] / floor
         rows[b]["step_over_smallest_batch"] = rows[b]["step_s_median"] / b1
-    return {"model": model, "weight_bytes": nbytes, "dtype": cfg.dtype, "prompt_len": prompt_len, "new_tokens": new,
+    return {"model": model, "weight_bytes": nbytes, "executor_stats": eng.executor.status().stats, "dtype": cfg.dtype, "prompt_len": prompt_len, "new_tokens": new,
             "weight_read_floor_s": floor, "weight_read_gbps": nbytes / floor / 1e9, "batches": rows}
 
 

@@ -28,6 +28,7 @@ from ..messages import (DeviceStatus, ExecuteBatch, ExecutorStatus, ModelDescrip
 from ..models import load_weights, resolve_model
 from ..models.config import ModelConfig
 from ..models.kvcache import KVPool, paged_batch
+from .graphs import DecodeGraphs
 from .runner import ModelRunner
 from .sampling import sample
 
@@ -50,6 +51,7 @@ class _Model:
     runner: ModelRunner
     pool: KVPool  # its layers' KV-cache views over the whole arena (block ids: offsets / ALIGN)
     image: HostImage | None = None
+    graphs: DecodeGraphs | None = None  # CUDA graphs of its decode step (GPU only)
 
 
 @dataclass
@@ -62,10 +64,13 @@ class _Resident:
 class _Seq:
     blocks: list[Region]  # its KV-cache blocks, in token order
     generator: torch.Generator | None
+    ids: list[int] | None = None  # the blocks' ids, as of ``ids_at`` compactions of the arena
+    ids_at: int = -1
 
 
 class InProcessExecutor:
     pin_images = True  # page-locked host images (on a GPU): copies at the link's full speed
+    fixed_weights = True  # a model's weights keep their address until evicted or moved (graphs may bake it in)
 
     def __init__(self, config):
         self.device = pick_device(config.device)
@@ -79,6 +84,8 @@ class InProcessExecutor:
                              f"{format_bytes(budget)} budget")
         self.budget = budget
         self.block_tokens = config.kv_block_tokens
+        self.graph_batch = config.max_batch_size if (config.cuda_graphs and self.device.type == "cuda"
+                                                     and self.fixed_weights) else 0
         self.arena = Arena(align_up(budget - workspace) - ALIGN, self.device)
         self.swapper = ImageSwapper(self.arena)
         self.models: dict[str, _Model] = {}
@@ -109,6 +116,8 @@ class InProcessExecutor:
         else:
             load_weights(ckpt, cfg, image.views)
         model = _Model(cfg, layout, ModelRunner(cfg), KVPool(self.arena.buffer, cfg, self.block_tokens, ALIGN), image)
+        if self.graph_batch:
+            model.graphs = DecodeGraphs(self.graph_batch, -(-cfg.max_position // self.block_tokens), self.device)
         self._keep_image(desc.name, model)
         with self._lock:
             if desc.name in self.models:
@@ -171,7 +180,7 @@ class InProcessExecutor:
     def _release(self, seq: _Seq) -> None:
         for region in seq.blocks:
             self.arena.release(region)
-        seq.blocks = []
+        seq.blocks, seq.ids = [], None
 
     def _seq(self, model: _Model, s) -> _Seq:
         """The request's state, with blocks for every token it will hold after this step."""
@@ -188,6 +197,13 @@ class InProcessExecutor:
         while len(seq.blocks) < need:
             seq.blocks.append(self.arena.allocate(model.pool.block_bytes, "kv", s.req_id))
         return seq
+
+    def _ids(self, seq: _Seq) -> list[int]:
+        """Block ids (512-byte units from the arena's start); recomputed only after blocks were
+        added or the arena compacted."""
+        if seq.ids is None or seq.ids_at != self.arena.compactions or len(seq.ids) != len(seq.blocks):
+            seq.ids, seq.ids_at = [b.offset // ALIGN for b in seq.blocks], self.arena.compactions
+        return seq.ids
 
     def execute(self, batches: list[ExecuteBatch]) -> Future:
         fut: Future = Future()
@@ -207,18 +223,28 @@ class InProcessExecutor:
         runner = model.runner
         seqs = [self._seq(model, s) for s in batch.seqs]  # may compact the arena: bind afterwards
         self._bind(name)
-        attn = paged_batch(model.pool, [([b.offset // ALIGN for b in q.blocks], s.past, len(s.tokens))
-                                        for q, s in zip(seqs, batch.seqs)], self.device)
-        ids, pos = [], []
-        for s in batch.seqs:
-            ids.extend(s.tokens)
-            pos.extend(range(s.past, s.past + len(s.tokens)))
-        ids_t = torch.tensor([ids, pos], dtype=torch.long).to(self.device, non_blocking=True)
+        ids = [self._ids(q) for q in seqs]
         res = self.resident[name]
         if batch.trace:
             runner.trace = []
         t0 = time.perf_counter()
-        logits = runner.forward(ids_t[0], ids_t[1], attn, res.swap)
+        graph = None
+        if model.graphs is not None and res.swap is None and not batch.trace and \
+                all(len(s.tokens) == 1 and s.past > 0 for s in batch.seqs):
+            graph = model.graphs.get(runner, model.pool, len(seqs), res.region.tensor.data_ptr())
+        if graph is not None:
+            bt = self.block_tokens
+            logits = graph.run([s.tokens[0] for s in batch.seqs], [s.past for s in batch.seqs],
+                               [b[s.past // bt] * bt + s.past % bt for b, s in zip(ids, batch.seqs)],
+                               [s.past + 1 for s in batch.seqs], ids)
+        else:
+            attn = paged_batch(model.pool, [(b, s.past, len(s.tokens)) for b, s in zip(ids, batch.seqs)], self.device)
+            tok, pos = [], []
+            for s in batch.seqs:
+                tok.extend(s.tokens)
+                pos.extend(range(s.past, s.past + len(s.tokens)))
+            ids_t = torch.tensor([tok, pos], dtype=torch.long).to(self.device, non_blocking=True)
+            logits = runner.forward(ids_t[0], ids_t[1], attn, res.swap)
         tokens = sample(logits, [s.params for s in batch.seqs], [q.generator for q in seqs]).tolist()
         result.compute_s[name] = time.perf_counter() - t0
         result.tokens.update((s.req_id, t) for s, t in zip(batch.seqs, tokens))
@@ -254,7 +280,9 @@ class InProcessExecutor:
         dev = DeviceStatus(0, str(self.device), a.nbytes, a.used("weights"), a.used("kv"), a.compactions, self.budget)
         models = {n: "loading" if r.swap is not None and not r.swap.done() else "resident"
                   for n, r in self.resident.items()}
-        return ExecutorStatus([dev], models, self.block_tokens)
+        graphs = [m.graphs for m in self.models.values() if m.graphs is not None]
+        stats = {"graph_captures": sum(g.captures for g in graphs), "graph_capture_s": sum(g.capture_s for g in graphs)}
+        return ExecutorStatus([dev], models, self.block_tokens, stats)
 
     def probe_link(self, name: str, repeats: int) -> list[float]:
         src = self.models[name].image.buffer

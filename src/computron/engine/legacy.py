@@ -17,6 +17,7 @@ from .inprocess import InProcessExecutor, _Model, _Resident
 
 class LegacyExecutor(InProcessExecutor):
     pin_images = False  # the original started from pageable host memory
+    fixed_weights = False  # every load lands wherever PyTorch's allocator puts it
 
     def __init__(self, config):
         super().__init__(config)

@@ -39,9 +39,13 @@ IMPLS = ("torch", "sdpa", "triton")
 
 
 def write_kv(k_cache, v_cache, k, v, slots, *, impl=None) -> None:
-    """Store new tokens' keys/values ``[N, kv_heads, head_dim]`` at ``slots`` (block * block_size + offset), in place."""
+    """Store new tokens' keys/values ``[N, kv_heads, head_dim]`` at ``slots`` (block * block_size + offset), in place;
+    a slot of -1 (a padding row of a fixed-size batch) is written nowhere."""
     if _choose(k, impl) == "triton":
         return _write_triton(k_cache, v_cache, k, v, slots)
+    keep = slots >= 0
+    if not bool(keep.all()):
+        k, v, slots = k[keep], v[keep], slots[keep]
     bs = k_cache.shape[1]
     blocks, offsets = slots // bs, slots % bs
     k_cache[blocks, offsets] = k
@@ -217,7 +221,7 @@ if triton is not None:
         slot = tl.load(SLOTS + i).to(tl.int64)
         blk, off = slot // BS, slot % BS
         h, d = tl.arange(0, HP), tl.arange(0, DP)
-        m = (h < H)[:, None] & (d < D)[None, :]
+        m = (h < H)[:, None] & (d < D)[None, :] & (slot >= 0)  # slot -1: a padding row, written nowhere
         k = tl.load(K + i * s_kn + h[:, None] * s_kh + d[None, :], mask=m)
         tl.store(KC + blk * s_cb + off * s_ct + h[:, None] * s_ch + d[None, :], k, mask=m)
         v = tl.load(V + i * s_vn + h[:, None] * s_vh + d[None, :], mask=m)

@@ -414,7 +414,8 @@ class Scheduler:
         return all(n <= self.free_bytes(d) for d, n in need.items())
 
     def _take_blocks(self, m: ModelState, blocks: int) -> None:
-        self._epoch += 1
+        if blocks < 0:  # memory freed: what could not start may start now (taking it changes nothing)
+            self._epoch += 1
         for d, bb in zip(m.devices, m.block_bytes):
             self.kv_used[d] += blocks * bb
 
@@ -427,6 +428,11 @@ class Scheduler:
         req.blocks = 0
         m.waiting.appendleft(req)
         plan.preempted.append(req.id)
+
+    def _schedule_growth(self, m: ModelState, req: SchedRequest) -> None:
+        """Note when the request's next token will not fit its blocks: at that step it needs another."""
+        req.due = req.blocks * self.config.block_tokens - req.prompt_len + req.joined + 1
+        heapq.heappush(m.growth, (req.due, next(self._tie), req))
 
     def _grow(self, m: ModelState, req: SchedRequest, blocks: int, plan: StepPlan, keep: set[str]) -> bool:
         """Give a running request ``blocks`` more blocks: evict idle models, else preempt this
@@ -448,17 +454,17 @@ class Scheduler:
         join while the batch, the token budget and memory allow. None: the head request waits for
         KV cache that running requests of other models hold."""
         cfg = self.config
-        batch = Batch(m.name)
         keep = claimed | {m.name}
-        bt = cfg.block_tokens
-        for req in list(m.running.values()):  # oldest first: the newest are preempted first
-            if req.state != "running":
-                continue  # preempted to make room for an older one
-            blocks = -(-(req.prompt_len + m.steps - req.joined) // bt) - req.blocks
-            if blocks > 0 and not self._grow(m, req, blocks, plan, keep):
-                continue
-            batch.decode.append(req.id)
-        if m.running == {} and not batch.decode and plan.preempted and self._busy_near(m):
+        growth = m.growth
+        while growth and growth[0][0] <= m.steps:  # only requests whose next token starts a block
+            due, _, req = heapq.heappop(growth)
+            if req.state != "running" or req.due != due:
+                continue  # preempted or finished since
+            if self._grow(m, req, 1, plan, keep):
+                self._schedule_growth(m, req)
+        had_running = bool(m.running) or bool(plan.preempted)
+        batch = Batch(m.name, decode=list(m.running))
+        if had_running and not m.running and plan.preempted and self._busy_near(m):
             return None  # all it had running was preempted for memory others hold: they drain first
         tokens = len(batch.decode)
         while m.waiting and len(m.running) < cfg.max_batch_size:
@@ -483,6 +489,7 @@ class Scheduler:
             req.state, req.joined, req.done, req.blocks = "running", m.steps - req.done, 0, blocks
             m.running[req.id] = req
             self._take_blocks(m, blocks)
+            self._schedule_growth(m, req)
             batch.prefill.append(req.id)
             tokens += length
         return batch

@@ -23,6 +23,7 @@ class SchedRequest:
     blocks: int = 0  # KV-cache blocks it holds (on each of its model's ranks)
     joined: int = 0  # its model's step count when it was admitted (tokens made = steps since)
     done: int = 0  # tokens it had made when it was preempted (it recomputes them when it resumes)
+    due: int = 0  # its model's step count at which its next token needs one more block
     state: str = "waiting"  # waiting | running | finished
 
 
@@ -40,6 +41,7 @@ class ModelState:
     running: dict = field(default_factory=dict)  # req_id -> SchedRequest, in admission order
     heap_key: float | None = None  # the oldest arrival this model is queued under in the scheduler's heap
     steps: int = 0  # batches it has run: a running request has made ``steps - joined`` tokens
+    growth: list = field(default_factory=list)  # heap of (due, tie, request): who needs a block when
 
     @property
     def on_device(self) -> bool:

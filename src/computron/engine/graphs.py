@@ -1,0 +1,95 @@
+"""CUDA graphs of a model's decode step: one per batch-size bucket, replayed instead of launching
+every kernel of every layer from Python.
+
+A graph bakes in the addresses it read at capture: the weights (so graphs are kept only while
+the weights stay at the same address; an eviction and a reload at the same place keep them, a
+move drops them), the arena's KV pool (fixed for the executor's life), and its own static
+input buffers, which each step refills with one host-to-device copy. A batch of B sequences runs
+in the smallest bucket >= B; padding rows have slot -1 (their keys and values are written
+nowhere) and length 0 (their attention reads nothing), and their logits are dropped.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..models.kvcache import KVPool
+from ..models.transformer import AttnBatch
+from .runner import ModelRunner
+
+
+def buckets(max_batch: int) -> list[int]:
+    """Batch sizes with a graph: 1, 2, 4, 8, then every multiple of 16 up to ``max_batch``."""
+    out = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16))
+    return out + [max_batch]
+
+
+class DecodeGraph:
+    def __init__(self, runner: ModelRunner, pool: KVPool, bucket: int, width: int, device: torch.device, mempool):
+        self.bucket, self.width = bucket, width
+        t0 = time.perf_counter()
+        n = bucket * (4 + width)
+        self.host = torch.zeros(n, dtype=torch.int64, pin_memory=True)
+        self.inputs = torch.zeros(n, dtype=torch.int64, device=device)
+        ids, pos, slots, lens = self.inputs[: 4 * bucket].view(4, bucket)
+        slots.fill_(-1)
+        tables = self.inputs[4 * bucket:].view(bucket, width)
+        rows = torch.arange(bucket + 1, device=device)
+        batch = AttnBatch(k=pool.k, v=pool.v, slots=slots, block_tables=tables, seq_lens=lens,
+                          query_lens=torch.ones(bucket, dtype=torch.int64, device=device), cu_query=rows,
+                          last=rows[:bucket], decode=True)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # compile and tune every kernel before capturing
+            for _ in range(2):
+                runner.forward(ids, pos, batch)
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=mempool):
+            self.logits = runner.forward(ids, pos, batch)
+        torch.cuda.synchronize(device)
+        self.capture_s = time.perf_counter() - t0
+
+    def run(self, ids: list[int], pos: list[int], slots: list[int], lens: list[int],
+            tables: list[list[int]]) -> torch.Tensor:
+        """Logits [len(ids), vocab] of one decode step of these sequences. Table entries past a
+        sequence's blocks are left as they were: the kernels never read past its length."""
+        b, n = len(ids), self.bucket
+        h = self.host.numpy()
+        fields = h[: 4 * n].reshape(4, n)
+        for row, values, fill in zip(fields, (ids, pos, slots, lens), (0, 0, -1, 0)):
+            row[:b] = values
+            row[b:] = fill
+        t = h[4 * n:].reshape(n, self.width)
+        for i, blocks in enumerate(tables):
+            t[i, : len(blocks)] = blocks
+        self.inputs.copy_(self.host, non_blocking=True)  # the step's sampling syncs before the next refill
+        self.graph.replay()
+        return self.logits[:b]
+
+
+class DecodeGraphs:
+    """A model's decode graphs for the weights at one address."""
+
+    def __init__(self, max_batch: int, width: int, device: torch.device):
+        self.sizes, self.width, self.device = buckets(max_batch), width, device
+        self.address: int | None = None
+        self.graphs: dict[int, DecodeGraph] = {}
+        self.mempool = None
+        self.captures, self.capture_s = 0, 0.0  # graphs captured so far, and the seconds it took
+
+    def get(self, runner: ModelRunner, pool: KVPool, batch: int, address: int) -> DecodeGraph | None:
+        if batch > self.sizes[-1]:
+            return None
+        if address != self.address:  # the weights moved: every graph points at the old place
+            self.graphs.clear()
+            self.address, self.mempool = address, torch.cuda.graph_pool_handle()
+        bucket = next(s for s in self.sizes if s >= batch)
+        g = self.graphs.get(bucket)
+        if g is None:
+            g = self.graphs[bucket] = DecodeGraph(runner, pool, bucket, self.width, self.device, self.mempool)
+            self.captures += 1
+            self.capture_s += g.capture_s
+        return g

@@ -105,6 +105,20 @@ def test_triton_key_splits_and_tiles(splits, tile):
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("impl", [i for i in IMPLS if i != "sdpa"])
+def test_decode_rows_of_length_zero_give_zeros(impl):
+    g = torch.Generator().manual_seed(5)
+    _, kc, vc, table, _, _ = paged([40, 1, 40], 2, 16, 16, g)
+    q = torch.randn(3, 4, 16, generator=g)
+    full = decode_attention(q, kc, vc, table, torch.tensor([40, 1, 40]), impl=impl)
+    out = decode_attention(q, kc, vc, table, torch.tensor([40, 0, 40]), impl=impl)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    torch.testing.assert_close(out[[0, 2]], full[[0, 2]])
+    if impl == "triton":
+        split = A._decode_triton(q, kc, vc, table, torch.tensor([40, 0, 40]), 0.25, num_splits=3, block_n=16)
+        torch.testing.assert_close(split, out, atol=1e-5, rtol=1e-5)
+
+
 def test_prefill_of_single_tokens_equals_decode():
     g = torch.Generator().manual_seed(7)
     seq_lens = [5, 16, 33]
@@ -137,6 +151,17 @@ def test_write_kv_fills_the_table_slots_of_one_layer_of_the_pool(index_dtype, im
     assert torch.equal(pool, expect)
     others = [i for i in range(LAYERS) if i != LAYER]
     assert torch.equal(pool[:, others], before[:, others])
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"] if "triton" in IMPLS else ["torch"])
+def test_write_kv_skips_padding_slots(impl):
+    pool = torch.randn(4, LAYERS, 2, 4, 2, 8)
+    before = pool.clone()
+    k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    write_kv(pool[:, LAYER, 0], pool[:, LAYER, 1], k, v, torch.tensor([5, -1, 14]), impl=impl)
+    before[1, LAYER, 0, 1], before[3, LAYER, 0, 2] = k[0], k[2]
+    before[1, LAYER, 1, 1], before[3, LAYER, 1, 2] = v[0], v[2]
+    assert torch.equal(pool, before)
 
 
 def test_write_then_attend_round_trip():

@@ -44,7 +44,7 @@ def run(model: str, device: str, repeats: int, prompt_len: int, decode_tokens: i
     cfg, _ = resolve_model(model)
     layout = layout_for(cfg)
     nbytes = layout.nbytes
-    kv = (prompt_len + decode_tokens + 8) * cfg.kv_bytes_per_token()
+    kv = (prompt_len + max(decode_tokens, 1) + 32) * cfg.kv_bytes_per_token()  # whole 16-token blocks
     workspace = 4 * 2**30 if device != "cpu" else 256 * 2**20
     eng = Engine(EngineConfig(device=device, gpu_memory_budget=workspace + nbytes + kv + 2**20,
                               workspace_bytes=workspace))

@@ -37,9 +37,10 @@ class DecodeGraph:
         slots.fill_(-1)
         tables = self.inputs[4 * bucket:].view(bucket, width)
         rows = torch.arange(bucket + 1, device=device)
-        batch = AttnBatch(k=pool.k, v=pool.v, slots=slots, block_tables=tables, seq_lens=lens,
-                          query_lens=torch.ones(bucket, dtype=torch.int64, device=device), cu_query=rows,
-                          last=rows[:bucket], decode=True)
+        # Kept for the graph's life: it reads these tensors' memory at every replay.
+        self.batch = batch = AttnBatch(k=pool.k, v=pool.v, slots=slots, block_tables=tables, seq_lens=lens,
+                                       query_lens=torch.ones(bucket, dtype=torch.int64, device=device),
+                                       cu_query=rows, last=rows[:bucket], decode=True)
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # compile and tune every kernel before capturing

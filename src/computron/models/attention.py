@@ -23,7 +23,6 @@ as a benchmark candidate. ``impl=`` or ``COMPUTRON_ATTENTION`` (``auto``, ``torc
 from __future__ import annotations
 
 import functools
-import math
 import os
 
 import torch
@@ -36,6 +35,10 @@ except ImportError:  # CPU-only installs
     triton = None
 
 IMPLS = ("torch", "sdpa", "triton")
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def write_kv(k_cache, v_cache, k, v, slots, *, impl=None) -> None:
@@ -53,7 +56,8 @@ def write_kv(k_cache, v_cache, k, v, slots, *, impl=None) -> None:
 
 
 def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=None, *, impl=None) -> torch.Tensor:
-    """One new query per sequence: q ``[B, hq, d]`` over each sequence's ``seq_lens[b]`` cached keys → ``[B, hq, d]``."""
+    """One new query per sequence: q ``[B, hq, d]`` over each sequence's ``seq_lens[b]`` cached keys → ``[B, hq, d]``
+    (a row of length 0, a padding row, gives zeros on the torch and triton paths)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     impl = _choose(q, impl)
     if impl == "triton":
@@ -89,7 +93,7 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.T
     """Each sequence's first ``max_len`` cache slots as ``[B, max_len, kv_heads, head_dim]``; slots past
     its length are zero (the cache there may hold anything, NaN included, and 0 * NaN is NaN)."""
     bs = cache.shape[1]
-    nb = -(-max_len // bs)
+    nb = _cdiv(max_len, bs)
     table = block_tables[:, :nb].long()
     lens = seq_lens[:, None].to(table.device)
     used = torch.arange(nb, device=table.device)[None, :] < (lens + bs - 1) // bs
@@ -105,7 +109,7 @@ def _attend(q, k, v, mask, scale, sdpa):
     if sdpa:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    p = s.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    p = s.masked_fill(~mask, float("-inf")).softmax(dim=-1).nan_to_num(0.0)  # no keys (length 0): zeros
     return torch.matmul(p, v.float()).to(q.dtype)
 
 
@@ -150,7 +154,7 @@ def _sm_count(device: torch.device) -> int:
 
 def _splits(programs: int, capacity: int, device: torch.device) -> int:
     """Key splits per (sequence, kv head): enough programs for two waves, at least 128 keys each."""
-    return max(1, min(-(-2 * _sm_count(device) // programs), -(-capacity // 128), _MAX_SPLITS))
+    return max(1, min(_cdiv(2 * _sm_count(device), programs), _cdiv(capacity, 128), _MAX_SPLITS))
 
 
 def _decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=None, block_n=64, num_warps=4):
@@ -160,8 +164,8 @@ def _decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, num_split
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and q.stride(-1) == 1
     capacity = block_tables.shape[1] * bs  # an upper bound on seq_lens that needs no device sync
     splits = num_splits or _splits(B * hk, capacity, q.device)
-    chunk = -(-(-(-capacity // splits)) // block_n) * block_n
-    splits = -(-capacity // chunk)
+    chunk = _cdiv(_cdiv(capacity, splits), block_n) * block_n  # keys per split, whole tiles
+    splits = _cdiv(capacity, chunk)
     out = torch.empty_like(q)
     if splits == 1:
         part, lse = out, out
@@ -189,7 +193,7 @@ def _prefill_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_query, scale
     B, bs, hk = seq_lens.numel(), k_cache.shape[1], k_cache.shape[2]
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and q.stride(-1) == 1
     out = torch.empty_like(q)
-    tiles = -(-N // block_m) + B  # an upper bound on sum(ceil(query_lens / block_m)), no device sync
+    tiles = _cdiv(N, block_m) + B  # an upper bound on sum(ceil(query_lens / block_m)), no device sync
     _prefill_kernel[(hq, tiles)](
         q, k_cache, v_cache, block_tables, seq_lens, cu_query, out, scale * 1.4426950408889634, B,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
@@ -265,7 +269,7 @@ if triton is not None:
             tl.store(o_ptr, acc / tl.where(ok, l_i, 1.0)[:, None], mask=hm)
             tl.store(LSE + b * s_lb + heads * s_lh + sp, tl.where(ok, m_i + tl.log2(l_i), float("-inf")), mask=g < G)
         else:
-            tl.store(o_ptr, (acc / l_i[:, None]).to(O.dtype.element_ty), mask=hm)
+            tl.store(o_ptr, (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(O.dtype.element_ty), mask=hm)
 
     @triton.jit
     def _combine_kernel(P, LSE, O, S, s_pb, s_ph, s_ps, s_lb, s_lh, s_ob, s_oh,
@@ -273,9 +277,9 @@ if triton is not None:
         b, h = tl.program_id(0), tl.program_id(1)
         s, d = tl.arange(0, SP), tl.arange(0, DP)
         lse = tl.load(LSE + b * s_lb + h * s_lh + s, mask=s < S, other=float("-inf"))
-        w = tl.exp2(lse - tl.max(lse, 0))
+        w = tl.exp2(lse - tl.maximum(tl.max(lse, 0), -1e30))  # all splits empty (length 0): w = 0, out = 0
         o = tl.load(P + b * s_pb + h * s_ph + s[:, None] * s_ps + d[None, :], mask=(s < S)[:, None] & (d < D)[None, :], other=0.0)
-        out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+        out = tl.sum(o * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1.0)
         tl.store(O + b * s_ob + h * s_oh + d, out.to(O.dtype.element_ty), mask=d < D)
 
     @triton.jit

@@ -77,3 +77,20 @@ def test_write_kv_on_cuda_touches_only_its_slots_of_its_layer(impl, slot_dtype):
     expect[slots // 16, 1, 0, slots % 16] = k
     expect[slots // 16, 1, 1, slots % 16] = v
     assert torch.equal(pool, expect)
+
+
+@pytest.mark.parametrize("splits,tile", [(1, 16), (3, 16), (6, 32), (64, 64)])
+def test_triton_key_splits_and_tiles(splits, tile):
+    torch.manual_seed(splits)
+    seq_lens = [1, 16, 150, 77, 3]
+    kc, vc, table = paged_cache(seq_lens, 2, 32, torch.float32)[:3]
+    q = torch.randn(5, 8, 32, device="cuda")
+    lens = torch.tensor(seq_lens, device="cuda")
+    ref = decode_attention(q, kc, vc, table, lens, impl="torch")
+    torch.testing.assert_close(A._decode_triton(q, kc, vc, table, lens, 0.17678, splits, tile), ref, atol=1e-4, rtol=1e-4)
+    query_lens = torch.tensor([1, 16, 100, 40, 3], device="cuda")
+    cu = torch.cat([torch.zeros(1, dtype=torch.long, device="cuda"), query_lens.cumsum(0)])
+    q = torch.randn(int(cu[-1]), 8, 32, device="cuda")
+    ref = prefill_attention(q, kc, vc, table, lens, query_lens, cu, impl="torch")
+    out = A._prefill_triton(q, kc, vc, table, lens, cu, 0.17678, tile, 16)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)

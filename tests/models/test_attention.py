@@ -87,24 +87,6 @@ def test_prefill_matches_per_sequence_sdpa_with_a_cached_past(impl, hq, hk):
         torch.testing.assert_close(out[cu[s] : cu[s + 1]], ref, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.skipif("triton" not in IMPLS, reason="needs triton on CUDA or TRITON_INTERPRET=1")
-@pytest.mark.parametrize("splits,tile", [(1, 16), (3, 16), (6, 32), (64, 64)])
-def test_triton_key_splits_and_tiles(splits, tile):
-    g = torch.Generator().manual_seed(splits)
-    seq_lens = [1, 16, 150, 77, 3]
-    _, kc, vc, table, _, _ = paged(seq_lens, 2, 32, 16, g)
-    q = torch.randn(5, 8, 32, generator=g)
-    lens = torch.tensor(seq_lens)
-    ref = decode_attention(q, kc, vc, table, lens, impl="torch")
-    torch.testing.assert_close(A._decode_triton(q, kc, vc, table, lens, 0.17678, splits, tile), ref, atol=1e-4, rtol=1e-4)
-    query_lens = torch.tensor([1, 16, 100, 40, 3])
-    cu = torch.cat([torch.zeros(1, dtype=torch.long), query_lens.cumsum(0)])
-    q = torch.randn(int(cu[-1]), 8, 32, generator=g)
-    ref = prefill_attention(q, kc, vc, table, lens, query_lens, cu, impl="torch")
-    out = A._prefill_triton(q, kc, vc, table, lens, cu, 0.17678, tile, 16)
-    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
-
-
 @pytest.mark.parametrize("impl", [i for i in IMPLS if i != "sdpa"])
 def test_decode_rows_of_length_zero_give_zeros(impl):
     g = torch.Generator().manual_seed(5)

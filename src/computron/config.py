@@ -62,7 +62,7 @@ class EngineConfig:
     gpu_memory_budget: int | None = None  # bytes for weights + KV cache + workspace; None: 90% of the device
     workspace_bytes: int | None = None  # reserved for activations; None: a tenth of the budget, at most 2 GiB
     policy: str = "default"  # default | computron
-    executor: str | None = None  # inprocess | legacy; None: legacy for the computron policy, else inprocess
+    executor: str | None = None  # inprocess | legacy | workers (one worker process per device); None: legacy for the computron policy, else inprocess
     max_batch_size: int = 32
     max_tokens_per_step: int = 2048
     max_loaded: int = 1  # computron policy: models resident at once

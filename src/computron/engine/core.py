@@ -234,11 +234,11 @@ class EngineCore:
 
     def _absorb(self, result: StepResult, batches, evict_s: float) -> None:
         self._loaded(result.loaded)
+        self.last_trace = result.trace
+        for rid, why in result.failed.items():  # first: the executor's own reason (e.g. which worker died)
+            self._fail([rid], why)
         if result.lost_devices:
             self._lose(result.lost_devices)
-        self.last_trace = result.trace
-        for rid, why in result.failed.items():
-            self._fail([rid], why)
         now = self.clock()
         for b in batches:
             compute = result.compute_s.get(b.model, 0.0)

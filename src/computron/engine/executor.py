@@ -5,7 +5,8 @@ model runners) and is spoken to with the messages of ``computron.messages`` alon
 an executor's attributes: a worker-per-GPU executor or a simulated one fits behind the same calls.
 
 Implementations: ``InProcessExecutor`` (every model on one device of this process, the default),
-``LegacyExecutor`` (the original Computron's swap mechanics, for comparison). This module does
+``LegacyExecutor`` (the original Computron's swap mechanics, for comparison), ``WorkerExecutor``
+(the in-process executor served by a worker process per device, restarted if it dies). This module does
 not import torch; ``make_executor`` imports the chosen implementation.
 """
 
@@ -16,7 +17,7 @@ from typing import Callable, Protocol
 
 from ..messages import ExecuteBatch, ExecutorStatus, ModelDescription, ModelInfo, Residency, StepResult
 
-EXECUTORS = ("inprocess", "legacy")
+EXECUTORS = ("inprocess", "legacy", "workers")
 
 
 class Executor(Protocol):
@@ -66,6 +67,10 @@ def make_executor(config) -> Executor:
         from .legacy import LegacyExecutor
 
         return LegacyExecutor(config)
+    if kind == "workers":
+        from .workers import WorkerExecutor
+
+        return WorkerExecutor(config)
     from .inprocess import InProcessExecutor
 
     return InProcessExecutor(config)

@@ -37,6 +37,8 @@ def add_parsers(subparsers) -> None:
     p.add_argument("--workspace", metavar="SIZE", help="part of the budget reserved for activations")
     p.add_argument("--device", help="auto (default), cpu, cuda or cuda:N")
     p.add_argument("--policy", choices=("default", "computron"), help="scheduling and swap policy")
+    p.add_argument("--executor", choices=("inprocess", "legacy", "workers"),
+                   help="inprocess (default), legacy (the computron policy's) or workers (a process per device)")
     p.add_argument("--host", help="address to bind (default 127.0.0.1; 0.0.0.0 exposes the server)")
     p.add_argument("--port", type=int, help="port (default 8000)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint but /health "
@@ -78,6 +80,8 @@ def build_config(args) -> ComputronConfig:
         eng.device = args.device
     if args.policy is not None:
         eng.policy = args.policy
+    if getattr(args, "executor", None) is not None:
+        eng.executor = args.executor
     if args.gpu_memory_budget is not None:
         eng.gpu_memory_budget = parse_bytes(args.gpu_memory_budget)
     if args.workspace is not None:
@@ -160,6 +164,7 @@ def serve_main(args) -> int:
         return 0 if server.started else 1
     finally:
         ae.shutdown()
+        engine.executor.shutdown()  # release the device (worker processes would also leave on the pipe's EOF)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,486 @@
+"""WorkerExecutor: the executor protocol served by one worker process per device.
+
+Each worker process (``spawn`` context) builds an ``InProcessExecutor`` from the engine's config
+and answers the protocol's calls from a ``multiprocessing`` pipe. The parent side is a thin
+proxy: every call is one message ``(id, call, args)`` sent to every rank of the model's
+placement; rank 0 answers with the value (for ``execute``: the tokens). Only the dataclasses of
+``computron.messages`` and plain values cross (pickled between our own processes; nothing a user
+sent is ever unpickled). Today there is one worker (device 0, tp=1); the message loop already
+addresses ranks by device so more workers can be added (see ``_ranks``).
+
+Messages, parent -> worker: ``(id, call, args)``; ``id`` None means no reply is wanted (``free``).
+Worker -> parent: ``(id, "ok", value)``, ``(id, "err", type name, base name, message)`` or an
+interim ``(id, "progress", text)`` (a registration's progress strings: the ``progress`` callback
+is called with them on this executor's receiver thread). Id 0 is the worker's start-up reply.
+``register`` runs on a thread of the worker, so steps keep being served while a model is built.
+
+Failure: one receiver thread per worker waits on the pipe and the process sentinel together
+(``multiprocessing.connection.wait``, 0.5 s timeout), so a worker that dies is noticed at once.
+Its calls in flight end: an ``execute`` with a ``StepResult`` whose ``lost_devices`` lists the
+worker's device and whose requests all failed ("worker for device 0 died (exit code -9)"), any
+other call with a ``WorkerDied`` (a RuntimeError). The worker is then restarted in the background
+and every model it knew is registered again (offloaded); calls wait for that. A death noticed
+outside an ``execute`` is reported by the next ``execute`` (its batches fail, nothing of the
+fresh worker stays resident), so the engine core always learns that the models are offloaded.
+Exceptions raised in the worker come back with their type name and message, as subclasses of
+the nearest of ValueError/KeyError/FileNotFoundError/MemoryError/TimeoutError (else
+RuntimeError), so the engine maps bad input to user errors as with the in-process executor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import multiprocessing as mp
+import signal
+import threading
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from multiprocessing.connection import wait as mp_wait
+from typing import Callable
+
+from ..messages import ExecuteBatch, ExecutorStatus, ModelDescription, ModelInfo, Residency, StepResult
+
+log = logging.getLogger("computron.workers")
+
+POLL_S = 0.5  # the receiver's wait on pipe + sentinel; a death is noticed within this (usually at once)
+_BASES = (KeyError, FileNotFoundError, ValueError, MemoryError, TimeoutError, RuntimeError)
+_remote_types: dict[tuple[str, str], type] = {}
+
+
+class WorkerDied(RuntimeError):
+    def __init__(self, device: int, exitcode: int | None):
+        self.device, self.exitcode = device, exitcode
+        super().__init__(f"worker for device {device} died (exit code {exitcode})")
+
+
+# ---- the worker process --------------------------------------------------------------------------
+def _error_reply(rid, e: BaseException) -> tuple:
+    base = next((b for b in _BASES if isinstance(e, b)), RuntimeError)
+    msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+    return (rid, "err", type(e).__name__, base.__name__, msg)
+
+
+def _worker_main(conn, config, device: int) -> None:
+    """A worker's loop: answer protocol calls from the pipe until ``shutdown`` or the parent goes away."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it shuts us down
+    send_lock = threading.Lock()
+
+    def send(msg) -> None:
+        with send_lock:
+            conn.send(msg)
+
+    try:
+        from .inprocess import InProcessExecutor
+
+        ex = InProcessExecutor(config)
+    except BaseException as e:
+        send(_error_reply(0, e))
+        return
+    send((0, "ok", None))
+
+    def serve(rid, name: str, args: tuple) -> None:
+        try:
+            if name == "register":
+                value = ex.register(args[0], (lambda text: send((rid, "progress", text))) if args[1] else None)
+            elif name == "execute":
+                value = ex.execute(*args).result()
+            else:
+                value = getattr(ex, name)(*args)
+            if rid is not None:
+                send((rid, "ok", value))
+        except BaseException as e:
+            if rid is not None:
+                send(_error_reply(rid, e))
+            else:
+                log.exception("worker for device %d: %s failed", device, name)
+
+    while True:
+        try:
+            rid, name, args = conn.recv()
+        except (EOFError, OSError):  # the parent died or closed the pipe: nothing more to serve
+            ex.shutdown()
+            return
+        if name == "register":  # slow: build the host image while steps go on
+            threading.Thread(target=serve, args=(rid, name, args), daemon=True).start()
+        else:
+            serve(rid, name, args)
+            if name == "shutdown":
+                return
+
+
+# ---- the parent's side of one worker -------------------------------------------------------------
+def _remote_error(tname: str, bname: str, msg: str) -> BaseException:
+    base = next((b for b in _BASES if b.__name__ == bname), RuntimeError)
+    if tname == base.__name__:
+        return base(msg)
+    key = (tname, bname)
+    if key not in _remote_types:  # e.g. CheckpointError(ValueError): the engine checks the name
+        _remote_types[key] = type(tname, (base,), {"__module__": __name__})
+    return _remote_types[key](msg)
+
+
+class _Worker:
+    """One worker process, the parent's end of its pipe, and a receiver thread that resolves replies."""
+
+    def __init__(self, ctx, config, device: int, on_death: Callable[["_Worker"], None]):
+        self.device, self.on_death = device, on_death
+        parent, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_main, args=(child, config, device),
+                                name=f"computron-worker-{device}", daemon=True)
+        self.proc.start()
+        child.close()  # only the worker holds that end: its death reads as EOF here
+        self.conn = parent
+        self.dead: WorkerDied | None = None
+        self.closing = False
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()  # sends and the table of calls in flight
+        self._pending: dict[int, tuple[Future, Callable | None]] = {0: (Future(), None)}
+        self._started = self._pending[0][0]
+        self._thread = threading.Thread(target=self._receive, name=f"computron-worker-{device}-rx", daemon=True)
+        self._thread.start()
+
+    def wait_started(self, timeout: float) -> None:
+        try:
+            self._started.result(timeout)
+        except FutureTimeout:
+            self.kill()
+            raise RuntimeError(f"worker for device {self.device} did not start within {timeout:.0f} s") from None
+        except BaseException:  # it said why and leaves; make sure it is gone
+            self.closing = True
+            self.proc.join(5.0)
+            self.kill()
+            raise
+
+    def call(self, name: str, *args, progress: Callable[[str], None] | None = None) -> Future:
+        fut: Future = Future()
+        with self._lock:
+            if self.dead is not None:
+                raise self.dead
+            rid = next(self._ids)
+            self._pending[rid] = (fut, progress)
+            try:
+                self.conn.send((rid, name, args))
+            except (OSError, ValueError) as e:  # broken pipe: the receiver will report the death
+                del self._pending[rid]
+                raise RuntimeError(f"worker for device {self.device} is gone: {e}") from None
+        return fut
+
+    def send(self, name: str, *args) -> bool:
+        """A call without reply (its errors are logged by the worker); False if the worker is gone."""
+        with self._lock:
+            if self.dead is not None:
+                return False
+            try:
+                self.conn.send((None, name, args))
+                return True
+            except (OSError, ValueError):
+                return False
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                ready = mp_wait([self.conn, self.proc.sentinel], POLL_S)
+            except OSError:
+                ready = [self.proc.sentinel]
+            if self.conn in ready:
+                try:
+                    msg = self.conn.recv()
+                except (EOFError, OSError):
+                    return self._died()
+                self._deliver(msg)
+            elif ready:  # the sentinel alone: the process ended and nothing is left to read
+                return self._died()
+
+    def _deliver(self, msg: tuple) -> None:
+        rid, kind = msg[0], msg[1]
+        with self._lock:
+            entry = self._pending.get(rid) if kind == "progress" else self._pending.pop(rid, None)
+        if entry is None:
+            return
+        fut, progress = entry
+        if kind == "progress":
+            if progress is not None:
+                try:
+                    progress(msg[2])
+                except Exception:  # a caller's callback must not stop the receiver
+                    log.exception("progress callback failed")
+        elif kind == "ok":
+            fut.set_result(msg[2])
+        else:
+            fut.set_exception(_remote_error(*msg[2:5]))
+
+    def _died(self) -> None:
+        self.proc.join(2.0)
+        with self._lock:
+            self.dead = WorkerDied(self.device, self.proc.exitcode)
+            pending, self._pending = self._pending, {}
+        if not self.closing:
+            log.error("%s", self.dead)
+            self.on_death(self)  # before failing the calls: their callbacks see the restart under way
+        for fut, _ in pending.values():
+            if not fut.done():
+                fut.set_exception(self.dead)
+        try:
+            self.conn.close()
+        except OSError:
+            pass
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.closing = True
+        try:
+            self.call("shutdown").result(timeout)
+        except Exception:
+            pass
+        self.proc.join(timeout)
+        self.kill()
+        self._thread.join(timeout)
+
+    def kill(self) -> None:
+        self.closing = True
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5.0)
+
+
+# ---- the executor --------------------------------------------------------------------------------
+class WorkerExecutor:
+    """The executor protocol over worker processes, one per device (today: device 0 only)."""
+
+    def __init__(self, config, start_timeout: float = 120.0, call_timeout: float = 600.0):
+        self.config = dataclasses.replace(config, executor="inprocess")  # what each worker runs
+        self.start_timeout, self.call_timeout = start_timeout, call_timeout
+        self.devices = (0,)
+        self._ctx = mp.get_context("spawn")
+        self._lock = threading.RLock()
+        self._descs: dict[str, ModelDescription] = {}  # every model registered, kept to re-register
+        self._lost: set[int] = set()  # devices whose worker died, not yet reported by an execute
+        self._ready = {d: threading.Event() for d in self.devices}  # cleared while a worker restarts
+        self._broken: dict[int, BaseException] = {}  # a restart that failed
+        self._last_status: dict[int, ExecutorStatus] = {}
+        self._restarts: list[threading.Thread] = []
+        self._closed = False
+        self.restarts = 0
+        self._workers: dict[int, _Worker] = {}
+        try:
+            for d in self.devices:
+                self._workers[d] = self._start(d)
+                self._ready[d].set()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start(self, device: int) -> _Worker:
+        w = _Worker(self._ctx, self.config, device, self._on_death)
+        w.wait_started(self.start_timeout)
+        return w
+
+    # ---- ranks -----------------------------------------------------------------------------------
+    def _worker(self, device: int) -> _Worker:
+        """The live worker of a device, waiting for a restart under way."""
+        if not self._ready[device].wait(self.start_timeout + self.call_timeout):
+            raise RuntimeError(f"worker for device {device} did not come back in time")
+        if device in self._broken:
+            raise RuntimeError(f"worker for device {device} could not be restarted: {self._broken[device]}")
+        return self._workers[device]
+
+    def _ranks(self, devices) -> list[_Worker]:
+        """The workers of a placement's devices, rank order (rank 0 first)."""
+        return [self._worker(d) for d in devices]
+
+    def _model_devices(self, name: str) -> tuple[int, ...]:
+        desc = self._descs.get(name)
+        return desc.placement.devices if desc is not None else self.devices
+
+    def _wait(self, fut: Future, device: int, name: str, timeout: float | None = None):
+        try:
+            return fut.result(timeout or self.call_timeout)
+        except FutureTimeout:
+            raise RuntimeError(f"worker for device {device} did not answer {name} within "
+                               f"{timeout or self.call_timeout:.0f} s") from None
+
+    def _broadcast(self, devices, name: str, *args, progress=None, timeout: float | None = None):
+        """Send a call to every rank; every rank must succeed; rank 0's answer is the value."""
+        workers = self._ranks(devices)
+        futs = [w.call(name, *args, progress=progress if i == 0 else None) for i, w in enumerate(workers)]
+        values = [self._wait(f, w.device, name, timeout) for f, w in zip(futs, workers)]
+        return values[0]
+
+    # ---- failure -------------------------------------------------------------------------------
+    def _on_death(self, w: _Worker) -> None:
+        with self._lock:
+            if self._closed or self._workers.get(w.device) is not w:
+                return
+            self._lost.add(w.device)
+            self._ready[w.device].clear()
+            t = threading.Thread(target=self._restart, args=(w.device,), name=f"computron-restart-{w.device}",
+                                 daemon=True)
+            self._restarts.append(t)
+            t.start()
+
+    def _restart(self, device: int) -> None:
+        """A fresh worker with every model registered again (all offloaded)."""
+        try:
+            w = self._start(device)
+            for desc in list(self._descs.values()):
+                if device in desc.placement.devices:
+                    try:
+                        self._wait(w.call("register", desc, False), device, "register")
+                    except Exception as e:  # it stays known; its requests will fail with the reason
+                        log.error("re-registering %s after a restart failed: %s", desc.name, e)
+            if w.dead is not None:
+                raise w.dead
+            with self._lock:
+                if self._closed:
+                    w.stop()
+                    return
+                self._workers[device] = w
+                self._broken.pop(device, None)
+                self.restarts += 1
+            log.warning("worker for device %d restarted; its %d model(s) are offloaded", device, len(self._descs))
+        except BaseException as e:
+            self._broken[device] = e
+        finally:
+            self._ready[device].set()
+
+    def _lost_result(self, batches: list[ExecuteBatch], why: str, devices) -> StepResult:
+        return StepResult(failed={s.req_id: why for b in batches for s in b.seqs}, lost_devices=sorted(devices))
+
+    # ---- the protocol --------------------------------------------------------------------------
+    def register(self, desc: ModelDescription, progress: Callable[[str], None] | None = None) -> ModelInfo:
+        info = self._broadcast(desc.placement.devices, "register", desc, progress is not None, progress=progress,
+                               timeout=max(self.call_timeout, 3600.0))
+        with self._lock:
+            self._descs[desc.name] = desc
+        return info
+
+    def unregister(self, name: str) -> None:
+        devices = self._model_devices(name)
+        with self._lock:
+            self._descs.pop(name, None)
+        self._broadcast(devices, "unregister", name)
+
+    def apply(self, change: Residency) -> dict[str, float]:
+        return self._broadcast(self.devices, "apply", change)
+
+    def execute(self, batches: list[ExecuteBatch]) -> Future:
+        out: Future = Future()
+        with self._lock:
+            lost, self._lost = self._lost, set()
+        if lost:  # a worker died since the last step: its models are gone; say so before running anything
+            for d in lost:
+                try:  # the fresh worker must hold nothing the core will believe offloaded
+                    self._broadcast([d], "apply", Residency(evict=list(self._broadcast([d], "status").models)))
+                except Exception:
+                    pass
+            why = "; ".join(f"worker for device {d} died" for d in sorted(lost))
+            out.set_result(self._lost_result(batches, why, lost))
+            return out
+        try:
+            # Every rank of a batch's placement takes part; each batch's rank 0 answers its tokens.
+            devices = sorted({d for b in batches for d in self._model_devices(b.model)})
+            workers = self._ranks(devices)
+            futs = [w.call("execute", [b for b in batches if w.device in self._model_devices(b.model)])
+                    for w in workers]
+        except WorkerDied as e:  # died since the check above: this step reports it
+            with self._lock:
+                self._lost.discard(e.device)
+            out.set_result(self._lost_result(batches, str(e), {e.device}))
+            return out
+        except Exception as e:
+            out.set_exception(e)
+            return out
+        if not futs:
+            out.set_result(StepResult())
+            return out
+        answers = {w.device for w in workers if any(self._model_devices(b.model)[0] == w.device for b in batches)}
+        state = {"left": len(futs), "result": StepResult(), "error": None, "lost": set()}
+
+        def done(f: Future, w: _Worker) -> None:
+            err = f.exception()
+            with self._lock:
+                if isinstance(err, WorkerDied):
+                    state["lost"].add(w.device)
+                    state["error"] = state["error"] or err
+                    self._lost.discard(w.device)  # reported by this step
+                elif err is not None:
+                    state["error"] = state["error"] or err
+                elif w.device in answers:
+                    r, part = state["result"], f.result()
+                    for field in ("tokens", "loaded", "compute_s", "failed", "trace"):
+                        getattr(r, field).update(getattr(part, field))
+                    r.lost_devices.extend(part.lost_devices)
+                state["left"] -= 1
+                if state["left"]:
+                    return
+            if state["lost"]:
+                out.set_result(self._lost_result(batches, str(state["error"]) if len(state["lost"]) == 1 else
+                                                 "; ".join(f"worker for device {d} died" for d in
+                                                           sorted(state["lost"])), state["lost"]))
+            elif state["error"] is not None:
+                out.set_exception(state["error"])
+            else:
+                out.set_result(state["result"])
+
+        for f, w in zip(futs, workers):
+            f.add_done_callback(lambda f, w=w: done(f, w))
+        return out
+
+    def wait_loads(self) -> dict[str, float]:
+        return self._broadcast(self.devices, "wait_loads")
+
+    def free(self, req_ids: list[str]) -> None:
+        """No reply awaited (messages are served in order). A worker that is gone or restarting
+        took its KV caches with it: nothing to free there."""
+        for d in self.devices:
+            if self._ready[d].is_set() and d not in self._broken:
+                self._workers[d].send("free", req_ids)
+
+    def status(self) -> ExecutorStatus:
+        """Does not wait for a restart under way: a restarting worker holds nothing (its devices as
+        last seen, empty), so a core repairing residency after a failed swap is not held up."""
+        parts = []
+        for d in self.devices:
+            last = self._last_status.get(d)
+            if last is not None and (not self._ready[d].is_set() or d in self._broken):
+                parts.append(ExecutorStatus([dataclasses.replace(dev, weights=0, kv=0) for dev in last.devices], {},
+                                            last.kv_block_tokens, {}))
+                continue
+            w = self._worker(d)
+            try:
+                parts.append(self._wait(w.call("status"), d, "status"))
+            except WorkerDied:
+                return self.status()  # it died just now: answer as for a restart under way
+            self._last_status[d] = parts[-1]
+        devices = [dataclasses.replace(dev, index=d) for d, st in zip(self.devices, parts) for dev in st.devices]
+        models: dict[str, str] = {}
+        for st in parts:  # a model is resident when every rank is; loading while any is
+            for name, s in st.models.items():
+                models[name] = "loading" if models.get(name) == "loading" else s
+        stats = {"restarts": self.restarts}
+        for st in parts:
+            for k, v in st.stats.items():
+                stats[k] = stats.get(k, 0) + v
+        return ExecutorStatus(devices, models, parts[0].kv_block_tokens, stats)
+
+    def probe_link(self, name: str, repeats: int) -> list[float]:
+        return self._broadcast(self._model_devices(name), "probe_link", name, repeats)
+
+    def worker_pids(self) -> dict[int, int]:
+        """The worker process of each device (for operators and tests)."""
+        return {d: self._worker(d).proc.pid for d in self.devices}
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            restarts = list(self._restarts)
+        for t in restarts:
+            t.join(self.start_timeout)
+        for w in list(self._workers.values()):
+            w.stop()
+
+
+__all__ = ["WorkerExecutor", "WorkerDied"]

@@ -1,0 +1,177 @@
+"""The worker-process executor on the CPU with tiny models: same tokens as in-process, a killed
+worker fails its requests at once and comes back, errors keep their message, nothing is left over."""
+
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from concurrent.futures import Future
+
+import pytest
+
+from computron.config import EngineConfig
+from computron.engine import Engine, EngineError, SamplingParams
+from computron.engine.executor import make_executor
+from computron.messages import ModelDescription, Residency, StepResult
+
+MODELS = ["tiny-opt", "tiny-llama", "tiny-gpt2"]
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+PROMPTS = ["hello", "the quick brown fox", "swap me in", "1 2 3", "Ünïcödé ✓", "abc"]
+ONE_FITS = 50_000 + 900_000  # one tiny model fits in the arena, two do not
+
+
+def make_engine(budget, models=MODELS, **kw):
+    eng = Engine(EngineConfig(device="cpu", gpu_memory_budget=budget, workspace_bytes=50_000, **kw))
+    for m in models:
+        eng.register_model(m)
+    return eng
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def workers():
+    eng = make_engine(ONE_FITS, executor="workers")
+    yield eng
+    eng.executor.shutdown()
+
+
+def test_same_tokens_as_in_process_across_swaps(workers):
+    ref = make_engine(ONE_FITS)
+    seeded = [SamplingParams(max_tokens=6, temperature=1.2, top_k=40, seed=i, ignore_eos=True) for i in range(12)]
+    jobs = [(MODELS[i % 3], PROMPTS[i % len(PROMPTS)], GREEDY if i % 2 else seeded[i]) for i in range(12)]
+    runs = []
+    for eng in (ref, workers):
+        reqs = [eng.submit(m, p, sp) for m, p, sp in jobs]  # interleaved across models: swaps
+        eng.run_until_done(reqs)
+        assert all(r.error is None for r in reqs)
+        runs.append([r.output_ids for r in reqs])
+    assert runs[0] == runs[1]
+    assert workers.stats["swap_ins"] >= 3 and workers.stats["evictions"] == workers.stats["swap_ins"] - 1
+    assert workers.memory()["weights"] <= ONE_FITS and workers.memory()["kv"] == 0
+
+
+def test_worker_errors_keep_their_message(workers):
+    with pytest.raises(EngineError, match=r"unknown model 'opt-99b': neither a checkpoint directory nor a preset"):
+        workers.register_model("opt-99b")
+    with pytest.raises(EngineError, match=r"opt-350m. needs 631.71 MiB of weights, more than the 878.50 KiB"):
+        workers.register_model("opt-350m")
+    with pytest.raises(EngineError, match="already registered"):
+        workers.register_model("tiny-opt")
+    with pytest.raises(KeyError, match="nope"):
+        workers.executor.apply(Residency(load=["nope"]))
+    progress = []
+    workers.executor.register(ModelDescription("extra", "tiny-gpt2"), progress.append)  # interim messages
+    workers.executor.unregister("extra")
+    assert progress and "building host image of extra" in progress[0]
+    assert workers.generate("tiny-opt", "hi", GREEDY).finish_reason == "length"
+
+
+def test_killed_worker_fails_its_requests_and_comes_back():
+    eng = make_engine(64 * 2**20, models=["tiny-opt", "tiny-llama"], executor="workers")
+    try:
+        ref = make_engine(64 * 2**20, models=["tiny-opt"])
+        want = ref.generate("tiny-opt", "after the crash", GREEDY).output_ids
+        long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+        running = [eng.submit("tiny-opt", p, long) for p in PROMPTS[:3]]
+        eng.step(), eng.step()
+        waiting = eng.submit("tiny-llama", "queued", GREEDY)  # another model on the same device
+        pid = eng.executor.worker_pids()[0]
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.perf_counter()
+        eng.run_until_done(running, max_steps=50)
+        assert time.perf_counter() - t0 < 2.0
+        for r in running:  # noticed in the step's execute, or in its swap (a prefetch of tiny-llama)
+            assert r.finish_reason == "error" and "worker for device 0 died (exit code -9)" in r.error
+        eng.run_until_done([waiting])  # by the next execute at the latest, the core learns the device was lost
+        assert waiting.finish_reason == "error"
+        assert "lost device(s) [0]" in waiting.error or "worker for device 0 died" in waiting.error
+        assert eng.model_state("tiny-opt") == "offloaded" and eng.model_state("tiny-llama") == "offloaded"
+        assert eng.memory()["weights"] == 0 and eng.memory()["kv"] == 0
+        after = eng.generate("tiny-opt", "after the crash", GREEDY)
+        assert after.error is None and after.output_ids == want
+        assert eng.executor.status().stats["restarts"] == 1 and not alive(pid)
+        # A death noticed between steps: the next step reports it (its batch fails), then all is well.
+        os.kill(eng.executor.worker_pids()[0], signal.SIGKILL)
+        time.sleep(0.2)
+        lost = eng.generate("tiny-opt", "x", GREEDY)
+        assert lost.finish_reason == "error" and "worker for device 0 died" in lost.error
+        assert eng.generate("tiny-opt", "after the crash", GREEDY).output_ids == want
+    finally:
+        pids = list(eng.executor.worker_pids().values())
+        eng.executor.shutdown()
+    assert not any(alive(p) for p in pids)
+
+
+def test_parent_death_ends_the_worker():
+    code = textwrap.dedent("""
+        import os, sys
+        from computron.config import EngineConfig
+        from computron.engine.executor import make_executor
+        if __name__ == "__main__":
+            ex = make_executor(EngineConfig(device="cpu", gpu_memory_budget=1_000_000, workspace_bytes=50_000,
+                                            executor="workers"))
+            print(ex.worker_pids()[0], flush=True)
+            os._exit(0)  # no shutdown: the worker must see EOF and leave
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    pid = int(out.stdout.split()[0])
+    deadline = time.time() + 10
+    while alive(pid) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not alive(pid)
+
+
+class LosesDevice:
+    """An in-process executor whose next step says device 0 was lost (everything on it gone)."""
+
+    def __init__(self, inner):
+        self.inner, self.lose = inner, False
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def execute(self, batches):
+        if not self.lose:
+            return self.inner.execute(batches)
+        self.lose = False
+        self.inner.free([s.req_id for b in batches for s in b.seqs])
+        self.inner.apply(Residency(evict=list(self.inner.status().models)))
+        fut = Future()
+        fut.set_result(StepResult(failed={s.req_id: "the card caught fire" for b in batches for s in b.seqs},
+                                  lost_devices=[0]))
+        return fut
+
+
+def test_core_lost_devices_offload_models_and_keep_the_executors_reason():
+    cfg = EngineConfig(device="cpu", gpu_memory_budget=64 * 2**20, workspace_bytes=50_000)
+    ex = LosesDevice(make_executor(cfg))
+    eng = Engine(cfg, executor=ex)
+    for m in ("tiny-opt", "tiny-llama"):
+        eng.register_model(m)
+    want = eng.generate("tiny-opt", "abc", GREEDY).output_ids
+    eng.load("tiny-llama", wait=True)  # resident, no work: must be offloaded too
+    r = eng.submit("tiny-opt", "abc", SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    eng.step()
+    ex.lose = True
+    eng.step()
+    assert r.finish_reason == "error" and r.error == "the card caught fire"
+    assert eng.model_state("tiny-opt") == "offloaded" and eng.model_state("tiny-llama") == "offloaded"
+    assert eng.memory()["devices"][0]["scheduled"] == 0
+    assert eng.generate("tiny-opt", "abc", GREEDY).output_ids == want
+
+
+def test_shutdown_leaves_no_child(workers):  # last: it stops the module's engine
+    pid = workers.executor.worker_pids()[0]
+    workers.executor.shutdown()
+    workers.executor.shutdown()  # twice is fine
+    assert not mp.active_children() and not alive(pid)

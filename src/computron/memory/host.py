@@ -36,6 +36,11 @@ def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
     return buf
 
 
+def param_seed(seed: int, name: str) -> int:
+    """The generator seed of parameter ``name`` (its full-model name) of a preset seeded ``seed``."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
 class HostImage:
     def __init__(self, layout: WeightLayout, pin: bool):
         self.layout = layout
@@ -60,7 +65,7 @@ class HostImage:
                 view.zero_()
                 continue
             gen = torch.Generator(device=dev)
-            gen.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+            gen.manual_seed(param_seed(seed, name))
             if dev.type == "cpu":
                 view.normal_(0.0, std, generator=gen)
             else:

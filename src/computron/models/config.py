@@ -37,6 +37,7 @@ class ModelConfig:
     pre_norm: bool = True  # False: OPT-350m's post-attention LayerNorm
     embed_proj_dim: int | None = None  # OPT-350m: embeddings of this width projected in/out
     final_norm: bool = True
+    head_size: int | None = None  # None: hidden_size // num_heads; set on a tensor-parallel shard's config
     dtype: str = "float16"
     bos_token_id: int | None = None
     eos_token_id: int | None = None
@@ -45,7 +46,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.family not in ("opt", "gpt2", "llama"):
             raise ValueError(f"unknown model family {self.family!r} (opt, gpt2 or llama)")
-        if self.hidden_size % self.num_heads:
+        if self.head_size is None and self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
         if self.num_heads % self.kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.kv_heads}")
@@ -58,7 +59,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.head_size or self.hidden_size // self.num_heads
 
     @property
     def dtype_bytes(self) -> int:

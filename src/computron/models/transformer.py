@@ -8,6 +8,14 @@ built on the meta device; its weights are bound later as views into wherever the
 host image on the CPU, an arena region on the GPU) by :func:`bind_weights`, so it never owns a
 full copy of its own. The runner drives it layer by layer (``embed`` → ``layers[i]`` →
 ``head``) so it can wait for layer *i*'s swap-in event before computing layer *i*.
+
+Tensor and pipeline parallelism are applied from outside (``parallel/sharding.py``): a shard is
+this same model built from a config with fewer heads, a narrower MLP and a vocabulary range,
+holding only its stage's layers (``first``/``last`` say whether it embeds and whether it has the
+head). The collectives are hooks the sharding plan sets: ``reduce`` on ``Attention``, ``MLP``
+(after the row-parallel output projections) and ``DecoderLM`` (after the vocab-parallel
+embedding), and ``gather`` on ``DecoderLM`` (the vocab-parallel logits); all None by default, so
+the model itself never touches ``torch.distributed``.
 """
 
 from __future__ import annotations
@@ -93,6 +101,8 @@ def rope_tables(cfg: ModelConfig, positions: torch.Tensor, dtype: torch.dtype):
 
 
 class Attention(nn.Module):
+    reduce = None  # tensor parallel: sums the row-parallel output over the group (set from outside)
+
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.cfg, self.layer_idx = cfg, layer_idx
@@ -118,10 +128,13 @@ class Attention(nn.Module):
             out = decode_attention(q, kc, vc, batch.block_tables, batch.seq_lens)
         else:
             out = prefill_attention(q, kc, vc, batch.block_tables, batch.seq_lens, batch.query_lens, batch.cu_query)
-        return F.linear(out.reshape(-1, hq * d), self.o_weight, self.o_bias)
+        out = F.linear(out.reshape(-1, hq * d), self.o_weight, self.o_bias)
+        return out if self.reduce is None else self.reduce(out)
 
 
 class MLP(nn.Module):
+    reduce = None  # tensor parallel: sums the row-parallel output over the group (set from outside)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         h, f = cfg.hidden_size, cfg.ffn_size
@@ -139,7 +152,8 @@ class MLP(nn.Module):
             y = self.act(gate) * up
         else:
             y = self.act(y)
-        return F.linear(y, self.down_weight, self.down_bias)
+        y = F.linear(y, self.down_weight, self.down_bias)
+        return y if self.reduce is None else self.reduce(y)
 
 
 class DecoderLayer(nn.Module):
@@ -160,24 +174,39 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderLM(nn.Module):
-    """Embeddings, ``num_layers`` decoder layers and an LM head; weights bound from outside."""
+    """Embeddings, ``num_layers`` decoder layers and an LM head; weights bound from outside.
 
-    def __init__(self, cfg: ModelConfig):
+    ``first=False`` (a later pipeline stage) leaves out the embeddings, ``last=False`` the final
+    norm and head; a last stage of a tied model keeps ``embed_tokens`` as its head's weight.
+    ``vocab_start``: the first token id of this shard's vocabulary range (vocab parallel).
+    """
+
+    reduce = None  # tensor parallel: sums the vocab-parallel embedding over the group
+    gather = None  # tensor parallel: joins the vocab-parallel logits into the full vocabulary
+
+    def __init__(self, cfg: ModelConfig, first: bool = True, last: bool = True, vocab_start: int = 0):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.first, self.last, self.vocab_start = cfg, first, last, vocab_start
         e = cfg.embed_proj_dim or cfg.hidden_size
-        self.embed_tokens = _param(cfg.vocab_size, e)
+        self.embed_tokens = _param(cfg.vocab_size, e) if first or (last and cfg.tie_embeddings) else None
         self.embed_positions = (
-            _param(cfg.max_position + cfg.position_offset, cfg.hidden_size) if cfg.position == "learned" else None
+            _param(cfg.max_position + cfg.position_offset, cfg.hidden_size)
+            if first and cfg.position == "learned" else None
         )
-        self.project_in = _param(cfg.hidden_size, e) if cfg.embed_proj_dim else None
+        self.project_in = _param(cfg.hidden_size, e) if first and cfg.embed_proj_dim else None
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.final_norm = Norm(cfg, cfg.hidden_size) if cfg.final_norm else None
-        self.project_out = _param(e, cfg.hidden_size) if cfg.embed_proj_dim else None
-        self.lm_head = None if cfg.tie_embeddings else _param(cfg.vocab_size, e)
+        self.final_norm = Norm(cfg, cfg.hidden_size) if last and cfg.final_norm else None
+        self.project_out = _param(e, cfg.hidden_size) if last and cfg.embed_proj_dim else None
+        self.lm_head = None if cfg.tie_embeddings or not last else _param(cfg.vocab_size, e)
 
     def embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = F.embedding(ids, self.embed_tokens)
+        if self.reduce is None:
+            x = F.embedding(ids, self.embed_tokens)
+        else:  # vocab parallel: rows of ids outside this shard's range are zero, then summed
+            local = ids - self.vocab_start
+            outside = (local < 0) | (local >= self.embed_tokens.shape[0])
+            x = F.embedding(local.masked_fill(outside, 0), self.embed_tokens)
+            x = self.reduce(x.masked_fill(outside[:, None], 0.0))
         if self.project_in is not None:
             x = F.linear(x, self.project_in)
         if self.embed_positions is not None:
@@ -189,7 +218,8 @@ class DecoderLM(nn.Module):
             x = self.final_norm(x)
         if self.project_out is not None:
             x = F.linear(x, self.project_out)
-        return F.linear(x, self.embed_tokens if self.lm_head is None else self.lm_head)
+        logits = F.linear(x, self.embed_tokens if self.lm_head is None else self.lm_head)
+        return logits if self.gather is None else self.gather(logits)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, batch: AttnBatch) -> torch.Tensor:
         """Logits ``[N, vocab]`` for a flat batch (no swap events: for tests and references)."""
@@ -204,7 +234,8 @@ class DecoderLM(nn.Module):
 def parameter_groups(model: DecoderLM) -> list[list[tuple[str, nn.Parameter]]]:
     """Parameters in swap order: [embeddings], [layer 0], ..., [layer L-1], [final norm + head]."""
     names = dict(model.named_parameters())
-    first = [n for n in names if not n.startswith("layers.") and n.split(".")[0] in ("embed_tokens", "embed_positions", "project_in")]
+    lead = ("embed_tokens", "embed_positions", "project_in") if model.first else ()
+    first = [n for n in names if not n.startswith("layers.") and n.split(".")[0] in lead]
     groups = [[(n, names[n]) for n in first]]
     for i in range(model.cfg.num_layers):
         prefix = f"layers.{i}."

@@ -42,10 +42,21 @@ class ModelSpec:
     pinned: bool = False
     dtype: str | None = None
     seed: int = 0
+    tp: int = 1  # tensor-parallel ranks
+    pp: int = 1  # pipeline stages
+    devices: list[int] | None = None  # the device of each rank (rank = stage * tp + tensor rank); None: 0, 1, ...
 
     @property
     def name(self) -> str:
         return self.alias or Path(self.source).name
+
+    def placement(self):
+        """The ``messages.Placement`` this spec asks for (validated there)."""
+        from .messages import Placement
+        from .parallel.dims import ParallelDims
+
+        dims = ParallelDims(tp=self.tp, pp=self.pp)
+        return Placement(dims, tuple(self.devices) if self.devices is not None else tuple(range(dims.world_size)))
 
     @classmethod
     def parse(cls, text: str) -> "ModelSpec":
@@ -63,6 +74,7 @@ class EngineConfig:
     workspace_bytes: int | None = None  # reserved for activations; None: a tenth of the budget, at most 2 GiB
     policy: str = "default"  # default | computron
     executor: str | None = None  # inprocess | legacy | workers (one worker process per device); None: legacy for the computron policy, else inprocess
+    devices: int = 1  # executor "workers": devices, one worker process each (models spread over them by placement)
     max_batch_size: int = 32
     max_tokens_per_step: int = 2048
     max_loaded: int = 1  # computron policy: models resident at once

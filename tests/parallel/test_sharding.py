@@ -136,7 +136,8 @@ def _run(cfg, dims: ParallelDims, rank: int, checkpoint=None, seed: int = 0):
     the last stage, None elsewhere. With world size 1 and no checkpoint sharding the plain model runs."""
     import torch.distributed as dist
 
-    from computron.parallel.collectives import StageRunner, install_tp_hooks, tp_group
+    from computron.engine.runner import ModelRunner
+    from computron.parallel.collectives import StageLinks, install_tp_hooks, tp_group
     from computron.parallel.shard_model import build_rank
 
     world = dims.world_size
@@ -153,7 +154,8 @@ def _run(cfg, dims: ParallelDims, rank: int, checkpoint=None, seed: int = 0):
     else:
         shard, model, _ = build_rank(cfg, dims, rank, seed=seed, checkpoint=checkpoint)
         install_tp_hooks(model, shard, tp_group(dims, rank))
-        forward, local, last = StageRunner(shard, model).forward, shard.config, shard.last
+        forward = ModelRunner(shard.config, model, StageLinks(shard)).forward
+        local, last = shard.config, shard.last
     per_seq = -(-(max(map(len, PROMPTS)) + DECODE_STEPS) // BLOCK_TOKENS)
     bb = block_bytes(local, BLOCK_TOKENS)
     pool = KVPool(torch.zeros(bb * per_seq * len(PROMPTS), dtype=torch.uint8), local, BLOCK_TOKENS, bb)

@@ -91,7 +91,10 @@ class Engine:
         spec = ModelSpec.parse(spec) if isinstance(spec, str) else spec
         if spec.name in self.models:
             raise EngineError(f"a model named {spec.name!r} is already registered")
-        desc = ModelDescription(spec.name, spec.source, spec.dtype, spec.seed)
+        try:
+            desc = ModelDescription(spec.name, spec.source, spec.dtype, spec.seed, spec.placement())
+        except ValueError as e:
+            raise EngineError(f"model {spec.name!r}: {e}") from None
         try:
             info = self.executor.register(desc, progress)
         except (KeyError, ValueError, FileNotFoundError) as e:

@@ -23,8 +23,7 @@ from ..memory.arena import Arena, Region
 from ..memory.host import HostImage
 from ..memory.layout import ALIGN, WeightLayout, align_up, layout_for
 from ..memory.swapper import ImageSwapper, SwapIn
-from ..messages import (DeviceStatus, ExecuteBatch, ExecutorStatus, ModelDescription, ModelInfo, Placement,
-                        Residency, StepResult)
+from ..messages import DeviceStatus, ExecuteBatch, ExecutorStatus, ModelDescription, ModelInfo, Residency, StepResult
 from ..models import load_weights, resolve_model
 from ..models.config import ModelConfig
 from ..models.kvcache import KVPool, paged_batch
@@ -52,6 +51,7 @@ class _Model:
     pool: KVPool  # its layers' KV-cache views over the whole arena (block ids: offsets / ALIGN)
     image: HostImage | None = None
     graphs: DecodeGraphs | None = None  # CUDA graphs of its decode step (GPU only)
+    answers: bool = True  # this rank samples and returns the tokens (a model's last stage, tensor rank 0)
 
 
 @dataclass
@@ -72,8 +72,13 @@ class InProcessExecutor:
     pin_images = True  # page-locked host images (on a GPU): copies at the link's full speed
     fixed_weights = True  # a model's weights keep their address until evicted or moved (graphs may bake it in)
 
-    def __init__(self, config):
+    def __init__(self, config, index: int = 0, world: int = 1):
+        """``index``: this executor's device among ``world`` (one executor per device, each in a worker
+        process of its own, joined by torch.distributed when ``world`` > 1)."""
+        self.index, self.world = index, world
         self.device = pick_device(config.device)
+        if self.device.type == "cuda" and world > 1:
+            self.device = torch.device("cuda", index)
         budget = config.gpu_memory_budget
         if budget is None:
             budget = int(torch.cuda.mem_get_info(self.device)[0] * 0.9) if self.device.type == "cuda" \
@@ -94,20 +99,53 @@ class InProcessExecutor:
         self._lock = threading.Lock()  # registration runs on other threads
 
     # ---- models --------------------------------------------------------------------------------
-    def register(self, desc: ModelDescription, progress: Callable[[str], None] | None = None) -> ModelInfo:
-        if desc.placement.devices != (0,):
+    def register(self, desc: ModelDescription, progress: Callable[[str], None] | None = None) -> ModelInfo | None:
+        """Build this device's shard of the model. With several devices every executor of the world
+        is called (creating a model's process groups is collective); one not in the model's
+        placement returns None."""
+        pl = desc.placement
+        sharded = pl.dims.world_size > 1
+        if self.world == 1 and (sharded or pl.devices != (0,)):
             raise ValueError(f"model {desc.name!r}: this executor runs every model on one device "
-                             f"(asked for {desc.placement.dims} on devices {list(desc.placement.devices)})")
+                             f"(asked for {pl.dims} on devices {list(pl.devices)}); use the workers executor")
+        if max(pl.devices) >= self.world:
+            raise ValueError(f"model {desc.name!r} is placed on devices {list(pl.devices)}, but there are "
+                             f"{self.world}")
         with self._lock:
             if desc.name in self.models:
                 raise ValueError(f"a model named {desc.name!r} is already registered")
         cfg, ckpt = resolve_model(desc.source, dtype=desc.dtype)
-        layout = layout_for(cfg)
-        if layout.nbytes > self.arena.nbytes:
+        pl.dims.validate_for(num_layers=cfg.num_layers, num_heads=cfg.num_heads, num_kv_heads=cfg.kv_heads)
+        group = None
+        if sharded:
+            from ..parallel.collectives import tp_group
+
+            group = tp_group(pl.dims, pl.devices.index(self.index) if self.index in pl.devices else -1, list(pl.devices))
+        if self.index not in pl.devices:
+            return None
+        rank = pl.devices.index(self.index)
+        if sharded:
+            model = self._build_shard(desc, cfg, ckpt, rank, group, progress)
+        else:
+            model = self._build_whole(desc, cfg, ckpt, progress)
+        self._keep_image(desc.name, model)
+        with self._lock:
+            if desc.name in self.models:
+                raise ValueError(f"a model named {desc.name!r} is already registered")
+            self.models[desc.name] = model
+        return ModelInfo(desc.name, cfg, ckpt, pl, (self._weight_bytes(model),), (model.cfg.kv_bytes_per_token(),))
+
+    def _check_fits(self, name: str, nbytes: int) -> None:
+        if nbytes > self.arena.nbytes:
             raise ValueError(
-                f"model {desc.name!r} needs {format_bytes(layout.nbytes)} of weights, more than the "
+                f"model {name!r} needs {format_bytes(nbytes)} of weights"
+                f"{f' on device {self.index}' if self.world > 1 else ''}, more than the "
                 f"{format_bytes(self.arena.nbytes)} the memory budget leaves for weights and KV cache "
                 f"(budget {format_bytes(self.budget)})")
+
+    def _build_whole(self, desc: ModelDescription, cfg: ModelConfig, ckpt, progress) -> _Model:
+        layout = layout_for(cfg)
+        self._check_fits(desc.name, layout.nbytes)
         if progress:
             progress(f"building host image of {desc.name} ({format_bytes(layout.nbytes)})")
         image = HostImage(layout, pin=self.device.type == "cuda" and self.pin_images)
@@ -118,13 +156,26 @@ class InProcessExecutor:
         model = _Model(cfg, layout, ModelRunner(cfg), KVPool(self.arena.buffer, cfg, self.block_tokens, ALIGN), image)
         if self.graph_batch:
             model.graphs = DecodeGraphs(self.graph_batch, -(-cfg.max_position // self.block_tokens), self.device)
-        self._keep_image(desc.name, model)
-        with self._lock:
-            if desc.name in self.models:
-                raise ValueError(f"a model named {desc.name!r} is already registered")
-            self.models[desc.name] = model
-        return ModelInfo(desc.name, cfg, ckpt, Placement(), (self._weight_bytes(model),),
-                         (cfg.kv_bytes_per_token(),))
+        return model
+
+    def _build_shard(self, desc: ModelDescription, cfg: ModelConfig, ckpt, rank: int, group, progress) -> _Model:
+        """Rank ``rank``'s shard: its own host image (presets: each parameter generated whole and
+        sliced; checkpoints: only its slices read), its collectives set on the model."""
+        from ..parallel.collectives import StageLinks, install_tp_hooks
+        from ..parallel.shard_model import build_rank
+
+        pl = desc.placement
+        if progress:
+            progress(f"building rank {rank}'s shard of {desc.name} ({pl.dims})")
+        shard, net, image = build_rank(cfg, pl.dims, rank, seed=desc.seed, checkpoint=ckpt,
+                                       pin=self.device.type == "cuda" and self.pin_images, device=self.device)
+        self._check_fits(desc.name, image.nbytes)
+        install_tp_hooks(net, shard, group)
+        local = shard.config
+        runner = ModelRunner(local, net, StageLinks(shard, list(pl.devices)))
+        # Only the last stage's first tensor rank samples and answers; graphs do not cover collectives yet.
+        return _Model(local, image.layout, runner, KVPool(self.arena.buffer, local, self.block_tokens, ALIGN), image,
+                      answers=shard.last and shard.tensor_rank == 0)
 
     def _keep_image(self, name: str, model: _Model) -> None:
         """Hook for the legacy mechanics, which keep weights per parameter instead."""
@@ -245,9 +296,12 @@ class InProcessExecutor:
                 pos.extend(range(s.past, s.past + len(s.tokens)))
             ids_t = torch.tensor([tok, pos], dtype=torch.long).to(self.device, non_blocking=True)
             logits = runner.forward(ids_t[0], ids_t[1], attn, res.swap)
-        tokens = sample(logits, [s.params for s in batch.seqs], [q.generator for q in seqs]).tolist()
+        if model.answers:
+            tokens = sample(logits, [s.params for s in batch.seqs], [q.generator for q in seqs]).tolist()
+            result.tokens.update((s.req_id, t) for s, t in zip(batch.seqs, tokens))
+        elif self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the step's time is its device work's
         result.compute_s[name] = time.perf_counter() - t0
-        result.tokens.update((s.req_id, t) for s, t in zip(batch.seqs, tokens))
         if batch.trace:
             result.trace[name] = self._trace(res.swap, runner)
         if res.swap is not None:
@@ -277,7 +331,8 @@ class InProcessExecutor:
     # ---- status --------------------------------------------------------------------------------
     def status(self) -> ExecutorStatus:
         a = self.arena
-        dev = DeviceStatus(0, str(self.device), a.nbytes, a.used("weights"), a.used("kv"), a.compactions, self.budget)
+        dev = DeviceStatus(self.index, str(self.device), a.nbytes, a.used("weights"), a.used("kv"), a.compactions,
+                           self.budget)
         models = {n: "loading" if r.swap is not None and not r.swap.done() else "resident"
                   for n, r in self.resident.items()}
         graphs = [m.graphs for m in self.models.values() if m.graphs is not None]

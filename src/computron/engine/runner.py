@@ -12,13 +12,19 @@ import torch
 
 from ..memory.swapper import SwapIn
 from ..models.config import ModelConfig
-from ..models.transformer import AttnBatch, DecoderLM, bind_weights, rope_tables
+from ..models.transformer import TORCH_DTYPES, AttnBatch, DecoderLM, bind_weights, rope_tables
 
 
 class ModelRunner:
-    def __init__(self, cfg: ModelConfig):
+    """``links`` (pipeline parallel): a later stage receives its input from the previous stage and
+    an earlier one sends its output on (``parallel.collectives.StageLinks``); only the last stage
+    returns logits."""
+
+    def __init__(self, cfg: ModelConfig, model: DecoderLM | None = None, links=None):
         self.cfg = cfg
-        self.model = DecoderLM(cfg)
+        self.model = model if model is not None else DecoderLM(cfg)
+        self.links = links
+        self.dtype = TORCH_DTYPES[cfg.dtype]
         self._bound_key: object = None
         self.trace: list | None = None  # set to a list to record a CUDA event as each group's compute starts
 
@@ -34,8 +40,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, batch: AttnBatch,
-                swap: SwapIn | None = None) -> torch.Tensor:
-        """Logits [num_seqs, vocab] of each sequence's last new token."""
+                swap: SwapIn | None = None) -> torch.Tensor | None:
+        """Logits [num_seqs, vocab] of each sequence's last new token (None on a stage before the last)."""
         m = self.model
 
         def wait(group: int) -> None:
@@ -48,10 +54,16 @@ class ModelRunner:
 
         wait(0)
         if self.cfg.position == "rope":
-            batch.rope = rope_tables(self.cfg, positions, m.embed_tokens.dtype)
-        x = m.embed(ids, positions)
+            batch.rope = rope_tables(self.cfg, positions, self.dtype)
+        if m.first:
+            x = m.embed(ids, positions)
+        else:
+            x = self.links.recv(ids.shape[0], self.cfg.hidden_size, self.dtype, ids.device)
         for i, layer in enumerate(m.layers):
             wait(i + 1)
             x = layer(x, batch)
         wait(len(m.layers) + 1)
+        if not m.last:
+            self.links.send(x)
+            return None
         return m.head(x.index_select(0, batch.last))

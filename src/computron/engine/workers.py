@@ -49,6 +49,14 @@ _BASES = (KeyError, FileNotFoundError, ValueError, MemoryError, TimeoutError, Ru
 _remote_types: dict[tuple[str, str], type] = {}
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class WorkerDied(RuntimeError):
     def __init__(self, device: int, exitcode: int | None):
         self.device, self.exitcode = device, exitcode
@@ -62,8 +70,10 @@ def _error_reply(rid, e: BaseException) -> tuple:
     return (rid, "err", type(e).__name__, base.__name__, msg)
 
 
-def _worker_main(conn, config, device: int) -> None:
-    """A worker's loop: answer protocol calls from the pipe until ``shutdown`` or the parent goes away."""
+def _worker_main(conn, config, device: int, world: int = 1, port: int = 0) -> None:
+    """A worker's loop: answer protocol calls from the pipe until ``shutdown`` or the parent goes away.
+    With several devices the workers first join one torch.distributed world (rank = device; NCCL on
+    GPUs, gloo on the CPU), in which each model's process groups are made when it is registered."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it shuts us down
     send_lock = threading.Lock()
 
@@ -74,7 +84,18 @@ def _worker_main(conn, config, device: int) -> None:
     try:
         from .inprocess import InProcessExecutor
 
-        ex = InProcessExecutor(config)
+        if world > 1:
+            import datetime
+
+            import torch
+            import torch.distributed as dist
+
+            backend = "nccl" if config.device != "cpu" and torch.cuda.is_available() else "gloo"
+            if backend == "nccl":
+                torch.cuda.set_device(device)
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=device, world_size=world,
+                                    timeout=datetime.timedelta(seconds=120))
+        ex = InProcessExecutor(config, index=device, world=world)
     except BaseException as e:
         send(_error_reply(0, e))
         return
@@ -124,10 +145,11 @@ def _remote_error(tname: str, bname: str, msg: str) -> BaseException:
 class _Worker:
     """One worker process, the parent's end of its pipe, and a receiver thread that resolves replies."""
 
-    def __init__(self, ctx, config, device: int, on_death: Callable[["_Worker"], None]):
+    def __init__(self, ctx, config, device: int, on_death: Callable[["_Worker"], None], world: int = 1,
+                 port: int = 0):
         self.device, self.on_death = device, on_death
         parent, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child, config, device),
+        self.proc = ctx.Process(target=_worker_main, args=(child, config, device, world, port),
                                 name=f"computron-worker-{device}", daemon=True)
         self.proc.start()
         child.close()  # only the worker holds that end: its death reads as EOF here
@@ -251,7 +273,10 @@ class WorkerExecutor:
     def __init__(self, config, start_timeout: float = 120.0, call_timeout: float = 600.0):
         self.config = dataclasses.replace(config, executor="inprocess")  # what each worker runs
         self.start_timeout, self.call_timeout = start_timeout, call_timeout
-        self.devices = (0,)
+        self.devices = tuple(range(config.devices))
+        if not self.devices:
+            raise ValueError(f"devices must be at least 1, got {config.devices}")
+        self._port = _free_port() if len(self.devices) > 1 else 0
         self._ctx = mp.get_context("spawn")
         self._lock = threading.RLock()
         self._descs: dict[str, ModelDescription] = {}  # every model registered, kept to re-register
@@ -263,9 +288,11 @@ class WorkerExecutor:
         self._closed = False
         self.restarts = 0
         self._workers: dict[int, _Worker] = {}
-        try:
+        try:  # all start at once: with several devices each waits in the others' process group
             for d in self.devices:
-                self._workers[d] = self._start(d)
+                self._workers[d] = _Worker(self._ctx, self.config, d, self._on_death, len(self.devices), self._port)
+            for d in self.devices:
+                self._workers[d].wait_started(self.start_timeout)
                 self._ready[d].set()
         except BaseException:
             self.shutdown()
@@ -302,15 +329,30 @@ class WorkerExecutor:
 
     def _broadcast(self, devices, name: str, *args, progress=None, timeout: float | None = None):
         """Send a call to every rank; every rank must succeed; rank 0's answer is the value."""
+        return self._broadcast_all(devices, name, *args, progress=progress, timeout=timeout)[0]
+
+    def _broadcast_all(self, devices, name: str, *args, progress=None, timeout: float | None = None) -> list:
+        """Send a call to every rank at once; every rank must succeed; their answers in rank order."""
         workers = self._ranks(devices)
         futs = [w.call(name, *args, progress=progress if i == 0 else None) for i, w in enumerate(workers)]
-        values = [self._wait(f, w.device, name, timeout) for f, w in zip(futs, workers)]
-        return values[0]
+        return [self._wait(f, w.device, name, timeout) for f, w in zip(futs, workers)]
+
+    def _answerer(self, name: str) -> int:
+        """The device whose rank samples a model's tokens: its last stage's first tensor rank."""
+        desc = self._descs.get(name)
+        if desc is None:
+            return self.devices[0]
+        dims = desc.placement.dims
+        return desc.placement.devices[(dims.pp - 1) * dims.tp]
 
     # ---- failure -------------------------------------------------------------------------------
     def _on_death(self, w: _Worker) -> None:
         with self._lock:
             if self._closed or self._workers.get(w.device) is not w:
+                return
+            if len(self.devices) > 1:  # its process group is broken: a new world is needed (not yet done)
+                self._lost.add(w.device)
+                self._broken[w.device] = w.dead
                 return
             self._lost.add(w.device)
             self._ready[w.device].clear()
@@ -349,8 +391,18 @@ class WorkerExecutor:
 
     # ---- the protocol --------------------------------------------------------------------------
     def register(self, desc: ModelDescription, progress: Callable[[str], None] | None = None) -> ModelInfo:
-        info = self._broadcast(desc.placement.devices, "register", desc, progress is not None, progress=progress,
-                               timeout=max(self.call_timeout, 3600.0))
+        """Every worker is called (a sharded model's process groups are made by all of them); the
+        model's ranks build their shards and answer their bytes, gathered here in rank order."""
+        pl = desc.placement
+        if max(pl.devices) >= len(self.devices):
+            raise ValueError(f"model {desc.name!r} is placed on devices {list(pl.devices)}, but there are "
+                             f"{len(self.devices)} (devices: {len(self.devices)})")
+        everyone = self.devices if len(self.devices) > 1 else pl.devices
+        answers = dict(zip(everyone, self._broadcast_all(everyone, "register", desc, progress is not None,
+                                                         progress=progress, timeout=max(self.call_timeout, 3600.0))))
+        infos = [answers[d] for d in pl.devices]
+        info = dataclasses.replace(infos[0], weight_bytes=tuple(i.weight_bytes[0] for i in infos),
+                                   kv_bytes_per_token=tuple(i.kv_bytes_per_token[0] for i in infos))
         with self._lock:
             self._descs[desc.name] = desc
         return info
@@ -362,7 +414,19 @@ class WorkerExecutor:
         self._broadcast(devices, "unregister", name)
 
     def apply(self, change: Residency) -> dict[str, float]:
-        return self._broadcast(self.devices, "apply", change)
+        """Each worker gets the changes of the models it holds a rank of (all at once); an eviction
+        takes as long as its slowest rank."""
+        parts = {d: Residency([n for n in change.evict if d in self._model_devices(n)],
+                              [n for n in change.load if d in self._model_devices(n)], change.release)
+                 for d in self.devices}
+        parts = {d: r for d, r in parts.items() if r}
+        evicted: dict[str, float] = {}
+        workers = self._ranks(list(parts))
+        futs = [w.call("apply", parts[w.device]) for w in workers]
+        for f, w in zip(futs, workers):
+            for name, sec in self._wait(f, w.device, "apply").items():
+                evicted[name] = max(sec, evicted.get(name, 0.0))
+        return evicted
 
     def execute(self, batches: list[ExecuteBatch]) -> Future:
         out: Future = Future()
@@ -394,7 +458,7 @@ class WorkerExecutor:
         if not futs:
             out.set_result(StepResult())
             return out
-        answers = {w.device for w in workers if any(self._model_devices(b.model)[0] == w.device for b in batches)}
+        answers = {self._answerer(b.model) for b in batches}
         state = {"left": len(futs), "result": StepResult(), "error": None, "lost": set()}
 
         def done(f: Future, w: _Worker) -> None:
@@ -428,7 +492,12 @@ class WorkerExecutor:
         return out
 
     def wait_loads(self) -> dict[str, float]:
-        return self._broadcast(self.devices, "wait_loads")
+        """Seconds of each load that ended: its slowest rank's."""
+        out: dict[str, float] = {}
+        for part in self._broadcast_all(self.devices, "wait_loads"):
+            for name, sec in part.items():
+                out[name] = max(sec, out.get(name, 0.0))
+        return out
 
     def free(self, req_ids: list[str]) -> None:
         """No reply awaited (messages are served in order). A worker that is gone or restarting
@@ -465,7 +534,9 @@ class WorkerExecutor:
         return ExecutorStatus(devices, models, parts[0].kv_block_tokens, stats)
 
     def probe_link(self, name: str, repeats: int) -> list[float]:
-        return self._broadcast(self._model_devices(name), "probe_link", name, repeats)
+        """Every rank copies its own shard's bytes at once; each repeat takes its slowest rank's time."""
+        parts = self._broadcast_all(self._model_devices(name), "probe_link", name, repeats)
+        return [max(times) for times in zip(*parts)]
 
     def worker_pids(self) -> dict[int, int]:
         """The worker process of each device (for operators and tests)."""

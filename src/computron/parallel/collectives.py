@@ -1,7 +1,7 @@
 """The collectives of a TP x PP model, applied from outside the model code.
 
-What flows through: each rank (one process, one device) runs :class:`StageRunner.forward` on the
-same step input (token ids, positions, the ``AttnBatch`` of its own KV cache). Within a stage the
+What flows through: each rank (one process, one device) runs its ``ModelRunner`` on the same
+step input (token ids, positions, the ``AttnBatch`` of its own KV cache). Within a stage the
 tensor ranks are joined by a process group (``tp_group``); :func:`install_tp_hooks` sets the
 model's hooks to an all-reduce after the row-parallel ``o``/``down`` projections and after the
 vocab-parallel embedding, and to an all-gather of the vocab-parallel logits. Between stages the
@@ -16,20 +16,41 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..models.transformer import AttnBatch, DecoderLM, rope_tables
+from ..models.transformer import DecoderLM
 from .dims import ParallelDims
 from .sharding import Shard
 
 
-def tp_group(dims: ParallelDims, rank: int):
-    """The tensor-parallel group of ``rank``'s stage (every rank must call this, in the same order)."""
+def tp_group(dims: ParallelDims, rank: int, ranks: list[int] | None = None):
+    """The tensor-parallel group of ``rank``'s stage. ``ranks[i]``: the process (global rank) of the
+    placement's rank *i* (default: the same numbers). Every process of the world must call this,
+    for every placement, in the same order: creating a group is collective."""
+    ranks = list(range(dims.world_size)) if ranks is None else list(ranks)
     mine = None
     for stage in range(dims.pp):
-        ranks = list(range(stage * dims.tp, (stage + 1) * dims.tp))
-        group = dist.new_group(ranks=ranks)
-        if rank in ranks:
+        members = ranks[stage * dims.tp:(stage + 1) * dims.tp]
+        group = dist.new_group(ranks=members)
+        if rank in range(stage * dims.tp, (stage + 1) * dims.tp):
             mine = group
     return mine
+
+
+class StageLinks:
+    """Point-to-point links of one rank to the same tensor rank of the previous and next stages."""
+
+    def __init__(self, shard: Shard, ranks: list[int] | None = None):
+        ranks = list(range(shard.dims.world_size)) if ranks is None else list(ranks)
+        tp = shard.dims.tp
+        self.prev = None if shard.first else ranks[shard.rank - tp]
+        self.next = None if shard.last else ranks[shard.rank + tp]
+
+    def recv(self, rows: int, hidden: int, dtype: torch.dtype, device) -> torch.Tensor:
+        x = torch.empty(rows, hidden, dtype=dtype, device=device)
+        dist.recv(x, src=self.prev)
+        return x
+
+    def send(self, x: torch.Tensor) -> None:
+        dist.send(x.contiguous(), dst=self.next)
 
 
 def install_tp_hooks(model: DecoderLM, shard: Shard, group) -> None:
@@ -51,28 +72,3 @@ def install_tp_hooks(model: DecoderLM, shard: Shard, group) -> None:
     model.gather = gather if shard.last else None
     for layer in model.layers:
         layer.attn.reduce = layer.mlp.reduce = reduce
-
-
-class StageRunner:
-    """One rank's forward pass: receive (or embed), run the stage's layers, send (or apply the head)."""
-
-    def __init__(self, shard: Shard, model: DecoderLM):
-        self.shard, self.model = shard, model
-        self.dtype = next(model.parameters()).dtype
-
-    @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, batch: AttnBatch) -> torch.Tensor | None:
-        s, m, cfg = self.shard, self.model, self.shard.config
-        if cfg.position == "rope":
-            batch.rope = rope_tables(cfg, positions, self.dtype)
-        if s.first:
-            x = m.embed(ids, positions)
-        else:
-            x = torch.empty(ids.shape[0], cfg.hidden_size, dtype=self.dtype, device=ids.device)
-            dist.recv(x, src=s.rank - s.dims.tp)
-        for layer in m.layers:
-            x = layer(x, batch)
-        if s.last:
-            return m.head(x.index_select(0, batch.last))
-        dist.send(x.contiguous(), dst=s.rank + s.dims.tp)
-        return None

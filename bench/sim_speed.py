@@ -1,0 +1,107 @@
+"""How fast the simulator runs: simulated requests per second of wall time, on one CPU core.
+
+A 3-model workload (Gamma inter-arrival times, CV 2, per model) of ~20k requests through
+``computron.sim.simulate`` (the real EngineCore and Scheduler on a SimExecutor), with an
+H200-like calibration and a budget that holds two of the three models. A second, profiled run on
+a slice of the trace says where the time goes. Writes bench/results/sim_speed.json.
+
+    .venv/bin/python bench/sim_speed.py [--requests 20000] [--profile-requests 4000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import platform
+import pstats
+import random
+import sys
+import time
+from pathlib import Path
+
+from computron.config import EngineConfig
+from computron.sim import Calibration, Simulation
+
+MODELS = ["opt-6.7b", "llama-2-7b", "opt-1.3b"]
+# Swap bandwidth and weight-read rate of README's H200 measurements; compute terms roughly fitted
+# to its decode table (OPT-1.3B and Llama-3-8B, batch 1 to 128).
+H200ISH = Calibration(name="h200-ish", swap_bandwidth=55.2e9, hbm_bandwidth=4.2e12, prefill_fixed_s=2e-3,
+                      prefill_token_s=2e-6, prefill_token_s_per_byte=1.5e-15, decode_fixed_s=1.2e-3,
+                      decode_seq_s=3.5e-5, decode_seq_s_per_byte=0.0, evict_s=3e-5, device_memory=140 * 2**30)
+
+
+def gamma_trace(n: int, models: list[str], rate: float, cv: float, seed: int) -> list[tuple]:
+    """n requests over the models (equal rates), Gamma inter-arrivals of mean 1/rate and CV ``cv`` per model."""
+    rng = random.Random(seed)
+    shape = 1.0 / (cv * cv)
+    out = []
+    per = n // len(models)
+    for m in models:
+        t = 0.0
+        for _ in range(per):
+            t += rng.gammavariate(shape, 1.0 / (rate * shape))
+            out.append((t, m, rng.randint(16, 512), rng.randint(8, 256)))
+    out.sort(key=lambda a: a[0])
+    return out
+
+
+def run(trace, cfg):
+    sim = Simulation(MODELS, H200ISH, cfg)
+    t0 = time.perf_counter()
+    res = sim.run(trace)
+    return res, time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=20_000)
+    ap.add_argument("--rate", type=float, default=8.0, help="requests/s per model")
+    ap.add_argument("--cv", type=float, default=2.0)
+    ap.add_argument("--profile-requests", type=int, default=4000)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "sim_speed.json"))
+    a = ap.parse_args()
+    cfg = EngineConfig(gpu_memory_budget=30 * 2**30)  # 27 GiB arena: two of the three models, not all
+    trace = gamma_trace(a.requests, MODELS, a.rate, a.cv, seed=0)
+    res, wall = run(trace, cfg)
+    summ = res.summary()
+    tokens = summ["all"]["output_tokens"]
+
+    prof = cProfile.Profile()
+    small = trace[: a.profile_requests]
+    prof.enable()
+    pres, pwall = run(small, cfg)
+    prof.disable()
+    s = io.StringIO()
+    st = pstats.Stats(prof, stream=s)
+    st.sort_stats("tottime").print_stats(15)
+    top = []
+    for (file, line, fn), (cc, nc, tt, ct, _) in sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:15]:
+        top.append({"function": f"{Path(file).name}:{line}:{fn}", "calls": nc, "tottime_s": round(tt, 4),
+                    "share": round(tt / st.total_tt, 4)})
+
+    out = {
+        "what": "simulated requests per second of wall time (one core), real EngineCore+Scheduler on SimExecutor",
+        "models": MODELS, "calibration": H200ISH.to_dict(), "gpu_memory_budget": cfg.gpu_memory_budget,
+        "workload": {"requests": len(trace), "rate_per_model": a.rate, "cv": a.cv, "prompt_tokens": [16, 512],
+                     "output_tokens": [8, 256]},
+        "wall_s": round(wall, 3), "requests_per_s": round(len(trace) / wall, 1),
+        "steps": res.steps, "steps_per_s": round(res.steps / wall, 1), "output_tokens": tokens,
+        "tokens_per_s": round(tokens / wall, 1), "simulated_s": round(res.end_time, 3),
+        "core_stats": res.stats, "completed": summ["all"]["completed"],
+        "latency_s": summ["all"]["latency"], "ttft_s": summ["all"]["ttft"],
+        "profile": {"requests": len(small), "wall_s_profiled": round(pwall, 3), "top_tottime": top},
+        "python": sys.version.split()[0], "machine": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+    }
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps({k: out[k] for k in ("requests_per_s", "steps_per_s", "tokens_per_s", "wall_s", "steps",
+                                           "simulated_s", "completed")}, indent=1))
+    print(s.getvalue()[:4000])
+
+
+if __name__ == "__main__":
+    main()

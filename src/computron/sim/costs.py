@@ -1,0 +1,156 @@
+"""What the simulator charges for each thing the engine does: a ``Calibration`` and pure cost functions.
+
+Every time is a simple affine model with a floor (no torch, no I/O except ``load``/``save``):
+
+- **swap-in**: ``bytes / swap_bandwidth[device]`` (one copy stream per device: loads on one
+  device run one after another, each layer group landing in turn);
+- **prefill** of ``t`` tokens on a model of ``B`` weight bytes (one rank's shard):
+  ``max(B / hbm_bandwidth, prefill_fixed_s + t * (prefill_token_s + prefill_token_s_per_byte * B))``;
+- **decode** step of ``b`` sequences: ``max(B / hbm_bandwidth, decode_fixed_s + b * (decode_seq_s +
+  decode_seq_s_per_byte * B))``;
+- a **mixed** batch (prompts and decodes in one step) pays the prefill fixed cost and both sums;
+- **eviction**: ``evict_s`` (nothing is copied back: the region is released).
+
+The weight-read floor ``B / hbm_bandwidth`` is the least any step can take: every weight is read once.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Calibration:
+    name: str = "cpu-default"
+    swap_bandwidth: tuple[float, ...] = (8e9,)  # bytes/s host→device per device; one value: every device
+    hbm_bandwidth: float = 20e9  # bytes/s the device reads its weights at (the floor of every step)
+    prefill_fixed_s: float = 1e-3  # per batch with at least one prompt
+    prefill_token_s: float = 2e-5  # per prompt token
+    prefill_token_s_per_byte: float = 5e-12  # per prompt token per weight byte (≈ 2 FLOP/param at the FLOP rate)
+    decode_fixed_s: float = 5e-4  # per decode-only batch
+    decode_seq_s: float = 2e-5  # per sequence of the batch
+    decode_seq_s_per_byte: float = 5e-12  # per sequence per weight byte
+    evict_s: float = 1e-5  # per eviction
+    device_memory: int = 2 * 2**30  # bytes per device when the engine config sets no budget (the CPU default)
+
+    def __post_init__(self) -> None:
+        bw = self.swap_bandwidth
+        if isinstance(bw, (int, float)) and not isinstance(bw, bool):
+            bw = (float(bw),)
+        if not isinstance(bw, (tuple, list)) or not bw:
+            raise ValueError(f"calibration {self.name!r}: swap_bandwidth must be a number or a non-empty "
+                             f"list of numbers (bytes/s per device), got {self.swap_bandwidth!r}")
+        object.__setattr__(self, "swap_bandwidth", tuple(float(_number(self.name, "swap_bandwidth", b)) for b in bw))
+        errors = []
+        for f in fields(self):
+            if f.name in ("name", "swap_bandwidth"):
+                continue
+            v = _number(self.name, f.name, getattr(self, f.name))
+            if f.name in ("hbm_bandwidth", "device_memory") and not v > 0:
+                errors.append(f"{f.name} must be positive, got {v!r}")
+            elif not v >= 0:
+                errors.append(f"{f.name} must be non-negative, got {v!r}")
+        if any(not b > 0 for b in self.swap_bandwidth):
+            errors.append(f"swap_bandwidth must be positive, got {list(self.swap_bandwidth)}")
+        if not isinstance(self.device_memory, int) or isinstance(self.device_memory, bool):
+            errors.append(f"device_memory must be an integer number of bytes, got {self.device_memory!r}")
+        if errors:
+            raise ValueError(f"calibration {self.name!r}: " + "; ".join(errors))
+
+    # ---- costs -------------------------------------------------------------------------------------
+    def bandwidth(self, device: int) -> float:
+        """Swap-in bytes/s of a device (the last value given serves every later device)."""
+        bw = self.swap_bandwidth
+        return bw[device] if device < len(bw) else bw[-1]
+
+    def load_time(self, nbytes: int, device: int = 0) -> float:
+        return swap_time(nbytes, self.bandwidth(device))
+
+    def weight_read_time(self, nbytes: int) -> float:
+        return nbytes / self.hbm_bandwidth
+
+    def prefill_time(self, nbytes: int, tokens: int) -> float:
+        return self.batch_time(nbytes, tokens, 0)
+
+    def decode_time(self, nbytes: int, batch: int) -> float:
+        return self.batch_time(nbytes, 0, batch)
+
+    def batch_time(self, nbytes: int, prefill_tokens: int, decode_seqs: int) -> float:
+        return batch_time(self, nbytes, prefill_tokens, decode_seqs)
+
+    # ---- files ---------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["swap_bandwidth"] = list(self.swap_bandwidth)
+        return d
+
+    @classmethod
+    def from_dict(cls, data, where: str = "calibration") -> "Calibration":
+        if not isinstance(data, dict):
+            raise ValueError(f"{where}: expected a JSON object of calibration fields, got {type(data).__name__}")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"{where}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+        try:
+            return cls(**data)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: {e}") from None
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Calibration":
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"calibration file {p} does not exist")
+        try:
+            data = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"calibration file {p} is not valid JSON: {e.msg} at line {e.lineno}, "
+                             f"column {e.colno}") from None
+        return cls.from_dict(data, where=f"calibration file {p}")
+
+
+def _number(cal: str, name: str, v) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ValueError(f"calibration {cal!r}: {name} must be a finite number, got {v!r}")
+    return v
+
+
+CPU_DEFAULT = Calibration()
+
+
+# ---- the models, as pure functions -------------------------------------------------------------
+def swap_time(nbytes: int, bandwidth: float) -> float:
+    """Seconds to copy ``nbytes`` host→device at ``bandwidth`` bytes/s."""
+    return nbytes / bandwidth
+
+
+def batch_time(cal: Calibration, nbytes: int, prefill_tokens: int, decode_seqs: int) -> float:
+    """Seconds of one batch of a model of ``nbytes`` weight bytes: ``prefill_tokens`` prompt tokens
+    and ``decode_seqs`` sequences decoding one token each (the weights warm on the device)."""
+    if prefill_tokens:
+        t = cal.prefill_fixed_s + prefill_tokens * (cal.prefill_token_s + cal.prefill_token_s_per_byte * nbytes)
+    else:
+        t = cal.decode_fixed_s
+    if decode_seqs:
+        t += decode_seqs * (cal.decode_seq_s + cal.decode_seq_s_per_byte * nbytes)
+    floor = nbytes / cal.hbm_bandwidth
+    return t if t > floor else floor
+
+
+def pipelined_finish(start: float, compute_s: float, group_bytes: list[int], group_ready: list[float]) -> float:
+    """When a batch that starts at ``start`` ends if layer group *i* computes only once its copy has
+    landed (``group_ready[i]``): each group's compute is ``compute_s`` split by its share of the bytes."""
+    total = sum(group_bytes) or 1
+    t = start
+    for nbytes, ready in zip(group_bytes, group_ready):
+        if ready > t:
+            t = ready
+        t += compute_s * nbytes / total
+    return t

@@ -1,0 +1,250 @@
+"""SimExecutor: the executor protocol over a virtual clock; no tensors, no torch.
+
+It answers every call of ``engine/executor.py`` as the in-process executor would, but moves a
+``VirtualClock`` by modelled times (``sim/costs.py``) instead of doing the work:
+
+- ``register``: the model's config (presets and checkpoint directories through ``resolve_model``)
+  and its image's bytes from the config alone (``sim/layout.py``, exactly the real layout);
+- ``apply``: evictions take ``evict_s`` each (an eviction of a model still loading first waits for
+  its copies, as the real one synchronises); loads start now, or when the device's copy stream is
+  free, and each layer group lands at ``start + bytes so far / bandwidth``;
+- ``execute``: one token per sequence (a fixed id, never EOS) in a completed future; the clock
+  moves to the end of the slowest batch (batches of one step run on disjoint devices at once). A
+  cold batch computes layer group *i* once group *i* has landed, so compute overlaps the copy;
+- ``status``: the arena's capacity per device (the same formula as the in-process executor, so
+  the scheduler gets the same budgets), bytes of weights and KV blocks in use, and which models are
+  loading or resident at the clock's time; ``wait_loads`` moves the clock to the end of every copy.
+
+The KV cache is accounted per request in blocks, as the real arena allocates them, and an
+allocation beyond the capacity raises (the scheduler was wrong), as the arena would.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Callable
+
+from ..config import EngineConfig
+from ..memory.units import ALIGN, align_up, kv_region_bytes
+from ..messages import (DeviceStatus, ExecuteBatch, ExecutorStatus, ModelDescription, ModelInfo, Placement,
+                        Residency, StepResult)
+from ..models import resolve_model
+from .clock import VirtualClock
+from .costs import CPU_DEFAULT, Calibration, batch_time, pipelined_finish
+from .layout import group_bytes
+
+
+def arena_capacity(budget: int, workspace: int | None) -> int:
+    """Bytes of the arena (weights + KV cache) a device budget leaves: as ``InProcessExecutor``."""
+    if workspace is None:
+        workspace = min(budget // 10, 2 * 2**30)
+    if workspace >= budget:
+        raise ValueError(f"workspace of {workspace} bytes leaves nothing of the {budget} bytes budget")
+    return align_up(budget - workspace) - ALIGN
+
+
+class _Model:
+    __slots__ = ("info", "device", "groups", "nbytes", "block_bytes", "token", "ready", "load_start",
+                 "load_end", "reported")
+
+    def __init__(self, info: ModelInfo, groups: list[int], block_bytes: int, token: int):
+        self.info, self.groups, self.block_bytes, self.token = info, groups, block_bytes, token
+        self.device = info.placement.devices[0]
+        self.nbytes = info.weight_bytes[0]
+        self.ready: list[float] | None = None  # when each group lands (None: not on the device)
+        self.load_start = self.load_end = 0.0
+        self.reported = True  # its last load was reported to the core as ended
+
+
+class SimExecutor:
+    def __init__(self, config: EngineConfig | None = None, calibration: Calibration = CPU_DEFAULT,
+                 clock: VirtualClock | None = None, devices: int = 1, token: int = 0):
+        cfg = config or EngineConfig()
+        self.config, self.cal = cfg, calibration
+        self.clock = clock or VirtualClock()
+        self.budget = cfg.gpu_memory_budget if cfg.gpu_memory_budget is not None else calibration.device_memory
+        self.capacity = arena_capacity(self.budget, cfg.workspace_bytes)
+        self.block_tokens = cfg.kv_block_tokens
+        self.n_devices = devices
+        self.token = token
+        self.models: dict[str, _Model] = {}
+        self.weights = [0] * devices
+        self.kv = [0] * devices
+        self.link_free = [0.0] * devices  # when each device's copy stream is idle again
+        self.seqs: dict[str, list] = {}  # req_id -> [model, blocks]
+        self.stats = {"loads": 0, "evictions": 0, "steps": 0, "load_s": 0.0, "compute_s": 0.0}
+
+    # ---- models --------------------------------------------------------------------------------
+    def register(self, desc: ModelDescription, progress: Callable[[str], None] | None = None) -> ModelInfo:
+        if desc.name in self.models:
+            raise ValueError(f"a model named {desc.name!r} is already registered")
+        if desc.placement.dims.world_size != 1:
+            raise ValueError(f"model {desc.name!r}: the simulator models one rank per model today "
+                             f"(asked for {desc.placement.dims})")
+        (dev,) = desc.placement.devices
+        if not 0 <= dev < self.n_devices:
+            raise ValueError(f"model {desc.name!r} is placed on device {dev}; the simulator has {self.n_devices}")
+        cfg, ckpt = resolve_model(desc.source, dtype=desc.dtype)
+        groups = group_bytes(cfg)
+        nbytes = sum(groups)
+        if nbytes > self.capacity or (desc.max_bytes is not None and nbytes > desc.max_bytes):
+            raise ValueError(f"model {desc.name!r} needs {nbytes} bytes of weights, more than the "
+                             f"{min(self.capacity, desc.max_bytes or self.capacity)} bytes allowed")
+        token = self.token if self.token != cfg.eos_token_id else self.token + 1
+        if token >= cfg.vocab_size:
+            raise ValueError(f"model {desc.name!r}: token id {token} is outside its vocabulary of {cfg.vocab_size}")
+        info = ModelInfo(desc.name, cfg, ckpt, Placement(desc.placement.dims, (dev,)), (nbytes,),
+                         (cfg.kv_bytes_per_token(),))
+        self.models[desc.name] = _Model(info, groups, kv_region_bytes(self.block_tokens, cfg.kv_bytes_per_token()),
+                                        token)
+        return info
+
+    def unregister(self, name: str) -> None:
+        m = self.models.get(name)
+        if m is not None and m.ready is not None:
+            self._evict(m)
+        self.models.pop(name, None)
+
+    # ---- residency -----------------------------------------------------------------------------
+    def apply(self, change: Residency) -> dict[str, float]:
+        for rid in change.release:
+            self._release(rid)
+        evicted = {}
+        for name in change.evict:
+            m = self.models[name]
+            t0 = self.clock.t
+            if m.load_end > t0:  # copies in flight must land before the region is reused
+                self.clock.advance_to(m.load_end)
+            self.clock.advance(self.cal.evict_s)
+            self._evict(m)
+            evicted[name] = self.clock.t - t0
+        for name in change.load:
+            m = self.models[name]
+            if m.ready is None:
+                self._load(m)
+        return evicted
+
+    def _load(self, m: _Model) -> None:
+        d = m.device
+        if self.weights[d] + self.kv[d] + m.nbytes > self.capacity:
+            raise MemoryError(f"loading {m.info.name!r} ({m.nbytes} bytes) exceeds the arena of device {d}: "
+                              f"{self.weights[d]} bytes of weights and {self.kv[d]} of KV cache in use of "
+                              f"{self.capacity}")
+        self.weights[d] += m.nbytes
+        start = max(self.clock.t, self.link_free[d])
+        bw = self.cal.bandwidth(d)
+        ready, done = [], 0
+        for g in m.groups:
+            done += g
+            ready.append(start + done / bw)
+        m.ready, m.load_start, m.load_end, m.reported = ready, start, ready[-1], False
+        self.link_free[d] = m.load_end
+        self.stats["loads"] += 1
+        self.stats["load_s"] += m.load_end - start
+
+    def _evict(self, m: _Model) -> None:
+        self.weights[m.device] -= m.nbytes
+        m.ready, m.reported = None, True
+        self.stats["evictions"] += 1
+
+    # ---- requests ------------------------------------------------------------------------------
+    def free(self, req_ids: list[str]) -> None:
+        for rid in req_ids:
+            self._release(rid)
+            self.seqs.pop(rid, None)
+
+    def _release(self, rid: str) -> None:
+        seq = self.seqs.get(rid)
+        if seq is not None and seq[1]:
+            m = seq[0]
+            self.kv[m.device] -= seq[1] * m.block_bytes
+            seq[1] = 0
+
+    def execute(self, batches: list[ExecuteBatch]) -> Future:
+        fut: Future = Future()
+        try:
+            fut.set_result(self._execute(batches))
+        except Exception as e:  # as the real executors: the step's error travels in the future
+            fut.set_exception(e)
+        return fut
+
+    def _execute(self, batches: list[ExecuteBatch]) -> StepResult:
+        now = self.clock.t
+        result = StepResult()
+        tokens, end, bt, cap = result.tokens, now, self.block_tokens, self.capacity
+        seqs, kv = self.seqs, self.kv
+        for batch in batches:
+            m = self.models[batch.model]
+            if m.ready is None:
+                raise RuntimeError(f"model {batch.model!r} runs a batch but is not on its device")
+            tok, d, bb = m.token, m.device, m.block_bytes
+            prefill = decode = 0
+            for s in batch.seqs:
+                n = len(s.tokens)
+                if s.past:
+                    decode += 1
+                else:
+                    prefill += n
+                seq = seqs.get(s.req_id)
+                if seq is None:
+                    seq = seqs[s.req_id] = [m, 0]
+                elif not s.past and seq[1]:  # a recompute starts from an empty cache
+                    kv[d] -= seq[1] * bb
+                    seq[1] = 0
+                need = -(-(s.past + n) // bt)
+                if need > seq[1]:
+                    kv[d] += (need - seq[1]) * bb
+                    seq[1] = need
+                    if kv[d] + self.weights[d] > cap:
+                        raise MemoryError(f"KV cache of {s.req_id!r} exceeds the arena of device {d}: "
+                                          f"{self.weights[d]} + {kv[d]} > {cap} bytes")
+                tokens[s.req_id] = tok
+            compute = batch_time(self.cal, m.nbytes, prefill, decode)
+            if m.load_end > now:  # cold: group i computes once group i has landed
+                finish = pipelined_finish(now, compute, m.groups, m.ready)
+            else:
+                finish = now + compute
+            result.compute_s[batch.model] = finish - now
+            self.stats["compute_s"] += compute
+            if not m.reported:
+                result.loaded[batch.model] = m.load_end - m.load_start
+                m.reported = True
+            if finish > end:
+                end = finish
+        self.stats["steps"] += 1
+        self.clock.advance_to(end)
+        self._poll_loads(result.loaded)
+        return result
+
+    def _poll_loads(self, out: dict[str, float], wait: bool = False) -> None:
+        t = self.clock.t
+        for name, m in self.models.items():
+            if not m.reported and (wait or m.load_end <= t):
+                out[name] = m.load_end - m.load_start
+                m.reported = True
+
+    def wait_loads(self) -> dict[str, float]:
+        ends = [m.load_end for m in self.models.values() if not m.reported]
+        if ends:
+            self.clock.advance_to(max(ends))
+        out: dict[str, float] = {}
+        self._poll_loads(out, wait=True)
+        return out
+
+    # ---- status --------------------------------------------------------------------------------
+    def status(self) -> ExecutorStatus:
+        t = self.clock.t
+        devs = [DeviceStatus(d, f"sim:{d}", self.capacity, self.weights[d], self.kv[d], 0, self.budget)
+                for d in range(self.n_devices)]
+        models = {n: ("loading" if m.load_end > t else "resident") for n, m in self.models.items()
+                  if m.ready is not None}
+        return ExecutorStatus(devs, models, self.block_tokens, dict(self.stats))
+
+    def probe_link(self, name: str, repeats: int) -> list[float]:
+        m = self.models[name]
+        return [self.cal.load_time(m.nbytes, m.device)] * repeats
+
+    def shutdown(self) -> None:
+        for m in self.models.values():
+            if m.ready is not None:
+                self._evict(m)

@@ -1,0 +1,192 @@
+"""simulate(): a workload through the real ``EngineCore`` and ``Scheduler``, on a ``SimExecutor``
+and a ``VirtualClock``. Nothing of the step loop is copied: the core steps as it does in a server.
+
+The loop: requests whose arrival time has come are added to the core (with their arrival as the
+core's ``arrival``, so the scheduler orders them as it would); if the core has nothing to do the
+clock jumps to the next arrival, else the core takes one step (which moves the clock by the
+modelled swap and compute times). A request's first-token and finish times are the clock's time
+at the end of the step that produced them, as in the engine.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from ..config import EngineConfig, ModelSpec
+from ..engine.core import CoreRequest, EngineCore
+from ..messages import ModelDescription, SamplingParams
+from .clock import VirtualClock
+from .costs import CPU_DEFAULT, Calibration
+from .executor import SimExecutor
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """One request of a workload (any object with these four attributes, or a 4-tuple, will do)."""
+
+    time: float
+    model: str
+    prompt_tokens: int
+    output_tokens: int
+
+
+@dataclass
+class RequestRecord:
+    id: str
+    model: str
+    arrival: float
+    prompt_tokens: int
+    output_tokens: int
+    first_token: float | None
+    finish: float | None
+    finish_reason: str | None
+    error: str | None = None
+    step: int = 0  # how many scheduling steps the core had taken when the request was added
+
+    @property
+    def latency(self) -> float | None:
+        return None if self.finish is None else self.finish - self.arrival
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+
+@dataclass
+class SimResult:
+    records: list[RequestRecord]
+    end_time: float  # the clock when the last request ended
+    steps: int  # executed steps
+    stats: dict = field(default_factory=dict)  # the core's counters (swap_ins, evictions, ...)
+    wall_s: float = 0.0  # real seconds the simulation took
+
+    def summary(self) -> dict:
+        """Latency and time to first token (mean, p50, p99) over all requests and per model."""
+        out = {"all": _summarize(self.records), "models": {}}
+        for name in sorted({r.model for r in self.records}):
+            out["models"][name] = _summarize([r for r in self.records if r.model == name])
+        out["end_time"], out["steps"], out["stats"] = self.end_time, self.steps, dict(self.stats)
+        return out
+
+
+def percentile(sorted_xs: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default), ``q`` in [0, 100]."""
+    if not sorted_xs:
+        return math.nan
+    pos = (len(sorted_xs) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_xs) - 1)
+    return sorted_xs[lo] + (sorted_xs[hi] - sorted_xs[lo]) * (pos - lo)
+
+
+def _stats(xs: list[float]) -> dict:
+    xs = sorted(xs)
+    return {"mean": sum(xs) / len(xs) if xs else math.nan, "p50": percentile(xs, 50), "p99": percentile(xs, 99),
+            "max": xs[-1] if xs else math.nan}
+
+
+def _summarize(records: list[RequestRecord]) -> dict:
+    ok = [r for r in records if r.finish_reason in ("length", "stop")]
+    return {"requests": len(records), "completed": len(ok), "failed": len(records) - len(ok),
+            "latency": _stats([r.latency for r in ok]), "ttft": _stats([r.ttft for r in ok]),
+            "output_tokens": sum(r.output_tokens for r in ok)}
+
+
+def _arrivals(trace) -> list:
+    out = []
+    for a in trace:
+        if isinstance(a, tuple):
+            a = Arrival(*a)
+        out.append(a)
+    out.sort(key=lambda a: a.time)  # stable: equal times keep their order
+    return out
+
+
+class Simulation:
+    """An EngineCore on a SimExecutor and a VirtualClock, with models registered; ``run`` feeds a trace.
+
+    Hooks for tests: ``core`` (wrap ``core.scheduler.schedule`` to see every plan)."""
+
+    def __init__(self, models: Iterable, calibration: Calibration = CPU_DEFAULT,
+                 engine_config: EngineConfig | None = None, devices: int = 1):
+        self.config = engine_config or EngineConfig()
+        self.clock = VirtualClock()
+        self.executor = SimExecutor(self.config, calibration, self.clock, devices)
+        self.core = EngineCore(self.executor, self.config, self.clock)
+        self.core.on_finish = self._finished
+        self.records: dict[str, RequestRecord] = {}
+        self._params: dict[int, SamplingParams] = {}
+        self._prompts: dict[tuple[str, int], list[int]] = {}
+        self.schedule_calls = 0
+        for m in models:
+            spec = ModelSpec.parse(m) if isinstance(m, str) else m
+            desc = ModelDescription(spec.name, spec.source, spec.dtype, spec.seed)
+            self.core.add_model(self.executor.register(desc), pinned=spec.pinned)
+
+    def _finished(self, req: CoreRequest) -> None:
+        rec = self.records[req.id]
+        rec.first_token, rec.finish, rec.finish_reason, rec.error = (req.first_token_at, req.finished_at,
+                                                                     req.finish_reason, req.error)
+
+    def _add(self, i: int, a) -> None:
+        n = a.output_tokens
+        params = self._params.get(n)
+        if params is None:
+            params = self._params[n] = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        key = (a.model, a.prompt_tokens)
+        prompt = self._prompts.get(key)
+        if prompt is None:
+            prompt = self._prompts[key] = [self.executor.models[a.model].token] * a.prompt_tokens \
+                if a.model in self.executor.models else [0] * a.prompt_tokens
+        rid = f"r{i}"
+        rec = self.records[rid] = RequestRecord(rid, a.model, a.time, a.prompt_tokens, n, None, None, None,
+                                                step=self.core.scheduler.step_count)
+        try:
+            self.core.add_request(CoreRequest(rid, a.model, prompt, params, arrival=a.time))
+        except ValueError as e:  # EngineError: the request is refused, as a server would answer 4xx
+            rec.finish_reason, rec.error = "error", str(e)
+
+    def run(self, trace, max_steps: int | None = None) -> SimResult:
+        import time as _time
+
+        t0 = _time.perf_counter()
+        arrivals = _arrivals(trace)
+        clock, core = self.clock, self.core
+        n, i, steps, idle = len(arrivals), 0, 0, 0
+        while True:
+            now = clock.t
+            while i < n and arrivals[i].time <= now:
+                self._add(i, arrivals[i])
+                i += 1
+            if not core.requests:
+                if i >= n:
+                    break
+                clock.advance_to(arrivals[i].time)
+                continue
+            plan = core.step()
+            if plan.batches:
+                steps, idle = steps + 1, 0
+            else:  # nothing ran: time must move (an arrival, or copies landing), or we are stuck
+                idle += 1
+                if i < n:
+                    clock.advance_to(arrivals[i].time)
+                elif core.executor.wait_loads() or idle < 3:
+                    pass
+                else:
+                    raise RuntimeError(f"simulation stalled at t={clock.t}: {len(core.requests)} requests "
+                                       f"outstanding and no step runs")
+            if max_steps is not None and steps >= max_steps:
+                break
+        stats = dict(core.stats)
+        ends = [r.finish for r in self.records.values() if r.finish is not None]
+        return SimResult(list(self.records.values()), max(ends) if ends else clock.t, steps, stats,
+                         _time.perf_counter() - t0)
+
+
+def simulate(trace, models: Iterable, calibration: Calibration = CPU_DEFAULT,
+             engine_config: EngineConfig | None = None, devices: int = 1) -> SimResult:
+    """Run ``trace`` (objects with ``time``, ``model``, ``prompt_tokens``, ``output_tokens``, or
+    4-tuples in that order) on ``models`` (preset names, ``SOURCE=ALIAS`` strings or ``ModelSpec``s)."""
+    return Simulation(models, calibration, engine_config, devices).run(trace)

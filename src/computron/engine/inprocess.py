@@ -21,7 +21,8 @@ import torch
 from ..config import format_bytes
 from ..memory.arena import Arena, Region
 from ..memory.host import HostImage
-from ..memory.layout import ALIGN, WeightLayout, align_up, layout_for
+from ..memory.layout import ALIGN, WeightLayout, layout_for
+from ..memory.units import arena_capacity
 from ..memory.swapper import ImageSwapper, SwapIn
 from ..messages import DeviceStatus, ExecuteBatch, ExecutorStatus, ModelDescription, ModelInfo, Residency, StepResult
 from ..models import load_weights, resolve_model
@@ -83,15 +84,12 @@ class InProcessExecutor:
         if budget is None:
             budget = int(torch.cuda.mem_get_info(self.device)[0] * 0.9) if self.device.type == "cuda" \
                 else CPU_DEFAULT_BUDGET
-        workspace = config.workspace_bytes if config.workspace_bytes is not None else min(budget // 10, 2 * 2**30)
-        if workspace >= budget:
-            raise ValueError(f"workspace of {format_bytes(workspace)} leaves nothing of the "
-                             f"{format_bytes(budget)} budget")
         self.budget = budget
+        arena_bytes = arena_capacity(budget, config.workspace_bytes)
         self.block_tokens = config.kv_block_tokens
         self.graph_batch = config.max_batch_size if (config.cuda_graphs and self.device.type == "cuda"
                                                      and self.fixed_weights) else 0
-        self.arena = Arena(align_up(budget - workspace) - ALIGN, self.device)
+        self.arena = Arena(arena_bytes, self.device)
         self.swapper = ImageSwapper(self.arena)
         self.models: dict[str, _Model] = {}
         self.resident: dict[str, _Resident] = {}

@@ -16,3 +16,13 @@ def align_up(n: int, a: int = ALIGN) -> int:
 def kv_region_bytes(tokens: int, bytes_per_token: int) -> int:
     """Device bytes of one sequence's key/value cache holding ``tokens`` tokens."""
     return align_up(max(1, tokens * bytes_per_token))
+
+
+def arena_capacity(budget: int, workspace: int | None) -> int:
+    """Bytes of the arena (weights + KV cache) that a device budget leaves once the workspace for
+    activations (default: a tenth of the budget, at most 2 GiB) is set aside."""
+    if workspace is None:
+        workspace = min(budget // 10, 2 * 2**30)
+    if workspace >= budget:
+        raise ValueError(f"workspace of {workspace} bytes leaves nothing of the {budget} bytes budget")
+    return align_up(budget - workspace) - ALIGN

@@ -25,22 +25,13 @@ from concurrent.futures import Future
 from typing import Callable
 
 from ..config import EngineConfig
-from ..memory.units import ALIGN, align_up, kv_region_bytes
+from ..memory.units import arena_capacity, kv_region_bytes
 from ..messages import (DeviceStatus, ExecuteBatch, ExecutorStatus, ModelDescription, ModelInfo, Placement,
                         Residency, StepResult)
 from ..models import resolve_model
 from .clock import VirtualClock
 from .costs import CPU_DEFAULT, Calibration, batch_time, pipelined_finish
 from .layout import group_bytes
-
-
-def arena_capacity(budget: int, workspace: int | None) -> int:
-    """Bytes of the arena (weights + KV cache) a device budget leaves: as ``InProcessExecutor``."""
-    if workspace is None:
-        workspace = min(budget // 10, 2 * 2**30)
-    if workspace >= budget:
-        raise ValueError(f"workspace of {workspace} bytes leaves nothing of the {budget} bytes budget")
-    return align_up(budget - workspace) - ALIGN
 
 
 class _Model:

@@ -329,3 +329,29 @@ def test_random_steps_keep_invariants(policy, seed):
             break
         _run_step(s, lengths)
     assert not s.requests
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_steady_steps_plan_exactly_what_the_full_search_plans(seed):
+    """After a step that only decoded one model, with nothing changed since, the scheduler skips
+    its search; a twin that always searches must make the same plans, step for step."""
+    plans = []
+    for shortcut in (True, False):
+        rng = random.Random(seed)
+        s = _sched(400_000, max_batch_size=rng.randint(2, 8), block_tokens=4)
+        if not shortcut:
+            s._steady_step = lambda m: None
+        for i in range(3):
+            s.add_model(f"m{i}", 512 * rng.randint(100, 300), KVT)
+        lengths, out, n = {}, [], 0
+        for step in range(600):
+            if rng.random() < 0.05:
+                r = SchedRequest(f"r{n}", f"m{rng.randrange(3)}", rng.randint(1, 16), rng.randint(1, 80), float(step))
+                s.add_request(r)
+                lengths[r.id] = rng.randint(1, r.max_tokens)
+                n += 1
+            p = _run_step(s, lengths, now=float(step))
+            out.append((p.evictions, p.loads, p.prefetch, p.preempted, p.failed,
+                        [(b.model, b.prefill, b.decode) for b in p.batches]))
+        plans.append(out)
+    assert plans[0] == plans[1]

@@ -79,6 +79,8 @@ class Scheduler:
         # (or to be prefetched) stays so until then, so steady steps do not search again.
         self._epoch = 0
         self._stuck: dict[tuple[str, str], int] = {}
+        self._changes = 0  # bumped by arrivals and model changes; with _epoch it says "nothing changed"
+        self._steady: tuple | None = None  # ((epoch, changes), model) after a step that only decoded it
 
     # ---- models --------------------------------------------------------------------------------
     def add_model(self, name: str, weights: tuple[int, ...] | int, kv_per_token: tuple[int, ...] | int,
@@ -100,6 +102,7 @@ class Scheduler:
                                  f"whole budget of {self.config.budgets[d]} bytes")
         blocks = tuple(kv_region_bytes(self.config.block_tokens, k) for k in kv_per_token)
         self.models[name] = ModelState(name, devices, weights, blocks, pinned)
+        self._changes += 1
 
     def remove_model(self, name: str) -> None:
         m = self._model(name)
@@ -108,6 +111,7 @@ class Scheduler:
         if m.on_device:
             self._set_offloaded(m)
         del self.models[name]
+        self._changes += 1
 
     def set_pinned(self, name: str, pinned: bool) -> None:
         self._model(name).pinned = pinned
@@ -141,6 +145,7 @@ class Scheduler:
                                  f"model's {w} bytes that exceeds the budget of {self.config.budgets[d]} bytes")
         self.requests[req.id] = req
         m.waiting.append(req)
+        self._changes += 1
         self._queue(m)
 
     def finish(self, req_id: str) -> None:
@@ -302,6 +307,40 @@ class Scheduler:
 
     def schedule(self, now: float = 0.0) -> StepPlan:
         self.step_count += 1
+        steady = self._steady
+        if steady is not None and steady[0] == (self._epoch, self._changes):
+            plan = self._steady_step(steady[1])
+            if plan is not None:
+                return plan
+        plan = self._schedule(now)
+        b = plan.batches
+        quiet = len(b) == 1 and not (b[0].prefill or plan.loads or plan.prefetch or plan.evictions or
+                                     plan.preempted or plan.failed)
+        self._steady = ((self._epoch, self._changes), self.models[b[0].model]) if quiet else None
+        return plan
+
+    def _steady_step(self, m: ModelState) -> StepPlan | None:
+        """Nothing changed since a step that only decoded one model's batch (no arrival, no end, no
+        memory freed): the full search would choose that batch again. Only the blocks its next
+        tokens need are taken; None (and nothing changed) when they do not fit as they are."""
+        growth, due = m.growth, []
+        while growth and growth[0][0] <= m.steps:
+            entry = heapq.heappop(growth)
+            if entry[2].state == "running" and entry[2].due == entry[0]:
+                due.append(entry)
+        if due:
+            if not self._fits(self._kv_need(m, len(due))):
+                for entry in due:
+                    heapq.heappush(growth, entry)
+                return None
+            for _, _, req in due:
+                req.blocks += 1
+                self._schedule_growth(m, req)
+            self._take_blocks(m, len(due))
+        m.last_used = self.step_count
+        return StepPlan(batches=[Batch(m.name, decode=list(m.running))])
+
+    def _schedule(self, now: float) -> StepPlan:
         self._fresh.clear()
         plan = StepPlan()
         free_devices = set(range(len(self.config.budgets)))

@@ -31,6 +31,8 @@ def add_swap_parser(sub) -> None:
     p.add_argument("--repeats", type=positive_int, default=5)
     p.add_argument("--prompt-len", type=positive_int, default=128)
     p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--executor", choices=("inprocess", "workers"), default="inprocess",
+                   help="workers: the same engine behind a worker process per device")
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default=None)
     p.set_defaults(func=_swap)

@@ -40,14 +40,15 @@ def _ttft(eng: Engine, name: str, prompt: list[int]) -> float:
     return req.first_token_at - t0
 
 
-def run(model: str, device: str, repeats: int, prompt_len: int, decode_tokens: int) -> dict:
+def run(model: str, device: str, repeats: int, prompt_len: int, decode_tokens: int,
+        executor: str = "inprocess") -> dict:
     cfg, _ = resolve_model(model)
     layout = layout_for(cfg)
     nbytes = layout.nbytes
     kv = (prompt_len + max(decode_tokens, 1) + 32) * cfg.kv_bytes_per_token()  # whole 16-token blocks
     workspace = 4 * 2**30 if device != "cpu" else 256 * 2**20
     eng = Engine(EngineConfig(device=device, gpu_memory_budget=workspace + nbytes + kv + 2**20,
-                              workspace_bytes=workspace))
+                              workspace_bytes=workspace, executor=executor))
     t0 = time.perf_counter()
     eng.register_model(ModelSpec(model))
     startup_s = time.perf_counter() - t0
@@ -75,7 +76,7 @@ def run(model: str, device: str, repeats: int, prompt_len: int, decode_tokens: i
         warm.append(_ttft(eng, model, prompt))
     cold, warm = cold[1:], warm[1:]
     overlap = None
-    if dev.type == "cuda":
+    if dev.type == "cuda" and executor == "inprocess":
         # One more cold start with the executor's trace on, to line compute up against copies.
         eng.offload(model)
         eng.core.trace = True
@@ -104,6 +105,7 @@ def run(model: str, device: str, repeats: int, prompt_len: int, decode_tokens: i
     decode = _decode_ms(eng, model, prompt, decode_tokens)
     hf = _hf_decode_ms(cfg, dev, prompt, decode_tokens) if decode_tokens else None
 
+    eng.executor.shutdown()
     med_raw, med_swap = _median(raw), _median(swap)
     return {
         "model": model, "bytes": nbytes, "device": str(dev), "startup_s": startup_s,
@@ -113,7 +115,7 @@ def run(model: str, device: str, repeats: int, prompt_len: int, decode_tokens: i
         "cold_ttft_budget_s": med_swap + 0.5 * _median(warm),
         "cold_ttft_within_budget": _median(cold) <= med_swap + 0.5 * _median(warm),
         "naive_to_device_s": naive, "overlap_trace": overlap,
-        "decode_ms_per_token": decode, "transformers_decode_ms_per_token": hf,
+        "decode_ms_per_token": decode, "transformers_decode_ms_per_token": hf, "executor": executor,
     }
 
 
@@ -166,7 +168,7 @@ def main(args) -> int:
     results = {"machine": machine(), "settings": vars(args) | {"func": None}, "models": {}}
     rows = []
     for model in args.model:
-        r = run(model, device, args.repeats, args.prompt_len, args.decode_tokens)
+        r = run(model, device, args.repeats, args.prompt_len, args.decode_tokens, args.executor)
         results["models"][model] = r
         rows.append([model, r["bytes"] / 1e9, _median(r["raw_memcpy_s"]), _median(r["swap_in_s"]),
                      r["swap_over_raw_bandwidth"], _median(r["evict_s"]) * 1e3, _median(r["ttft_cold_s"]),

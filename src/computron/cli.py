@@ -13,17 +13,23 @@ def _generate(args) -> int:
     from .config import EngineConfig, ModelSpec
     from .engine import Engine, EngineError, SamplingParams
 
+    eng = None
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, seed=args.seed, stop=tuple(args.stop or ()))
-        eng = Engine(EngineConfig(device=args.device, gpu_memory_budget=args.gpu_memory_budget))
-        eng.register_model(ModelSpec.parse(args.model), progress=lambda m: print(m, file=sys.stderr))
-        name = ModelSpec.parse(args.model).name
-        req = eng.submit(name, args.prompt, params, on_update=lambda r, t: print(t, end="", flush=True))
+        spec = ModelSpec.parse(args.model)
+        spec.tp, spec.pp = args.tp or spec.tp, args.pp or spec.pp
+        eng = Engine(EngineConfig(device=args.device, gpu_memory_budget=args.gpu_memory_budget,
+                                  executor="workers" if spec.world > 1 else None, devices=spec.world))
+        eng.register_model(spec, progress=lambda m: print(m, file=sys.stderr))
+        req = eng.submit(spec.name, args.prompt, params, on_update=lambda r, t: print(t, end="", flush=True))
         eng.run_until_done([req])
     except (EngineError, ValueError, KeyError, FileNotFoundError) as e:
         print(f"error: {e.args[0] if e.args else e}", file=sys.stderr)
         return 2
+    finally:
+        if eng is not None:
+            eng.executor.shutdown()  # worker processes, when there are any
     print()
     if req.error:
         print(f"error: {req.error}", file=sys.stderr)
@@ -37,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text with one model")
-    g.add_argument("--model", default="tiny-opt", help="preset name or checkpoint directory")
+    g.add_argument("--model", default="tiny-opt", help="preset name or checkpoint directory, with an optional "
+                                                       "layout: NAME@tp=N,pp=N,devices=A+B")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -45,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append")
+    g.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks (one worker process per device)")
+    g.add_argument("--pp", type=int, default=None, help="pipeline stages")
     g.add_argument("--device", default="auto")
     g.add_argument("--gpu-memory-budget", default=None)
     g.set_defaults(func=_generate)

@@ -60,11 +60,31 @@ class ModelSpec:
 
     @classmethod
     def parse(cls, text: str) -> "ModelSpec":
-        """'opt-1.3b', '/ckpt/llama=chat' (alias after '=')."""
-        source, _, alias = text.partition("=")
+        """'opt-1.3b', '/ckpt/llama=chat' (alias after '='), 'opt-13b@tp=2' or
+        'opt-13b=big@tp=2,pp=2,devices=0+1+2+3' (a layout after '@')."""
+        head, at, layout = text.partition("@")
+        source, _, alias = head.partition("=")
         if not source:
-            raise ValueError(f"empty model in {text!r}; write NAME_OR_DIR[=ALIAS]")
-        return cls(source=source, alias=alias or None)
+            raise ValueError(f"empty model in {text!r}; write NAME_OR_DIR[=ALIAS][@tp=N,pp=N,devices=A+B]")
+        spec = cls(source=source, alias=alias or None)
+        for item in layout.split(",") if at else []:
+            key, _, value = item.partition("=")
+            try:
+                if key in ("tp", "pp"):
+                    setattr(spec, key, int(value))
+                elif key == "devices":
+                    spec.devices = [int(d) for d in value.split("+")]
+                else:
+                    raise ValueError
+            except ValueError:
+                raise ValueError(f"cannot read {item!r} in {text!r}: the layout after '@' is tp=N, pp=N and "
+                                 "devices=A+B+... separated by commas") from None
+        return spec
+
+    @property
+    def world(self) -> int:
+        """Devices its placement needs: one more than the highest device index."""
+        return max(self.devices) + 1 if self.devices else self.tp * self.pp
 
 
 @dataclass

@@ -57,3 +57,23 @@ def test_help_works_without_torch(argv):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(f"usage: computron {' '.join(argv[:-1])}".rstrip()), out.stdout
+
+
+def test_model_layouts_parse_and_bad_ones_are_refused_with_the_syntax():
+    from computron.config import ModelSpec
+
+    s = ModelSpec.parse("/ckpt/llama=chat@tp=2,pp=2,devices=3+2+1+0")
+    assert (s.source, s.alias, s.tp, s.pp, s.devices, s.world) == ("/ckpt/llama", "chat", 2, 2, [3, 2, 1, 0], 4)
+    assert ModelSpec.parse("opt-13b@tp=2").world == 2 and ModelSpec.parse("opt-13b").world == 1
+    with pytest.raises(ValueError, match=r"cannot read 'tp=two'.*tp=N, pp=N and devices=A\+B"):
+        ModelSpec.parse("a@tp=two")
+    with pytest.raises(ValueError, match="cannot read 'dp=2'"):
+        ModelSpec.parse("a@dp=2")
+
+
+def test_serve_config_picks_one_worker_per_device_for_sharded_models():
+    from computron.cli import build_parser
+    from computron.server.cli import build_config
+
+    cfg = build_config(build_parser().parse_args(["serve", "--model", "tiny-opt@tp=2", "--model", "tiny-gpt2@devices=2"]))
+    assert cfg.engine.executor == "workers" and cfg.engine.devices == 3

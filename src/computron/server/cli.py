@@ -31,12 +31,15 @@ def add_parsers(subparsers) -> None:
                               description="Serve models over an OpenAI-compatible HTTP API. Flags override the "
                                           "YAML file, which overrides the defaults.")
     p.add_argument("--config", metavar="FILE.yaml", help="configuration file (engine, server, models sections)")
-    p.add_argument("--model", action="append", metavar="NAME_OR_DIR[=ALIAS]",
-                   help="a preset or checkpoint directory to serve (repeat for several); replaces the file's list")
+    p.add_argument("--model", action="append", metavar="NAME_OR_DIR[=ALIAS][@tp=N,pp=N,devices=A+B]",
+                   help="a preset or checkpoint directory to serve (repeat for several), with an optional "
+                        "parallel layout; replaces the file's list")
     p.add_argument("--gpu-memory-budget", metavar="SIZE", help="device memory for weights + KV cache, e.g. 40GiB")
     p.add_argument("--workspace", metavar="SIZE", help="part of the budget reserved for activations")
     p.add_argument("--device", help="auto (default), cpu, cuda or cuda:N")
     p.add_argument("--policy", choices=("default", "computron"), help="scheduling and swap policy")
+    p.add_argument("--devices", type=int, metavar="N", help="devices to serve on, one worker process each "
+                                                             "(executor workers; default: what the layouts need)")
     p.add_argument("--executor", choices=("inprocess", "legacy", "workers"),
                    help="inprocess (default), legacy (the computron policy's) or workers (a process per device)")
     p.add_argument("--host", help="address to bind (default 127.0.0.1; 0.0.0.0 exposes the server)")
@@ -82,6 +85,8 @@ def build_config(args) -> ComputronConfig:
         eng.policy = args.policy
     if getattr(args, "executor", None) is not None:
         eng.executor = args.executor
+    if getattr(args, "devices", None) is not None:
+        eng.devices = args.devices
     if args.gpu_memory_budget is not None:
         eng.gpu_memory_budget = parse_bytes(args.gpu_memory_budget)
     if args.workspace is not None:
@@ -105,6 +110,9 @@ def build_config(args) -> ComputronConfig:
             eng.gpu_memory_budget = DEFAULT_BUDGET
             if eng.workspace_bytes is None:
                 eng.workspace_bytes = DEFAULT_WORKSPACE
+    need = max(m.world for m in cfg.models)
+    if need > 1 and eng.executor is None:  # a layout over several devices needs a worker per device
+        eng.executor, eng.devices = "workers", max(eng.devices, need)
     names = [m.name for m in cfg.models]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:

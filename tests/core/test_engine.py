@@ -109,6 +109,13 @@ def test_bad_input_errors():
         eng.submit("tiny-opt", [1, 512])
     with pytest.raises(EngineError, match="already registered"):
         eng.register_model("tiny-opt")
+    with pytest.raises(EngineError, match=r"unknown model 'x{77}\.\.\.': not a preset, and not a readable path "
+                                          r"\(File name too long\)"):
+        eng.register_model("x" * 300)
+    with pytest.raises(EngineError, match="a memory budget of 10 bytes leaves no room for weights and KV cache"):
+        Engine(EngineConfig(device="cpu", gpu_memory_budget=10))
+    with pytest.raises(EngineError, match=r"the memory budget of 40960.00 GiB is more than the .* of this machine's memory"):
+        Engine(EngineConfig(device="cpu", gpu_memory_budget="40TiB"))
     assert not eng.requests  # nothing half-submitted
 
 

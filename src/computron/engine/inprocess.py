@@ -35,6 +35,15 @@ from .sampling import sample
 CPU_DEFAULT_BUDGET = 2 * 2**30
 
 
+def _device_size(device: torch.device) -> tuple[int, str]:
+    """Bytes a budget on ``device`` can have at most, and what they are."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1], f"of {torch.cuda.get_device_name(device)} ({device})"
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "of this machine's memory (the CPU serves)"
+
+
 def pick_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -84,6 +93,10 @@ class InProcessExecutor:
         if budget is None:
             budget = int(torch.cuda.mem_get_info(self.device)[0] * 0.9) if self.device.type == "cuda" \
                 else CPU_DEFAULT_BUDGET
+        size, where = _device_size(self.device)
+        if budget > size:
+            raise ValueError(f"the memory budget of {format_bytes(budget)} is more than the {format_bytes(size)} "
+                             f"{where}; give a smaller --gpu-memory-budget")
         self.budget = budget
         arena_bytes = arena_capacity(budget, config.workspace_bytes)
         self.block_tokens = config.kv_block_tokens

@@ -25,4 +25,8 @@ def arena_capacity(budget: int, workspace: int | None) -> int:
         workspace = min(budget // 10, 2 * 2**30)
     if workspace >= budget:
         raise ValueError(f"workspace of {workspace} bytes leaves nothing of the {budget} bytes budget")
-    return align_up(budget - workspace) - ALIGN
+    arena = align_up(budget - workspace) - ALIGN
+    if arena < ALIGN:
+        raise ValueError(f"a memory budget of {budget} bytes leaves no room for weights and KV cache once "
+                         f"{workspace} bytes of workspace are set aside; give at least {workspace + 2 * ALIGN} bytes")
+    return arena

@@ -30,16 +30,21 @@ def resolve_model(name_or_dir: str | Path, dtype: str | None = None) -> tuple[Mo
     A directory holding ``config.json`` wins over a preset of the same name; ``dtype`` overrides
     the stored or preset dtype.
     """
-    path = Path(name_or_dir).expanduser()
-    if (path / "config.json").is_file():
-        return read_config(path, dtype), str(path)
     if str(name_or_dir) in PRESETS:
         cfg = PRESETS[str(name_or_dir)]
-        return (cfg.with_(dtype=str(dtype).removeprefix("torch.")) if dtype else cfg), None
-    if path.is_dir():
+        if not (Path(name_or_dir) / "config.json").is_file():
+            return (cfg.with_(dtype=str(dtype).removeprefix("torch.")) if dtype else cfg), None
+    shown = str(name_or_dir) if len(str(name_or_dir)) <= 80 else str(name_or_dir)[:77] + "..."
+    path = Path(name_or_dir).expanduser()
+    try:
+        if (path / "config.json").is_file():
+            return read_config(path, dtype), str(path)
+        is_dir = path.is_dir()
+    except OSError as e:  # e.g. a name too long for the file system
+        raise ValueError(f"unknown model {shown!r}: not a preset, and not a readable path ({e.strerror})") from None
+    if is_dir:
         raise CheckpointError(f"checkpoint {path} has no config.json")
-    raise ValueError(f"unknown model {str(name_or_dir)!r}: neither a checkpoint directory nor a preset "
-                     f"({', '.join(PRESETS)})")
+    raise ValueError(f"unknown model {shown!r}: neither a checkpoint directory nor a preset ({', '.join(PRESETS)})")
 
 
 def __getattr__(name: str):

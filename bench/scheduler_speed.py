@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -27,6 +26,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
+from computron.bench.common import write_json  # noqa: E402
 from computron.scheduler import SchedRequest, Scheduler, SchedulerConfig  # noqa: E402
 
 TARGET_US = 20.0
@@ -114,10 +114,7 @@ def main() -> int:
                     "python": platform.python_version(), "cores_used": 1},
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=2)
-        f.write("\n")
+    write_json(args.out, out)
     print(f"{'sweep':8} {'arrivals':>8} {'models':>7} {'queued':>7} {'step µs':>9}")
     for r in rows:
         print(f"{r['sweep']:8} {str(r['arrival_every_step']):>8} {r['models']:>7} {r['queued']:>7} "

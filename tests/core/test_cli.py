@@ -77,3 +77,20 @@ def test_serve_config_picks_one_worker_per_device_for_sharded_models():
 
     cfg = build_config(build_parser().parse_args(["serve", "--model", "tiny-opt@tp=2", "--model", "tiny-gpt2@devices=2"]))
     assert cfg.engine.executor == "workers" and cfg.engine.devices == 3
+
+
+def test_bench_swap_and_round_robin_over_two_workers(tmp_path):
+    """The multi-GPU runs' code path on the CPU: two gloo workers, each rank swapping its shard."""
+    out = tmp_path / "swap.json"
+    assert main(["bench", "swap", "tiny-opt", "--tp", "2", "--repeats", "2", "--prompt-len", "16",
+                 "--decode-tokens", "4", "--device", "cpu", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())["models"]["tiny-opt"]
+    assert (r["executor"], r["tp"]) == ("workers", 2) and len(r["swap_in_s"]) == 2 and len(r["raw_memcpy_s"]) == 2
+    assert r["decode_ms_per_token"] > 0
+    out = tmp_path / "rr.json"
+    assert main(["bench", "round-robin", "tiny-opt", "--pp", "2", "-n", "2", "-r", "4", "--blocking", "--device",
+                 "cpu", "--out", str(out)]) == 0
+    for pol in ("default", "computron"):
+        p = json.loads(out.read_text())["policies"][pol]
+        assert (p["pp"], p["times_s"]["response"]["n"]) == (2, 4)
+        assert p["swap_ins"] == 6 and p["evictions"] == 5  # every request swaps, on both stages at once

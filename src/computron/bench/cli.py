@@ -33,6 +33,8 @@ def add_swap_parser(sub) -> None:
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--executor", choices=("inprocess", "workers"), default="inprocess",
                    help="workers: the same engine behind a worker process per device")
+    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel ranks (implies --executor workers)")
+    p.add_argument("--pp", type=positive_int, default=1, help="pipeline stages (implies --executor workers)")
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default=None)
     p.set_defaults(func=_swap)
@@ -48,6 +50,8 @@ def add_round_robin_parser(sub) -> None:
                    help="policy to run (repeat for several; default: both)")
     p.add_argument("--prompt-len", type=positive_int, default=8)
     p.add_argument("--max-tokens", type=positive_int, default=2)
+    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel ranks of each copy (a worker per device)")
+    p.add_argument("--pp", type=positive_int, default=1, help="pipeline stages of each copy")
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default=None)
     p.set_defaults(func=_round_robin)

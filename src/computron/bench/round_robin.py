@@ -8,27 +8,30 @@ from __future__ import annotations
 
 import multiprocessing
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
 from ..config import EngineConfig, ModelSpec
 from ..engine import Engine, SamplingParams
-from ..memory.layout import layout_for
+from ..parallel.dims import ParallelDims
+from ..parallel.shard_model import rank_bytes
 from ..models import resolve_model
 from .common import machine, print_table, summary, write_json
 
 
 def run_policy(model: str, n: int, r: int, policy: str, blocking: bool, prompt_len: int, max_tokens: int,
-               device: str, warmup: int = 2) -> dict:
+               device: str, warmup: int = 2, tp: int = 1, pp: int = 1) -> dict:
     cfg, _ = resolve_model(model)
-    nbytes = layout_for(cfg).nbytes
-    kv = (prompt_len + max_tokens) * cfg.kv_bytes_per_token() * (1 if blocking else r)
+    k = tp * pp
+    nbytes = max(rank_bytes(cfg, ParallelDims(tp=tp, pp=pp)))  # the largest rank's shard of one copy
+    kv = (prompt_len + max_tokens + 32) * cfg.kv_bytes_per_token() * (1 if blocking else r)
     workspace = 2 * 2**30 if device != "cpu" else 64 * 2**20
     budget = workspace + nbytes + kv + nbytes // 4  # room for one copy, never two
     eng = Engine(EngineConfig(device=device, gpu_memory_budget=budget, workspace_bytes=workspace, policy=policy,
-                              max_loaded=1))
+                              max_loaded=1, executor="workers" if k > 1 else None, devices=k))
     for i in range(n):
-        eng.register_model(ModelSpec(model, alias=f"{model}#{i}", seed=i))
+        eng.register_model(ModelSpec(model, alias=f"{model}#{i}", seed=i, tp=tp, pp=pp))
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     prompts = [torch.randint(0, cfg.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(r + warmup)]
@@ -55,22 +58,27 @@ def run_policy(model: str, n: int, r: int, policy: str, blocking: bool, prompt_l
         "compute": summary([q.compute_s for q in done]),
         "response": summary([q.finished_at - q.arrival for q in done]),
     }
-    return {"policy": policy, "model_bytes": nbytes, "swap_ins": eng.stats["swap_ins"],
-            "evictions": eng.stats["evictions"], "budget": budget, "times_s": rows}
+    out = {"policy": policy, "tp": tp, "pp": pp, "model_bytes": eng.models[f"{model}#0"].nbytes,
+           "swap_ins": eng.stats["swap_ins"], "evictions": eng.stats["evictions"], "budget_per_device": budget,
+           "times_s": rows}
+    eng.executor.shutdown()
+    return out
 
 
 def main(args) -> int:
     device = args.device
     results = {"machine": machine(), "settings": {k: getattr(args, k) for k in
-               ("model", "n", "r", "blocking", "prompt_len", "max_tokens", "device")}, "policies": {}}
+               ("model", "n", "r", "blocking", "prompt_len", "max_tokens", "device", "tp", "pp")}, "policies": {}}
     # Each policy runs in a fresh process on the same workload: host memory (pinned or not) and the
     # device are returned to the system between them, and neither inherits the other's caches.
+    # (A process pool of non-daemonic workers: with --tp/--pp the engine starts worker processes of its own.)
     ctx = multiprocessing.get_context("spawn")
     for pol in args.policy:
         t0 = time.perf_counter()
-        with ctx.Pool(1) as pool:
-            results["policies"][pol] = pool.apply(run_policy, (args.model, args.n, args.r, pol, args.blocking,
-                                                               args.prompt_len, args.max_tokens, device))
+        with ProcessPoolExecutor(1, mp_context=ctx) as pool:
+            results["policies"][pol] = pool.submit(run_policy, args.model, args.n, args.r, pol, args.blocking,
+                                                   args.prompt_len, args.max_tokens, device, 2,
+                                                   args.tp, args.pp).result()
         results["policies"][pol]["wall_s"] = time.perf_counter() - t0
     rows = []
     for pol, res in results["policies"].items():
@@ -81,7 +89,8 @@ def main(args) -> int:
         results["ratios_default_over_computron"] = {
             k: {s: (d[k][s] / c[k][s] if c[k][s] else None) for s in ("mean", "median", "p99")}
             for k in ("load", "evict", "compute", "response")}
-    out = args.out or f"bench/results/round_robin_{args.model}_n{args.n}_r{args.r}.json"
+    layout = f"_tp{args.tp}_pp{args.pp}" if args.tp * args.pp > 1 else ""
+    out = args.out or f"bench/results/round_robin_{args.model}{layout}_n{args.n}_r{args.r}.json"
     write_json(out, results)
     print_table(f"round-robin {args.model} n={args.n} r={args.r} {'blocking' if args.blocking else 'all at once'} "
                 f"(seconds; mean / median / p99)",

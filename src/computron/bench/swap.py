@@ -2,7 +2,8 @@
 
 Measured in one run, each the median of ``--repeats``:
 - the reference: one raw pinned host→device memcpy of the same bytes from the model's own host
-  image into free memory of the same arena (the executor's ``probe_link``);
+  image into free memory of the same arena (the executor's ``probe_link``); with ``--tp``/``--pp``
+  every rank copies its own shard at once, each repeat timed by its slowest rank (aggregate);
 - swap-in: the engine's swapper (per-layer-group copies on its copy stream), from its first to
   last byte by CUDA events, and its bandwidth as a fraction of the reference;
 - eviction: wall time of releasing the model (nothing is copied back);
@@ -41,17 +42,18 @@ def _ttft(eng: Engine, name: str, prompt: list[int]) -> float:
 
 
 def run(model: str, device: str, repeats: int, prompt_len: int, decode_tokens: int,
-        executor: str = "inprocess") -> dict:
+        executor: str = "inprocess", tp: int = 1, pp: int = 1) -> dict:
     cfg, _ = resolve_model(model)
     layout = layout_for(cfg)
-    nbytes = layout.nbytes
+    k = tp * pp
     kv = (prompt_len + max(decode_tokens, 1) + 32) * cfg.kv_bytes_per_token()  # whole 16-token blocks
     workspace = 4 * 2**30 if device != "cpu" else 256 * 2**20
-    eng = Engine(EngineConfig(device=device, gpu_memory_budget=workspace + nbytes + kv + 2**20,
-                              workspace_bytes=workspace, executor=executor))
+    eng = Engine(EngineConfig(device=device, gpu_memory_budget=workspace + layout.nbytes + kv + 2**20,
+                              workspace_bytes=workspace, executor="workers" if k > 1 else executor, devices=k))
     t0 = time.perf_counter()
-    eng.register_model(ModelSpec(model))
+    eng.register_model(ModelSpec(model, tp=tp, pp=pp))
     startup_s = time.perf_counter() - t0
+    nbytes = eng.models[model].nbytes  # every rank's shard together (a sharded model repeats its norms)
     dev = torch.device(device)
     raw = eng.executor.probe_link(model, repeats + 1)[1:]
     events: list[tuple[str, float]] = []
@@ -76,7 +78,7 @@ def run(model: str, device: str, repeats: int, prompt_len: int, decode_tokens: i
         warm.append(_ttft(eng, model, prompt))
     cold, warm = cold[1:], warm[1:]
     overlap = None
-    if dev.type == "cuda" and executor == "inprocess":
+    if dev.type == "cuda" and executor == "inprocess" and k == 1:
         # One more cold start with the executor's trace on, to line compute up against copies.
         eng.offload(model)
         eng.core.trace = True
@@ -103,7 +105,7 @@ def run(model: str, device: str, repeats: int, prompt_len: int, decode_tokens: i
         del m, pageable
 
     decode = _decode_ms(eng, model, prompt, decode_tokens)
-    hf = _hf_decode_ms(cfg, dev, prompt, decode_tokens) if decode_tokens else None
+    hf = _hf_decode_ms(cfg, dev, prompt, decode_tokens) if decode_tokens and k == 1 else None
 
     eng.executor.shutdown()
     med_raw, med_swap = _median(raw), _median(swap)
@@ -115,7 +117,8 @@ def run(model: str, device: str, repeats: int, prompt_len: int, decode_tokens: i
         "cold_ttft_budget_s": med_swap + 0.5 * _median(warm),
         "cold_ttft_within_budget": _median(cold) <= med_swap + 0.5 * _median(warm),
         "naive_to_device_s": naive, "overlap_trace": overlap,
-        "decode_ms_per_token": decode, "transformers_decode_ms_per_token": hf, "executor": executor,
+        "decode_ms_per_token": decode, "transformers_decode_ms_per_token": hf,
+        "executor": "workers" if k > 1 else executor, "tp": tp, "pp": pp,
     }
 
 
@@ -168,13 +171,14 @@ def main(args) -> int:
     results = {"machine": machine(), "settings": vars(args) | {"func": None}, "models": {}}
     rows = []
     for model in args.model:
-        r = run(model, device, args.repeats, args.prompt_len, args.decode_tokens, args.executor)
+        r = run(model, device, args.repeats, args.prompt_len, args.decode_tokens, args.executor, args.tp, args.pp)
         results["models"][model] = r
         rows.append([model, r["bytes"] / 1e9, _median(r["raw_memcpy_s"]), _median(r["swap_in_s"]),
                      r["swap_over_raw_bandwidth"], _median(r["evict_s"]) * 1e3, _median(r["ttft_cold_s"]),
                      _median(r["ttft_warm_s"]), _median(r["naive_to_device_s"]) if r["naive_to_device_s"] else "-",
                      r["decode_ms_per_token"] or "-", r["transformers_decode_ms_per_token"] or "-"])
-    out = args.out or f"bench/results/swap_{'_'.join(args.model)}.json"
+    layout = f"_tp{args.tp}_pp{args.pp}" if args.tp * args.pp > 1 else ""
+    out = args.out or f"bench/results/swap_{'_'.join(args.model)}{layout}.json"
     write_json(out, results)
     print_table("swap (medians)", ["model", "GB", "raw memcpy s", "swap-in s", "swap/raw bw", "evict ms",
                                    "TTFT cold s", "TTFT warm s", "naive .to s", "decode ms/tok", "HF ms/tok"], rows)

@@ -19,8 +19,8 @@ class LegacyExecutor(InProcessExecutor):
     pin_images = False  # the original started from pageable host memory
     fixed_weights = False  # every load lands wherever PyTorch's allocator puts it
 
-    def __init__(self, config):
-        super().__init__(config)
+    def __init__(self, config, index: int = 0, world: int = 1):
+        super().__init__(config, index, world)
         self.legacy = LegacySwapper(self.device)
         self.host: dict[str, dict[str, torch.Tensor]] = {}
         self.on_device: dict[str, dict[str, torch.Tensor]] = {}

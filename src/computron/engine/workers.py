@@ -90,11 +90,18 @@ def _worker_main(conn, config, device: int, world: int = 1, port: int = 0) -> No
             import torch
             import torch.distributed as dist
 
+            import os
+
+            # NVLink multicast (NVLS) buys nothing here and can take a shared host's GPUs down: off.
+            for var, off in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")):
+                os.environ.setdefault(var, off)
             backend = "nccl" if config.device != "cpu" and torch.cuda.is_available() else "gloo"
             if backend == "nccl":
                 torch.cuda.set_device(device)
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=device, world_size=world,
                                     timeout=datetime.timedelta(seconds=120))
+        if config.executor == "legacy":  # the original Computron's mechanics, a rank per worker
+            from .legacy import LegacyExecutor as InProcessExecutor  # noqa: F811
         ex = InProcessExecutor(config, index=device, world=world)
     except BaseException as e:
         send(_error_reply(0, e))
@@ -271,7 +278,8 @@ class WorkerExecutor:
     """The executor protocol over worker processes, one per device (today: device 0 only)."""
 
     def __init__(self, config, start_timeout: float = 120.0, call_timeout: float = 600.0):
-        self.config = dataclasses.replace(config, executor="inprocess")  # what each worker runs
+        # What each worker runs: the in-process executor, or the legacy one for the computron policy.
+        self.config = dataclasses.replace(config, executor="legacy" if config.policy == "computron" else "inprocess")
         self.start_timeout, self.call_timeout = start_timeout, call_timeout
         self.devices = tuple(range(config.devices))
         if not self.devices:

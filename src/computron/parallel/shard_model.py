@@ -124,3 +124,9 @@ def build_rank(cfg: ModelConfig, dims: ParallelDims, rank: int, *, seed: int = 0
         fill_random(image, shard, seed, device)
     bind_weights(model, image.views)
     return shard, model, image
+
+
+def rank_bytes(cfg: ModelConfig, dims: ParallelDims, partition: list[int] | None = None) -> list[int]:
+    """Bytes of each rank's host image (and device region), in rank order, without building any."""
+    return [WeightLayout.of(shard_model(shard_for(cfg, dims, r, partition)), TORCH_DTYPES[cfg.dtype]).nbytes
+            for r in range(dims.world_size)]

@@ -23,14 +23,11 @@ import time
 from pathlib import Path
 
 from computron.config import EngineConfig
-from computron.sim import Calibration, Simulation
+from computron.sim import Simulation
+from computron.sim.costs import H200_ROUGH
 
 MODELS = ["opt-6.7b", "llama-2-7b", "opt-1.3b"]
-# Swap bandwidth and weight-read rate of README's H200 measurements; compute terms roughly fitted
-# to its decode table (OPT-1.3B and Llama-3-8B, batch 1 to 128).
-H200ISH = Calibration(name="h200-ish", swap_bandwidth=55.2e9, hbm_bandwidth=4.2e12, prefill_fixed_s=2e-3,
-                      prefill_token_s=2e-6, prefill_token_s_per_byte=1.5e-15, decode_fixed_s=1.2e-3,
-                      decode_seq_s=3.5e-5, decode_seq_s_per_byte=0.0, evict_s=3e-5, device_memory=140 * 2**30)
+H200ISH = H200_ROUGH
 
 
 def gamma_trace(n: int, models: list[str], rate: float, cv: float, seed: int) -> list[tuple]:

@@ -1,4 +1,4 @@
-"""The ``computron`` command: serve | ps | generate | bench | plan.
+"""The ``computron`` command: serve | ps | generate | bench | plan | sim.
 
 Each sub-command's parser lives next to the code it runs; this file only assembles them.
 """
@@ -72,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .planner import cli as planner_cli
 
     planner_cli.add_parser(sub)
+
+    from .sim import cli as sim_cli
+
+    sim_cli.add_parser(sub)
     return parser
 
 

@@ -164,3 +164,21 @@ def test_metrics_move(live):
     assert 'computron_queue_depth{model="tiny-llama"} 0.0' in text
     assert live.metric("computron_model_state", model="tiny-gpt2", state="resident") == 1
     assert live.metric("computron_ready") == 1
+
+
+def test_request_that_cannot_fit_beside_a_pinned_model_is_503_and_health_counts_admin_models(admin):
+    assert api(admin, "GET", "/health").json()["models"] == 1
+    assert api(admin, "POST", "/admin/models", json={"source": "tiny-gpt2", "alias": "blocked"}).status_code == 201
+    assert api(admin, "GET", "/health").json()["models"] == 2  # counts what /admin registered
+    assert api(admin, "POST", "/admin/models/tiny-opt/load").status_code == 200
+    api(admin, "POST", "/admin/models/tiny-opt/pin")
+    try:
+        assert_error(complete(admin, "blocked"), 503, "pinned models (tiny-opt)")
+        stream = api(admin, "POST", "/v1/completions", json={"model": "blocked", "prompt": "hi", "max_tokens": 4,
+                                                              "stream": True})
+        assert '"code":"unavailable"' in stream.text.replace(" ", "") and "pinned models (tiny-opt)" in stream.text
+    finally:
+        api(admin, "POST", "/admin/models/tiny-opt/unpin")
+    assert complete(admin, "blocked").status_code == 200  # unpinned: it swaps in
+    assert api(admin, "DELETE", "/admin/models/blocked").status_code == 200
+    assert api(admin, "GET", "/health").json()["models"] == 1

@@ -38,6 +38,7 @@ class CoreRequest:
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
+    unavailable: bool = False  # the error is a lack of capacity or of a device (a server answers 503), not a bug
     first_token_at: float | None = None
     finished_at: float | None = None
     load_s: float = 0.0  # swap-in seconds of a load that ended in the step of its first token
@@ -171,21 +172,22 @@ class EngineCore:
     def has_work(self) -> bool:
         return bool(self.requests)
 
-    def finish(self, req: CoreRequest, reason: str, error: str | None = None) -> None:
+    def finish(self, req: CoreRequest, reason: str, error: str | None = None, unavailable: bool = False) -> None:
         if req.done:
             return
         req.finish_reason, req.error, req.finished_at = reason, error, self.clock()
+        req.unavailable = unavailable
         self.requests.pop(req.id, None)
         self.scheduler.finish(req.id)
         self._to_free.append(req.id)
         if self.on_finish:
             self.on_finish(req)
 
-    def _fail(self, req_ids, why: str) -> None:
+    def _fail(self, req_ids, why: str, unavailable: bool = False) -> None:
         for rid in req_ids:
             req = self.requests.get(rid)
             if req is not None:
-                self.finish(req, "error", why)
+                self.finish(req, "error", why, unavailable)
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> StepPlan:
@@ -198,8 +200,8 @@ class EngineCore:
 
     def _step(self) -> StepPlan:
         plan = self.scheduler.schedule(self.clock())
-        for rid, why in plan.failed:
-            self._fail([rid], why)
+        for rid, why in plan.failed:  # it can never fit next to what is pinned: capacity, not a bug
+            self._fail([rid], why, unavailable=True)
         evict_s = self._apply(plan)
         batches = [b for b in plan.batches if all(r in self.requests for r in b.requests)]
         if not batches:
@@ -236,7 +238,7 @@ class EngineCore:
         self._loaded(result.loaded)
         self.last_trace = result.trace
         for rid, why in result.failed.items():  # first: the executor's own reason (e.g. which worker died)
-            self._fail([rid], why)
+            self._fail([rid], why, unavailable=bool(result.lost_devices))
         if result.lost_devices:
             self._lose(result.lost_devices)
         now = self.clock()
@@ -268,7 +270,7 @@ class EngineCore:
         for name, info in self.models.items():
             if lost.intersection(info.placement.devices):
                 self._fail([r.id for r in list(self.requests.values()) if r.model == name],
-                           f"model {name!r} lost device(s) {sorted(lost)}")
+                           f"model {name!r} lost device(s) {sorted(lost)}", unavailable=True)
                 if self.scheduler.state(name) != "offloaded":
                     self.scheduler.offloaded(name)
 
@@ -288,7 +290,7 @@ class EngineCore:
             why = f"swap failed: {type(e).__name__}: {e}"
             for b in plan.batches:
                 if b.model not in present:
-                    self._fail(b.requests, why)
+                    self._fail(b.requests, why, unavailable=True)
             for name in loads:
                 if name not in present and self.scheduler.state(name) != "offloaded":
                     self.scheduler.offloaded(name)

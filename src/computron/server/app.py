@@ -148,7 +148,8 @@ class Generation:
             self.svc.ae.call(self.svc.engine.abort, self.req.id)
             self.svc.metrics.request_done(self.model, self.endpoint, 499, self.req)
         else:
-            self.svc.metrics.request_done(self.model, self.endpoint, 500 if self.req.finish_reason == "error"
+            self.svc.metrics.request_done(self.model, self.endpoint, (503 if self.req.unavailable else 500)
+                                          if self.req.finish_reason == "error"
                                           else 200, self.req)
         self.req = None
 
@@ -242,8 +243,9 @@ def create_app(async_engine: AsyncEngine, config: ComputronConfig | None = None)
 
     @app.get("/health")
     async def health():
-        body = {"status": "ok" if svc.ready else "starting", "models": svc.registered, "pending": svc.pending,
-                "failed": svc.failed}
+        # The engine's own count: models registered or deleted through /admin count too.
+        body = {"status": "ok" if svc.ready else "starting", "models": len(async_engine.engine.models),
+                "pending": svc.pending, "failed": svc.failed}
         return JSONResponse(body, status_code=200 if svc.ready else 503)
 
     @app.get("/metrics")
@@ -317,6 +319,8 @@ async def _generate(svc: Service, endpoint: str, body, request: Request, prompt,
         req = gen.req
         gen.close()
     if req.finish_reason == "error":
+        if req.unavailable:  # capacity or a lost device: the client may retry later, or elsewhere
+            raise APIError(503, f"the request could not be served: {req.error}", None, "unavailable")
         raise APIError(500, f"the request failed: {req.error}", None, "generation_failed")
     use = protocol.usage(len(req.prompt_ids), len(req.output_ids))
     build = protocol.chat_completion if chat else protocol.completion
@@ -344,7 +348,9 @@ async def _events(gen: Generation, body, rid: str, created: int, chat: bool):
                 break
         req = gen.req
         if req.finish_reason == "error":
-            yield sse(protocol.error_body(f"the request failed: {req.error}", "server_error", None,
+            yield sse(protocol.error_body(f"the request could not be served: {req.error}", "server_error", None,
+                                          "unavailable") if req.unavailable else
+                      protocol.error_body(f"the request failed: {req.error}", "server_error", None,
                                           "generation_failed"))
         else:
             yield chunk(None, protocol.FINISH[req.finish_reason])

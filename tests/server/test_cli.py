@@ -67,6 +67,16 @@ def test_flags_override_file_override_defaults(tmp_path, monkeypatch):
 def test_serve_errors_exit_2(capsys):
     assert parse("serve", "--model", "no-such-model").func(parse("serve", "--model", "no-such-model")) == 2
     assert "no-such-model" in capsys.readouterr().err
+    import socket
+
+    with socket.socket() as busy:  # a port in use: refused before anything is built or logged as serving
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        args = parse("serve", "--port", str(port))
+        assert args.func(args) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "in use" in err
 
 
 def test_serve_process_and_ps(tmp_path, capsys):

@@ -132,6 +132,19 @@ def setup_logging(level: str = "info") -> None:
         logger.propagate = False
 
 
+def _check_port(host: str, port: int) -> None:
+    """ValueError when the address cannot be bound (in use, or not this machine's)."""
+    import socket
+
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as e:
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
 def serve_main(args) -> int:
     setup_logging(args.log_level)
     try:
@@ -140,6 +153,7 @@ def serve_main(args) -> int:
 
         for spec in cfg.models:  # fail now on a typo rather than after the server started
             resolve_model(spec.source, spec.dtype)
+        _check_port(cfg.server.host, cfg.server.port)  # before building host images, not after
     except (ValueError, KeyError, FileNotFoundError) as e:
         print(f"computron serve: {e.args[0] if e.args else e}", file=sys.stderr)
         return 2

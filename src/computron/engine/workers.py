@@ -70,7 +70,7 @@ def _error_reply(rid, e: BaseException) -> tuple:
     return (rid, "err", type(e).__name__, base.__name__, msg)
 
 
-def _worker_main(conn, config, device: int, world: int = 1, port: int = 0) -> None:
+def _worker_main(conn, config, device: int, world: int = 1, port: int = 0, steps=None) -> None:
     """A worker's loop: answer protocol calls from the pipe until ``shutdown`` or the parent goes away.
     With several devices the workers first join one torch.distributed world (rank = device; NCCL on
     GPUs, gloo on the CPU), in which each model's process groups are made when it is registered."""
@@ -108,6 +108,15 @@ def _worker_main(conn, config, device: int, world: int = 1, port: int = 0) -> No
         return
     send((0, "ok", None))
 
+    def step(args: tuple) -> None:
+        """A step answers on its own pipe, read by the engine's thread itself (no hop through the
+        parent's receiver thread: the step is the hot path)."""
+        try:
+            reply = ("ok", ex.execute(*args).result())
+        except BaseException as e:
+            reply = _error_reply(None, e)[1:]
+        steps.send(reply)
+
     def serve(rid, name: str, args: tuple) -> None:
         try:
             if name == "register":
@@ -132,6 +141,8 @@ def _worker_main(conn, config, device: int, world: int = 1, port: int = 0) -> No
             return
         if name == "register":  # slow: build the host image while steps go on
             threading.Thread(target=serve, args=(rid, name, args), daemon=True).start()
+        elif name == "step":
+            step(args)
         else:
             serve(rid, name, args)
             if name == "shutdown":
@@ -156,10 +167,12 @@ class _Worker:
                  port: int = 0):
         self.device, self.on_death = device, on_death
         parent, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child, config, device, world, port),
+        self.steps, steps_child = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(target=_worker_main, args=(child, config, device, world, port, steps_child),
                                 name=f"computron-worker-{device}", daemon=True)
         self.proc.start()
         child.close()  # only the worker holds that end: its death reads as EOF here
+        steps_child.close()
         self.conn = parent
         self.dead: WorkerDied | None = None
         self.closing = False
@@ -195,6 +208,39 @@ class _Worker:
                 del self._pending[rid]
                 raise RuntimeError(f"worker for device {self.device} is gone: {e}") from None
         return fut
+
+    def start_step(self, batches: list) -> None:
+        """Send a step; its answer comes on the steps pipe (``finish_step``)."""
+        with self._lock:
+            if self.dead is not None:
+                raise self.dead
+            try:
+                self.conn.send((None, "step", (batches,)))
+            except (OSError, ValueError):
+                raise self._death() from None
+
+    def finish_step(self, timeout: float) -> StepResult:
+        """The step's answer, read on the calling thread; WorkerDied if the worker died meanwhile."""
+        waited = 0.0
+        while True:
+            ready = mp_wait([self.steps, self.proc.sentinel], POLL_S)
+            if self.steps in ready:
+                try:
+                    reply = self.steps.recv()
+                except (EOFError, OSError):
+                    raise self._death() from None
+                if reply[0] == "ok":
+                    return reply[1]
+                raise _remote_error(*reply[1:4])
+            if ready:
+                raise self._death()
+            waited += POLL_S
+            if waited >= timeout:
+                raise RuntimeError(f"worker for device {self.device} did not answer a step within {timeout:.0f} s")
+
+    def _death(self) -> WorkerDied:
+        self.proc.join(2.0)
+        return self.dead or WorkerDied(self.device, self.proc.exitcode)
 
     def send(self, name: str, *args) -> bool:
         """A call without reply (its errors are logged by the worker); False if the worker is gone."""
@@ -450,11 +496,11 @@ class WorkerExecutor:
             out.set_result(self._lost_result(batches, why, lost))
             return out
         try:
-            # Every rank of a batch's placement takes part; each batch's rank 0 answers its tokens.
+            # Every rank of a batch's placement takes part; the last stage's first rank answers its tokens.
             devices = sorted({d for b in batches for d in self._model_devices(b.model)})
             workers = self._ranks(devices)
-            futs = [w.call("execute", [b for b in batches if w.device in self._model_devices(b.model)])
-                    for w in workers]
+            for w in workers:
+                w.start_step([b for b in batches if w.device in self._model_devices(b.model)])
         except WorkerDied as e:  # died since the check above: this step reports it
             with self._lock:
                 self._lost.discard(e.device)
@@ -463,40 +509,31 @@ class WorkerExecutor:
         except Exception as e:
             out.set_exception(e)
             return out
-        if not futs:
-            out.set_result(StepResult())
-            return out
         answers = {self._answerer(b.model) for b in batches}
-        state = {"left": len(futs), "result": StepResult(), "error": None, "lost": set()}
-
-        def done(f: Future, w: _Worker) -> None:
-            err = f.exception()
-            with self._lock:
-                if isinstance(err, WorkerDied):
-                    state["lost"].add(w.device)
-                    state["error"] = state["error"] or err
+        result, lost, error = StepResult(), set(), None
+        for w in workers:  # read on this thread: the step's answers never wait for another thread
+            try:
+                part = w.finish_step(self.call_timeout)
+            except WorkerDied as e:
+                lost.add(w.device)
+                error = error or e
+                with self._lock:
                     self._lost.discard(w.device)  # reported by this step
-                elif err is not None:
-                    state["error"] = state["error"] or err
-                elif w.device in answers:
-                    r, part = state["result"], f.result()
-                    for field in ("tokens", "loaded", "compute_s", "failed", "trace"):
-                        getattr(r, field).update(getattr(part, field))
-                    r.lost_devices.extend(part.lost_devices)
-                state["left"] -= 1
-                if state["left"]:
-                    return
-            if state["lost"]:
-                out.set_result(self._lost_result(batches, str(state["error"]) if len(state["lost"]) == 1 else
-                                                 "; ".join(f"worker for device {d} died" for d in
-                                                           sorted(state["lost"])), state["lost"]))
-            elif state["error"] is not None:
-                out.set_exception(state["error"])
-            else:
-                out.set_result(state["result"])
-
-        for f, w in zip(futs, workers):
-            f.add_done_callback(lambda f, w=w: done(f, w))
+                continue
+            except Exception as e:
+                error = error or e
+                continue
+            if w.device in answers:
+                for field in ("tokens", "loaded", "compute_s", "failed", "trace"):
+                    getattr(result, field).update(getattr(part, field))
+                result.lost_devices.extend(part.lost_devices)
+        if lost:
+            out.set_result(self._lost_result(batches, str(error) if len(lost) == 1 else
+                                             "; ".join(f"worker for device {d} died" for d in sorted(lost)), lost))
+        elif error is not None:
+            out.set_exception(error)
+        else:
+            out.set_result(result)
         return out
 
     def wait_loads(self) -> dict[str, float]:

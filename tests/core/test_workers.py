@@ -60,7 +60,7 @@ def test_same_tokens_as_in_process_across_swaps(workers):
     assert workers.memory()["weights"] <= ONE_FITS and workers.memory()["kv"] == 0
 
 
-def test_worker_errors_keep_their_message(workers):
+def test_worker_errors_keep_their_message(workers, tmp_path):
     with pytest.raises(EngineError, match=r"unknown model 'opt-99b': neither a checkpoint directory nor a preset"):
         workers.register_model("opt-99b")
     with pytest.raises(EngineError, match=r"opt-350m. needs 631.71 MiB of weights, more than the 878.50 KiB"):
@@ -69,6 +69,10 @@ def test_worker_errors_keep_their_message(workers):
         workers.register_model("tiny-opt")
     with pytest.raises(KeyError, match="nope"):
         workers.executor.apply(Residency(load=["nope"]))
+    from computron.models import CheckpointError
+
+    with pytest.raises(CheckpointError, match="has no config.json"):  # the project's own type, not a look-alike
+        workers.register_model(str(tmp_path))
     progress = []
     workers.executor.register(ModelDescription("extra", "tiny-gpt2"), progress.append)  # interim messages
     workers.executor.unregister("extra")

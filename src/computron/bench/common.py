@@ -67,7 +67,7 @@ def print_table(title: str, header: list[str], rows: list[list]) -> None:
     Console(width=160).print(t)
 
 
-def sync(device: torch.device) -> None:
+def sync(device) -> None:
     if device.type == "cuda":
         import torch
 

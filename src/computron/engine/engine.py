@@ -14,7 +14,7 @@ from typing import Callable
 
 from ..config import EngineConfig, ModelSpec
 from ..messages import ModelDescription, ModelInfo, SamplingParams
-from ..models import IncrementalDecoder, load_tokenizer
+from ..models import CheckpointError, IncrementalDecoder, load_tokenizer
 from .core import CoreRequest, EngineCore, EngineError
 from .executor import Executor, make_executor
 
@@ -98,7 +98,7 @@ class Engine:
         try:
             info = self.executor.register(desc, progress)
         except (KeyError, ValueError, FileNotFoundError) as e:
-            if isinstance(e, EngineError) or type(e).__name__ == "CheckpointError":
+            if isinstance(e, (EngineError, CheckpointError)):
                 raise
             raise EngineError(str(e.args[0]) if e.args else str(e)) from None
         try:

@@ -21,8 +21,8 @@ import torch
 from ..config import format_bytes
 from ..memory.arena import Arena, Region
 from ..memory.host import HostImage
-from ..memory.layout import ALIGN, WeightLayout, layout_for
-from ..memory.units import arena_capacity
+from ..memory.layout import WeightLayout, layout_for
+from ..memory.units import ALIGN, arena_capacity
 from ..memory.swapper import ImageSwapper, SwapIn
 from ..messages import DeviceStatus, ExecuteBatch, ExecutorStatus, ModelDescription, ModelInfo, Residency, StepResult
 from ..models import load_weights, resolve_model

@@ -1,7 +1,7 @@
 """The sampler: one token per row of a batch of logits, on the device (parameters: ``messages``).
 
 Each request with a seed owns a generator, so its tokens do not depend on what else shares
-its batch. Temperature 0 (or below ``GREEDY_BELOW``) is greedy: dividing logits by a vanishing
+its batch. Temperature 0 (or below ``messages.GREEDY_BELOW``) is greedy: dividing logits by a vanishing
 temperature would overflow them.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..messages import GREEDY_BELOW, SamplingParams  # noqa: F401  (re-exported)
+from ..messages import SamplingParams
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> torch.Tensor:

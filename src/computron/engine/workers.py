@@ -33,6 +33,7 @@ import dataclasses
 import itertools
 import logging
 import multiprocessing as mp
+import os
 import signal
 import threading
 from concurrent.futures import Future
@@ -82,15 +83,11 @@ def _worker_main(conn, config, device: int, world: int = 1, port: int = 0, steps
             conn.send(msg)
 
     try:
-        from .inprocess import InProcessExecutor
-
         if world > 1:
             import datetime
 
             import torch
             import torch.distributed as dist
-
-            import os
 
             # NVLink multicast (NVLS) buys nothing here and can take a shared host's GPUs down: off.
             for var, off in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")):
@@ -101,8 +98,10 @@ def _worker_main(conn, config, device: int, world: int = 1, port: int = 0, steps
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=device, world_size=world,
                                     timeout=datetime.timedelta(seconds=120))
         if config.executor == "legacy":  # the original Computron's mechanics, a rank per worker
-            from .legacy import LegacyExecutor as InProcessExecutor  # noqa: F811
-        ex = InProcessExecutor(config, index=device, world=world)
+            from .legacy import LegacyExecutor as kind
+        else:
+            from .inprocess import InProcessExecutor as kind
+        ex = kind(config, index=device, world=world)
     except BaseException as e:
         send(_error_reply(0, e))
         return
@@ -151,11 +150,18 @@ def _worker_main(conn, config, device: int, world: int = 1, port: int = 0, steps
 
 # ---- the parent's side of one worker -------------------------------------------------------------
 def _remote_error(tname: str, bname: str, msg: str) -> BaseException:
+    """The worker's exception again: the project's own error types as themselves, others as a
+    subclass of the nearest built-in base under their own name."""
+    from ..models.checkpoint import CheckpointError
+
+    known = {"CheckpointError": CheckpointError}
+    if tname in known:
+        return known[tname](msg)
     base = next((b for b in _BASES if b.__name__ == bname), RuntimeError)
     if tname == base.__name__:
         return base(msg)
     key = (tname, bname)
-    if key not in _remote_types:  # e.g. CheckpointError(ValueError): the engine checks the name
+    if key not in _remote_types:
         _remote_types[key] = type(tname, (base,), {"__module__": __name__})
     return _remote_types[key](msg)
 

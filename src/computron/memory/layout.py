@@ -14,7 +14,7 @@ import torch
 
 from ..models.config import ModelConfig
 from ..models.transformer import TORCH_DTYPES, DecoderLM, parameter_groups
-from .units import ALIGN, align_up  # noqa: F401  (re-exported)
+from .units import align_up
 
 
 @dataclass(frozen=True)

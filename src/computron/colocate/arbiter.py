@@ -1,0 +1,215 @@
+"""The memory arbiter: per GPU, how many bytes inference and training may each hold.
+
+Pure logic (no torch, no I/O, an injected clock), driven by events and answering with actions:
+
+- events: training joins (with the least it can run in) or leaves; inference asks for a total
+  share (``demand``), reports activity, confirms it gave bytes back; training acknowledges a new
+  limit; the clock ticks;
+- actions: :class:`TrainLimit` (training must fit in ``bytes``: 0 means pause and free
+  everything; ``immediate`` says whether to abandon the running micro-batch) and
+  :class:`InferenceShare` (the inference engine's new budget on that device).
+
+Shares are handed over, never double-booked: a share that shrinks counts at its old size until
+its holder acknowledges, one that grows counts at its new size as soon as it is sent, so
+``inference + training <= capacity`` holds at every instant (except in ``normal`` mode, which
+coordinates nothing). Modes (as in Sirius' server):
+
+- ``normal``: each side believes it owns the whole device; no messages after training joins.
+- ``static``: a fixed split; training holds ``static_train`` bytes, inference the rest.
+- ``task-switch``: while inference has work training is paused (limit 0) and inference may use the
+  whole device; after ``idle_s`` without inference work, memory goes back and training resumes.
+- ``colocate``: training shrinks (its micro-batch) to free exactly what inference needs; a
+  limit below training's minimum pauses it. Memory goes back after ``idle_s`` of inference idle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MODES = ("normal", "static", "task-switch", "colocate")
+
+
+@dataclass(frozen=True)
+class TrainLimit:
+    device: int
+    bytes: int
+    immediate: bool
+    id: int
+
+
+@dataclass(frozen=True)
+class InferenceShare:
+    device: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class ArbiterConfig:
+    mode: str
+    capacity: int  # bytes per device that inference and training share
+    static_train: int = 0  # static: training's fixed share
+    idle_s: float = 1.0  # inference idle this long before its memory goes back to training
+    infer_floor: int = 0  # what inference keeps when idle (e.g. models it keeps warm)
+    immediate: bool = True  # abandon the running micro-batch (else: release at the next boundary)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown colocation mode {self.mode!r}; known: {', '.join(MODES)}")
+        if self.capacity <= 0:
+            raise ValueError(f"capacity must be positive, got {self.capacity}")
+        if not 0 <= self.static_train <= self.capacity:
+            raise ValueError(f"static_train must be within 0..capacity ({self.capacity}), got {self.static_train}")
+        if not 0 <= self.infer_floor <= self.capacity:
+            raise ValueError(f"infer_floor must be within 0..capacity ({self.capacity}), got {self.infer_floor}")
+        if self.idle_s < 0:
+            raise ValueError(f"idle_s must be >= 0, got {self.idle_s}")
+
+
+@dataclass
+class _Device:
+    infer: int = 0  # inference's share (counts its old size while a reduction is unconfirmed)
+    train: int = 0  # training's share (counts its old size while a shrink is unacknowledged)
+    infer_target: int | None = None  # a reduction of inference's share awaiting confirmation
+    train_sent: int | None = None  # the limit sent to training, not yet acknowledged
+    sent_id: int = 0
+    wanted: int = 0  # inference's latest demand
+    last_busy: float = float("-inf")
+    joined: bool = False
+    train_min: int = 0
+
+
+class Arbiter:
+    def __init__(self, config: ArbiterConfig, devices: int = 1):
+        self.config = config
+        self.devices = [_Device() for _ in range(devices)]
+        self._next_id = 0
+
+    # ---- what each side may hold -------------------------------------------------------------
+
+    def shares(self, device: int) -> tuple[int, int]:
+        """(inference, training) bytes currently booked on ``device``."""
+        d = self.devices[device]
+        return d.infer, d.train
+
+    def pending(self, device: int) -> bool:
+        """A limit or a reduction is in flight on ``device``."""
+        d = self.devices[device]
+        return d.train_sent is not None or d.infer_target is not None
+
+    # ---- events ------------------------------------------------------------------------------
+
+    def train_joined(self, device: int, min_bytes: int, now: float) -> list:
+        """Training connects (or reconnects); it runs in no less than ``min_bytes`` (0: any)."""
+        c, d = self.config, self.devices[device]
+        d.joined, d.train_min, d.train, d.train_sent = True, max(0, min_bytes), 0, None
+        if c.mode == "normal":
+            return [self._send(device, c.capacity)]
+        if c.mode == "static":
+            return [self._send(device, c.static_train)]
+        if c.mode == "task-switch" and now - d.last_busy < c.idle_s:
+            return [self._send(device, 0)]
+        return [self._send(device, self._fit(d, c.capacity - d.infer))]
+
+    def train_left(self, device: int, now: float) -> list:
+        """Training disconnected (finished or died): its share is free at once."""
+        d = self.devices[device]
+        d.joined, d.train, d.train_sent = False, 0, None
+        return self._grant(device)
+
+    def demand(self, device: int, nbytes: int, now: float) -> list:
+        """Inference needs ``nbytes`` in all on ``device`` (weights, KV, workspace); it is busy now."""
+        c, d = self.config, self.devices[device]
+        if nbytes < 0:
+            raise ValueError(f"a demand must be >= 0 bytes, got {nbytes}")
+        d.wanted, d.last_busy = min(nbytes, c.capacity), now
+        if c.mode == "normal":
+            d.infer = d.wanted
+            return [InferenceShare(device, d.wanted)]
+        if c.mode == "static":
+            return self._grant(device)
+        out = []
+        if d.infer_target is not None and d.wanted > d.infer_target:  # idle reduction overtaken by work
+            d.infer_target = None
+        free = c.capacity - d.infer - self._train_booked(d)
+        if c.mode == "task-switch":  # training pauses whenever inference has work
+            if d.joined and self._train_target(d) > 0:
+                out.append(self._send(device, 0))
+        elif d.wanted > d.infer + max(0, free) and d.joined:
+            limit = self._fit(d, c.capacity - d.wanted)
+            if limit < self._train_target(d):
+                out.append(self._send(device, limit))
+        return out + self._grant(device)
+
+    def busy(self, device: int, now: float) -> None:
+        """Inference had work at ``now`` (keeps its memory from going back)."""
+        self.devices[device].last_busy = now
+
+    def train_ack(self, device: int, id: int, train_bytes: int, now: float) -> list:
+        """Training fits in ``train_bytes`` now, in answer to limit ``id`` (older answers are ignored)."""
+        d = self.devices[device]
+        if id != d.sent_id or d.train_sent is None:
+            return []
+        d.train, d.train_sent = min(train_bytes, d.train_sent) if self.config.mode != "normal" else train_bytes, None
+        return self._grant(device)
+
+    def inference_released(self, device: int, now: float) -> list:
+        """Inference fits in the reduced share it was sent."""
+        c, d = self.config, self.devices[device]
+        if d.infer_target is None:
+            return []
+        d.infer, d.infer_target = d.infer_target, None
+        if not d.joined or c.mode in ("normal", "static"):
+            return []
+        return [self._send(device, self._fit(d, c.capacity - d.infer))]
+
+    def tick(self, now: float) -> list:
+        """Memory goes back to training on devices whose inference has been idle ``idle_s``."""
+        c, out = self.config, []
+        if c.mode not in ("task-switch", "colocate"):
+            return out
+        for i, d in enumerate(self.devices):
+            idle = now - d.last_busy >= c.idle_s
+            if idle and d.infer > c.infer_floor and d.infer_target is None and d.train_sent is None:
+                d.infer_target = c.infer_floor
+                out.append(InferenceShare(i, c.infer_floor))
+            elif idle and d.joined and d.train_sent is None and d.infer_target is None:
+                grow = self._fit(d, c.capacity - d.infer)
+                if grow > d.train:
+                    out.append(self._send(i, grow))
+        return out
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _fit(self, d: _Device, room: int) -> int:
+        """Training's limit in ``room`` bytes: all of it, or 0 (paused) below its minimum."""
+        return room if room >= max(1, d.train_min) else 0
+
+    def _train_target(self, d: _Device) -> int:
+        return d.train if d.train_sent is None else d.train_sent
+
+    def _train_booked(self, d: _Device) -> int:
+        return d.train if d.train_sent is None else max(d.train, d.train_sent)
+
+    def _send(self, device: int, limit: int) -> TrainLimit:
+        d = self.devices[device]
+        self._next_id += 1
+        d.sent_id, d.train_sent = self._next_id, limit
+        if limit > d.train or self.config.mode == "normal":
+            d.train = limit  # a growing share counts at once
+        return TrainLimit(device, limit, self.config.immediate, self._next_id)
+
+    def _grant(self, device: int) -> list:
+        """Give inference what it wants, as far as the free bytes allow (never less than it holds)."""
+        c, d = self.config, self.devices[device]
+        if c.mode == "normal":
+            return []
+        room = c.capacity - (c.static_train if c.mode == "static" else self._train_booked(d))
+        if c.mode == "task-switch" and d.wanted > 0 and d.train_sent is None and d.train == 0:
+            want = room  # inference owns the whole device while training is paused
+        else:
+            want = d.wanted
+        new = min(want, room)
+        if new > d.infer and (d.infer_target is None):
+            d.infer = new
+            return [InferenceShare(device, new)]
+        return []

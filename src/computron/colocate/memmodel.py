@@ -1,0 +1,74 @@
+"""Training memory model: peak bytes as a function of the micro-batch size, fitted online.
+
+Pure (no torch). Training's peak in a micro-batch of ``m`` samples is close to affine: a fixed
+part (weights, gradients, optimizer state, the gradient buffer of the micro-batch) plus
+activations per sample. The trainer records the measured peak of each micro-batch; the model
+fits ``peak(m) = fixed + per_sample * m`` by least squares over the recorded points, adds a
+margin (the largest under-prediction seen, and a relative one), and answers the question the
+arbiter asks: the largest micro-batch whose peak fits a limit. Before two distinct sizes have
+been measured it answers from a prior (an estimate from the model's shape) scaled to the
+measurement it has.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class MemoryModel:
+    prior_fixed: int  # bytes: the estimate before any measurement
+    prior_per_sample: int
+    rel_margin: float = 0.05
+    points: dict[int, int] = field(default_factory=dict)  # micro-batch size -> largest peak measured
+
+    def record(self, micro_batch: int, peak_bytes: int) -> None:
+        if micro_batch < 1 or peak_bytes < 0:
+            raise ValueError(f"a measurement needs micro_batch >= 1 and peak >= 0, got {micro_batch}, {peak_bytes}")
+        self.points[micro_batch] = max(peak_bytes, self.points.get(micro_batch, 0))
+
+    def coefficients(self) -> tuple[float, float]:
+        """(fixed, per_sample) bytes: least squares over the measurements, else the prior."""
+        pts = sorted(self.points.items())
+        if len(pts) >= 2:
+            n = len(pts)
+            mx = sum(m for m, _ in pts) / n
+            my = sum(p for _, p in pts) / n
+            sxx = sum((m - mx) ** 2 for m, _ in pts)
+            slope = max(0.0, sum((m - mx) * (p - my) for m, p in pts) / sxx)
+            return my - slope * mx, slope
+        if len(pts) == 1:  # one measurement: the prior's slope through it
+            (m, p), = pts
+            return p - self.prior_per_sample * m, float(self.prior_per_sample)
+        return float(self.prior_fixed), float(self.prior_per_sample)
+
+    def predict(self, micro_batch: int) -> int:
+        """Peak bytes of a micro-batch of that size, margin included."""
+        fixed, per = self.coefficients()
+        fit = fixed + per * micro_batch
+        under = max((p - (fixed + per * m) for m, p in self.points.items()), default=0.0)
+        return int(fit * (1 + self.rel_margin) + max(0.0, under))
+
+    def largest(self, limit: int, most: int) -> int:
+        """The largest micro-batch in 1..``most`` predicted to fit ``limit`` bytes; 0 if none does."""
+        lo, hi = 0, most
+        while lo < hi:  # predict is non-decreasing in the size
+            mid = (lo + hi + 1) // 2
+            if self.predict(mid) <= limit:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+
+def estimate(num_params: int, param_bytes: int, tokens_per_sample: int, hidden: int, layers: int, vocab: int,
+             act_bytes: int) -> tuple[int, int]:
+    """A prior (fixed, per-sample bytes) for a decoder trained with AdamW.
+
+    Fixed: weights + gradient accumulator + one micro-batch's gradients + two fp32 Adam moments.
+    Per sample: roughly 16 hidden-sized activations per token and layer kept for the backward,
+    and the logits with their softmax in float32.
+    """
+    fixed = num_params * (3 * param_bytes + 8)
+    per_sample = tokens_per_sample * (16 * hidden * layers * act_bytes + 2 * vocab * 4)
+    return fixed, per_sample

@@ -1,0 +1,37 @@
+"""The training memory model: fitted from measured peaks, with a margin, picks the largest micro-batch."""
+
+import random
+
+from computron.colocate.memmodel import MemoryModel
+
+MB = 1 << 20
+
+
+def test_fit_recovers_a_noisy_affine_peak_and_never_under_predicts_what_it_saw():
+    rng = random.Random(0)
+    mm = MemoryModel(prior_fixed=100 * MB, prior_per_sample=50 * MB)  # a poor prior
+    true = lambda m: 700 * MB + 37 * MB * m
+    for m in [1, 2, 4, 8, 8, 3, 6]:
+        mm.record(m, int(true(m) + rng.uniform(-2, 2) * MB))
+    fixed, per = mm.coefficients()
+    assert abs(fixed - 700 * MB) < 5 * MB and abs(per - 37 * MB) < 1 * MB
+    for m, peak in mm.points.items():
+        assert mm.predict(m) >= peak
+    assert mm.predict(5) <= true(5) * 1.06 + 4 * MB  # the margin stays small
+
+
+def test_largest_micro_batch_that_fits():
+    mm = MemoryModel(prior_fixed=0, prior_per_sample=0, rel_margin=0.0)
+    mm.record(1, 110)
+    mm.record(3, 130)  # peak = 100 + 10 m
+    assert mm.largest(160, most=64) == 6
+    assert mm.largest(159, most=64) == 5
+    assert mm.largest(160, most=4) == 4
+    assert mm.largest(105, most=64) == 0
+
+
+def test_prior_until_two_sizes_measured_then_its_slope_through_one_point():
+    mm = MemoryModel(prior_fixed=1000, prior_per_sample=100, rel_margin=0.0)
+    assert mm.predict(2) == 1200
+    mm.record(2, 1500)
+    assert mm.coefficients() == (1300, 100) and mm.predict(4) == 1700

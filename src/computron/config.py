@@ -114,6 +114,13 @@ class ServerConfig:
     api_key: str | None = None
     max_queue: int = 256  # per model; beyond it requests get 429
     model_dirs: list[str] = field(default_factory=list)  # checkpoints registered at run time must lie here
+    admin_key: str | None = None  # the admin routes need it; without one they are off
+    max_body_bytes: int | str = "8MiB"  # larger request bodies get 413 before they are parsed
+    host_memory_budget: int | str | None = None  # host bytes of all models; default: 80% of the machine's memory
+
+    def __post_init__(self) -> None:
+        self.max_body_bytes = parse_bytes(self.max_body_bytes)
+        self.host_memory_budget = parse_bytes(self.host_memory_budget)
 
 
 @dataclass

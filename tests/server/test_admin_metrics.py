@@ -37,13 +37,18 @@ def admin(tmp_path_factory):
     (chat / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
     tiny_checkpoint(root / "outside" / "secret-ckpt")
     os.symlink(root / "outside" / "secret-ckpt", root / "models" / "link-out")
-    with running(models=("tiny-opt",), model_dirs=[str(root / "models")]) as live:
+    with running(models=("tiny-opt",), model_dirs=[str(root / "models")], admin_key=ADMIN_KEY) as live:
         live.root = root
         yield live
 
 
-def api(live, method: str, path: str, **kw) -> httpx.Response:
-    return httpx.request(method, live.url + path, timeout=30, **kw)
+ADMIN_KEY = "adm1n"
+
+
+def api(live, method: str, path: str, key: str | None = ADMIN_KEY, **kw) -> httpx.Response:
+    """A request with the admin key (which the /v1 routes ignore while no API key is set)."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.request(method, live.url + path, timeout=30, headers=headers, **kw)
 
 
 def state(live, name: str) -> dict:

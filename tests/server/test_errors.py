@@ -86,7 +86,9 @@ def test_401_api_key():
         for path in ("/v1/models", "/metrics", "/openapi.json"):
             assert_error(httpx.get(live.url + path), 401, "API key")
             assert_error(httpx.get(live.url + path, headers={"Authorization": "Bearer wrong"}), 401, "wrong")
-        assert_error(post(live, "/admin/models", json={"source": "tiny-gpt2"}), 401)
+        # The API key does not open the admin routes: they are off without an admin key.
+        assert_error(post(live, "/admin/models", json={"source": "tiny-gpt2"}, headers=live.headers()), 403,
+                     "admin routes are off", "--admin-key")
         assert httpx.get(live.url + "/v1/models", headers=live.headers()).status_code == 200
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=live.url + "/v1", api_key="wrong", max_retries=0).models.list()
@@ -130,7 +132,7 @@ def test_429_when_the_queue_is_full():
 def test_503_while_starting():
     engine = Engine(engine_config())
     gate = threading.Event()
-    with running(models=("tiny-opt", "tiny-gpt2"), engine=engine, ready=False, hold=gate) as live:
+    with running(models=("tiny-opt", "tiny-gpt2"), engine=engine, ready=False, hold=gate, admin_key="a") as live:
         try:
             # The server is up although registration is held back: its lifespan did not block.
             r = httpx.get(live.url + "/health")
@@ -139,7 +141,7 @@ def test_503_while_starting():
             assert_error(r, 503, "starting")
             assert r.headers["Retry-After"] == "1"
             assert_error(httpx.get(live.url + "/v1/models"), 503)
-            assert_error(post(live, "/admin/models/tiny-opt/load"), 503)
+            assert_error(post(live, "/admin/models/tiny-opt/load", headers={"Authorization": "Bearer a"}), 503)
             assert httpx.get(live.url + "/metrics").status_code == 200
         finally:
             gate.set()

@@ -16,13 +16,14 @@ from hypothesis import strategies as st
 from .conftest import running
 
 MODELS = ("tiny-opt", "tiny-gpt2")
+ADMIN_KEY = "fuzz-admin"
 SETTINGS = dict(deadline=None, derandomize=True, database=None,
                 suppress_health_check=list(HealthCheck))
 
 
 @pytest.fixture(scope="module")
 def fuzz_server(tmp_path_factory):
-    with running(models=MODELS, model_dirs=[str(tmp_path_factory.mktemp("fuzz-models"))]) as live:
+    with running(models=MODELS, model_dirs=[str(tmp_path_factory.mktemp("fuzz-models"))], admin_key=ADMIN_KEY) as live:
         yield live
 
 
@@ -62,14 +63,19 @@ def test_schemathesis(fuzz_server, mode):
     import schemathesis
     from schemathesis.generation.modes import GenerationMode
 
+    from schemathesis.checks import (content_type_conformance, not_a_server_error, response_schema_conformance,
+                                     status_code_conformance)
+
     schema = schemathesis.openapi.from_dict(fuzz_server.app.openapi())
     ops = {}
     for result in schema.get_all_operations():
         op = result.ok()
-        if op.method.upper() == "POST" and op.path in ("/v1/completions", "/v1/chat/completions", "/admin/models"):
-            ops[op.path] = op
-    assert len(ops) == 3
+        if op.method.upper() == "GET" or op.path in ("/v1/completions", "/v1/chat/completions", "/admin/models"):
+            ops[op.method, op.path] = op
+    assert len(ops) == 7
     strategy = st.one_of([op.as_strategy(generation_mode=GenerationMode(mode)) for op in ops.values()])
+    # The spec must be true: every status and body the server sends is the one documented.
+    checks = [not_a_server_error, status_code_conformance, response_schema_conformance, content_type_conformance]
 
     @settings(max_examples=30, **SETTINGS)
     @given(case=strategy, data=st.data())
@@ -81,8 +87,9 @@ def test_schemathesis(fuzz_server, mode):
             if data.draw(st.booleans()):  # and often leave out what is refused as unsupported
                 for key in UNSUPPORTED:
                     body.pop(key, None)
-        r = case.call(base_url=fuzz_server.url, timeout=60)
+        r = case.call(base_url=fuzz_server.url, timeout=60, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
         check(r, f"{case.method} {case.formatted_path} {body!r:.300}")
+        case.validate_response(r, checks=checks)
 
     run()
 

@@ -1,5 +1,10 @@
 """Admin routes: register, load, offload, pin, unpin and delete models at run time.
 
+The routes are off unless the server has an admin key (``server.admin_key``); the Guard
+middleware checks it. Registrations are bounded by ``server.host_memory_budget``: a model whose
+estimated host image (a preset's shape, a checkpoint's safetensors files) would take the host
+images past it is refused with 409 before anything is built.
+
 A checkpoint directory registered here must lie inside one of ``server.model_dirs`` once
 symlinks are resolved (403 otherwise); the resolved path is what gets loaded, so a link
 swapped after the check cannot redirect it. Preset names are always allowed.
@@ -13,8 +18,9 @@ from pathlib import Path
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from ..config import ModelSpec
+from ..config import ModelSpec, format_bytes
 from ..models import PRESETS
+from ..models.config import DTYPE_BYTES, ModelConfig
 from .errors import APIError, ModelNotFound
 from .protocol import RegisterModelRequest, now
 
@@ -46,6 +52,32 @@ def checked_source(source: str, model_dirs: list[str]) -> str:
     return str(path)
 
 
+def estimate_bytes(source: str, dtype: str | None) -> int:
+    """The host bytes a model will take, before it is built: a preset's parameter count times its
+    weight size, or the size of a checkpoint's safetensors files (halved or doubled for a dtype
+    other than the files')."""
+    if source in PRESETS:
+        c: ModelConfig = PRESETS[source]
+        h, f, v = c.hidden_size, c.ffn_size, c.vocab_size
+        kv = c.kv_heads * (c.head_size or h // c.num_heads)
+        layer = 2 * h * h + 2 * h * kv + (3 if c.gated_mlp else 2) * h * f
+        n = c.num_layers * layer + v * h * (1 if c.tie_embeddings else 2)
+        n += c.max_position * h if c.position == "learned" else 0
+        return n * DTYPE_BYTES[dtype or c.dtype]
+    files = sum(p.stat().st_size for p in Path(source).glob("*.safetensors"))
+    if dtype is None:
+        return files
+    with_bytes = {"float32": 4}.get(dtype, 2)
+    return files * with_bytes // 2 if files else 0  # checkpoints are mostly 16-bit
+
+
+def host_budget(config_bytes: int | None) -> int:
+    """The configured host-memory budget, or 80% of the machine's physical memory."""
+    if config_bytes is not None:
+        return config_bytes
+    return int(0.8 * os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
 def add_admin_routes(app: FastAPI, svc) -> None:
     ae, engine = svc.ae, svc.engine
 
@@ -70,8 +102,16 @@ def add_admin_routes(app: FastAPI, svc) -> None:
         alias = body.alias or Path(body.source.rstrip("/\\") or body.source).name
         spec = ModelSpec(source=source, alias=alias, pinned=body.pinned, dtype=body.dtype, seed=body.seed)
 
-        if await ae.run(lambda: spec.name in engine.models):
+        taken = await ae.run(lambda: None if spec.name in engine.models else
+                             sum(e.nbytes for e in engine.models.values()))
+        if taken is None:
             raise APIError(409, f"a model named {spec.name!r} is already registered", "alias", "conflict")
+        need, budget = estimate_bytes(source, body.dtype), host_budget(svc.config.server.host_memory_budget)
+        if taken + need > budget:
+            raise APIError(409, f"not enough host memory for {spec.name!r}: it needs about {format_bytes(need)}, "
+                           f"the registered models hold {format_bytes(taken)} of the host-memory budget of "
+                           f"{format_bytes(budget)} (server.host_memory_budget, --host-memory-budget)",
+                           "source", "host_memory")
         await ae.register_model(spec)  # builds the host image off the engine thread
 
         def call():
@@ -90,13 +130,24 @@ def add_admin_routes(app: FastAPI, svc) -> None:
     async def load(model_id: str):
         return await act(model_id, engine.load)
 
+    def offload_unpinned(name: str) -> None:
+        if engine.model_stats(name)["pinned"]:
+            raise ValueError(f"model {name!r} is pinned: unpin it before offloading it")
+        engine.offload(name)
+
+    def load_and_pin(name: str) -> None:
+        """A pinned model stays on its devices: load it first (refused when it cannot fit)."""
+        if engine.model_state(name) == "offloaded":
+            engine.load(name)
+        engine.set_pinned(name, True)
+
     @app.post("/admin/models/{model_id:path}/offload")
     async def offload(model_id: str):
-        return await act(model_id, engine.offload)
+        return await act(model_id, offload_unpinned)
 
     @app.post("/admin/models/{model_id:path}/pin")
     async def pin(model_id: str):
-        return await act(model_id, engine.set_pinned, True)
+        return await act(model_id, load_and_pin)
 
     @app.post("/admin/models/{model_id:path}/unpin")
     async def unpin(model_id: str):

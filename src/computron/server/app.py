@@ -69,20 +69,12 @@ class Service:
                      f", {len(self.failed)} failed" if self.failed else "")
 
     # ---- engine thread -----------------------------------------------------------------------
-    def _admit(self, model: str, prompt, messages, max_tokens, sampling: dict, rid: str, on_update):
-        """Look up, template, tokenise, check the queue and submit: one call on the engine thread,
-        so the queue check and the submit cannot interleave with other requests."""
+    def _admit(self, model: str, ids: list[int], params: SamplingParams, rid: str, on_update):
+        """Check the queue and submit: one call on the engine thread, so the queue check and the
+        submit cannot interleave with other requests. The prompt comes tokenised."""
         eng = self.engine
-        entry = eng.models.get(model)
-        if entry is None:
+        if model not in eng.models:  # deleted while its prompt was being tokenised
             raise ModelNotFound(model, list(eng.models))
-        tok = entry.tokenizer
-        if messages is not None:
-            prompt = tok.apply_chat_template(messages)
-        ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if max_tokens is None:
-            max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if messages is None else max(1, entry.cfg.max_position - len(ids))
-        params = SamplingParams(max_tokens=max_tokens, **sampling)
         waiting = eng.model_stats(model)["waiting"]
         if waiting >= self.config.server.max_queue:
             raise QueueFull(model, waiting)
@@ -102,6 +94,12 @@ class Service:
                 "memory": self.engine.memory()}
 
 
+def _tokenize(tok, prompt, messages) -> list[int]:
+    if messages is not None:
+        prompt = tok.apply_chat_template(messages)
+    return tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+
 class Generation:
     """One request in flight, seen from the event loop."""
 
@@ -112,14 +110,26 @@ class Generation:
         self.queue: asyncio.Queue = asyncio.Queue()
 
     async def start(self, prompt, messages, max_tokens, sampling: dict, rid: str) -> None:
+        """Validate the cheap things, tokenise on a worker thread (never on the engine's: a long
+        prompt must not stall other users), then submit on the engine thread."""
         loop, q = asyncio.get_running_loop(), self.queue
+        # An atomic dict lookup from the event loop; a model entry never changes once added, and
+        # _admit checks again that the model is still there.
+        entry = self.svc.engine.models.get(self.model)
+        if entry is None:
+            raise ModelNotFound(self.model, list(self.svc.engine.models))
+        SamplingParams(max_tokens=max_tokens or 1, **sampling)  # bad parameters fail before any tokenising
+        ids = await asyncio.to_thread(_tokenize, entry.tokenizer, prompt, messages)
+        if max_tokens is None:
+            max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if messages is None else max(1, entry.cfg.max_position - len(ids))
+        params = SamplingParams(max_tokens=max_tokens, **sampling)
 
         def on_update(req, text: str) -> None:  # engine thread
             with suppress(RuntimeError):  # the event loop is gone (server shut down)
                 loop.call_soon_threadsafe(q.put_nowait, (text, req.done))
 
         ae, engine = self.svc.ae, self.svc.engine
-        fut = ae.call(self.svc._admit, self.model, prompt, messages, max_tokens, sampling, rid, on_update)
+        fut = ae.call(self.svc._admit, self.model, ids, params, rid, on_update)
         try:
             self.req = await asyncio.shield(asyncio.wrap_future(fut))
         except asyncio.CancelledError:  # cancelled while being admitted: abort once it is in
@@ -188,31 +198,81 @@ async def _disconnected(request: Request) -> None:
 
 
 class Guard:
-    """ASGI middleware: the API key (all but /health) and 503 for /v1 and /admin while starting."""
+    """ASGI middleware, run before any parsing: the keys (the API key on all but /health, the admin
+    key on /admin, which is off without one), 503 for /v1 and /admin while starting, and the body
+    limit (413 as soon as a body grows past ``server.max_body_bytes``, before it is parsed)."""
 
     OPEN = ("/health",)
 
     def __init__(self, app, svc: Service):
         self.app, self.svc = app, svc
-        key = svc.config.server.api_key
-        self.key = f"Bearer {key}".encode() if key else None
+        srv = svc.config.server
+        self.key = f"Bearer {srv.api_key}".encode() if srv.api_key else None
+        self.admin_key = f"Bearer {srv.admin_key}".encode() if srv.admin_key else None
+        self.max_body = srv.max_body_bytes
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http":
-            path = scope["path"]
-            if self.key is not None and path not in self.OPEN:
-                given = dict(scope["headers"]).get(b"authorization", b"")
-                if not hmac.compare_digest(given, self.key):
-                    msg = "a wrong API key" if given else "no API key"
-                    resp = error_response(401, f"{msg}: send the header 'Authorization: Bearer <key>'", None,
-                                          "invalid_api_key", {"WWW-Authenticate": "Bearer"})
-                    return await resp(scope, receive, send)
-            if not self.svc.ready and path.startswith(("/v1/", "/admin/")):
-                done = self.svc.registered + len(self.svc.failed)
-                resp = error_response(503, f"the server is starting: registered {done} of "
-                                      f"{done + len(self.svc.pending)} models", None, "starting", {"Retry-After": "1"})
+            resp = self._refuse(scope)
+            if resp is None and scope["method"] in ("POST", "PUT", "PATCH"):
+                resp, receive = await self._read_body(scope, receive)
+            if resp is not None:
                 return await resp(scope, receive, send)
         await self.app(scope, receive, send)
+
+    def _refuse(self, scope) -> JSONResponse | None:
+        path = scope["path"]
+        admin = path == "/admin" or path.startswith("/admin/")
+        key = self.admin_key if admin else self.key
+        if admin and key is None:
+            return error_response(403, "the admin routes are off: start the server with --admin-key "
+                                       "(or $COMPUTRON_ADMIN_KEY) and send it as 'Authorization: Bearer <key>'",
+                                  None, "admin_disabled")
+        if key is not None and path not in self.OPEN:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, key):
+                msg = "a wrong" if given else "no"
+                return error_response(401, f"{msg} {'admin' if admin else 'API'} key: send the header "
+                                           "'Authorization: Bearer <key>'", None, "invalid_api_key",
+                                      {"WWW-Authenticate": "Bearer"})
+        if not self.svc.ready and path.startswith(("/v1/", "/admin/")):
+            done = self.svc.registered + len(self.svc.failed)
+            return error_response(503, f"the server is starting: registered {done} of "
+                                  f"{done + len(self.svc.pending)} models", None, "starting", {"Retry-After": "1"})
+        return None
+
+    async def _read_body(self, scope, receive):
+        """The whole body, read here so that an oversized one is refused after ``max_body`` bytes
+        (whatever Content-Length claims); then a ``receive`` that replays it to the app."""
+        def too_large(n: str) -> JSONResponse:
+            return error_response(413, f"the request body has {n} bytes, more than the limit of {self.max_body} "
+                                       "(server.max_body_bytes, --max-body)", None, "body_too_large")
+
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_body:
+            return too_large(declared.decode()), receive
+        chunks, size = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return Response(status_code=499), receive
+            chunk = msg.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body:
+                return too_large(f"over {size}"), receive
+            chunks.append(chunk)
+            if not msg.get("more_body", False):
+                break
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: wait for the disconnect, as the server would
+
+        return None, replay
 
 
 def create_app(async_engine: AsyncEngine, config: ComputronConfig | None = None) -> FastAPI:
@@ -248,7 +308,7 @@ def create_app(async_engine: AsyncEngine, config: ComputronConfig | None = None)
                 "pending": svc.pending, "failed": svc.failed}
         return JSONResponse(body, status_code=200 if svc.ready else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response)
     async def metrics():
         if svc.ready:  # while starting the engine thread may be busy for long: serve what we have
             svc.metrics.update(await async_engine.run(engine_snapshot, async_engine.engine))
@@ -273,6 +333,7 @@ def create_app(async_engine: AsyncEngine, config: ComputronConfig | None = None)
     from .admin import add_admin_routes
 
     add_admin_routes(app, svc)
+    errors.document(app)
     return app
 
 
@@ -301,7 +362,8 @@ async def _generate(svc: Service, endpoint: str, body, request: Request, prompt,
         raise
     except ValueError as e:
         svc.metrics.request_done(body.model, endpoint, 400)
-        raise APIError(400, str(e), "messages" if chat and "template" in str(e) else None, "invalid_value") from None
+        msg = str(e)
+        raise APIError(400, msg, errors.param_of(msg, "messages" if chat else "prompt"), "invalid_value") from None
     created = protocol.now()
     if body.stream:
         return EventStream(_events(gen, body, rid, created, chat), gen.close,

@@ -46,6 +46,12 @@ def add_parsers(subparsers) -> None:
     p.add_argument("--port", type=int, help="port (default 8000)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                                      "(default: $COMPUTRON_API_KEY)")
+    p.add_argument("--admin-key", help="turn the /admin routes on, behind 'Authorization: Bearer KEY' "
+                                       "(default: $COMPUTRON_ADMIN_KEY; without one they answer 403)")
+    p.add_argument("--max-body", metavar="SIZE", help="largest request body; larger ones get 413 (default 8MiB)")
+    p.add_argument("--host-memory-budget", metavar="SIZE",
+                   help="host memory all models may take; run-time registrations beyond it get 409 "
+                        "(default: 80%% of the machine's memory)")
     p.add_argument("--max-queue", type=int, metavar="N", help="requests waiting per model before 429 (default 256)")
     p.add_argument("--model-dir", action="append", metavar="DIR",
                    help="directory whose checkpoints may be registered at run time (repeat for several)")
@@ -98,6 +104,13 @@ def build_config(args) -> ComputronConfig:
     key = args.api_key if args.api_key is not None else os.environ.get("COMPUTRON_API_KEY")
     if key:
         srv.api_key = key
+    admin = getattr(args, "admin_key", None) or os.environ.get("COMPUTRON_ADMIN_KEY")
+    if admin:
+        srv.admin_key = admin
+    if getattr(args, "max_body", None) is not None:
+        srv.max_body_bytes = parse_bytes(args.max_body)
+    if getattr(args, "host_memory_budget", None) is not None:
+        srv.host_memory_budget = parse_bytes(args.host_memory_budget)
     if args.max_queue is not None:
         srv.max_queue = args.max_queue
     if args.model_dir:

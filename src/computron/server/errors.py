@@ -45,6 +45,21 @@ class QueueFull(APIError):
                          "model", "queue_full", {"Retry-After": str(retry_after)})
 
 
+PARAMS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
+          "repetition_penalty", "logit_bias", "min_tokens", "logprobs", "top_logprobs", "n", "best_of")
+
+
+def param_of(message: str, prompt: str = "prompt") -> str | None:
+    """The request field an engine's error message is about: the field it starts with, or the
+    prompt (or messages) for errors about its length, its ids or its template."""
+    first = message.split(" ", 1)[0]
+    if first in PARAMS:
+        return first
+    if message.startswith(("the prompt", "prompt", "chat template", "a chat message")):
+        return prompt
+    return None
+
+
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, TYPES.get(status, "server_error" if status >= 500 else
@@ -83,7 +98,9 @@ def install(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException):
         detail = str(exc.detail)
         if exc.status_code == 400 and "parsing the body" in detail:
-            detail = "the request body could not be read: send JSON with 'Content-Type: application/json'"
+            cause = exc.__cause__ or exc.__context__
+            detail = (f"the request body could not be parsed: {cause}" if cause is not None and str(cause) else
+                      "the request body could not be read: send JSON with 'Content-Type: application/json'")
         return error_response(exc.status_code, detail, None, None, getattr(exc, "headers", None))
 
     @app.exception_handler(ValueError)
@@ -94,3 +111,53 @@ def install(app: FastAPI) -> None:
     async def _crash(request: Request, exc: Exception):
         log.exception("unexpected error on %s %s", request.method, request.url.path)
         return error_response(500, f"internal error: {type(exc).__name__}: {exc}", None, "internal_error")
+
+
+# ---- the OpenAPI document: the statuses each route really answers ---------------------------------
+_ALL = (401, 503)  # a missing key; the server is starting (not /metrics, not /health)
+STATUSES = {
+    ("/health", "get"): (503,),
+    ("/metrics", "get"): (401,),
+    ("/v1/models", "get"): _ALL,
+    ("/v1/models/{model_id}", "get"): (*_ALL, 404),
+    ("/v1/completions", "post"): (*_ALL, 400, 404, 413, 429, 500),
+    ("/v1/chat/completions", "post"): (*_ALL, 400, 404, 413, 429, 500),
+}
+ADMIN = (*_ALL, 400, 403, 404, 409, 413)  # 403: admin off, or a checkpoint outside the model directories
+
+
+def document(app: FastAPI) -> None:
+    """Make ``app.openapi()`` true: every error status a route sends, with the OpenAI error body
+    (never FastAPI's 422, which this server does not send), and /metrics as Prometheus text."""
+    from fastapi.openapi.utils import get_openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        comps = schema.setdefault("components", {}).setdefault("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            comps.pop(name, None)
+        comps["Error"] = {"type": "object", "required": ["error"], "properties": {"error": {
+            "type": "object", "required": ["message", "type", "param", "code"],
+            "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                           "param": {"type": ["string", "null"]}, "code": {"type": ["string", "integer", "null"]}}}}}
+        error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+        for path, ops in schema.get("paths", {}).items():
+            for method, op in ops.items():
+                responses = op.setdefault("responses", {})
+                responses.pop("422", None)
+                statuses = ADMIN if path.startswith("/admin") else STATUSES.get((path, method), _ALL)
+                for status in statuses:
+                    responses[str(status)] = {"description": TYPES.get(status, "error"), **error}
+        for path in ("/v1/completions", "/v1/chat/completions"):  # "stream": true
+            schema["paths"][path]["post"]["responses"]["200"].setdefault("content", {})["text/event-stream"] = {
+                "schema": {"type": "string"}}
+        schema["paths"]["/health"]["get"]["responses"]["503"] = {
+            "description": "starting", "content": {"application/json": {"schema": {"type": "object"}}}}
+        schema["paths"]["/metrics"]["get"]["responses"]["200"] = {
+            "description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi

@@ -12,10 +12,11 @@ import json
 import time
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 # A seed must fit torch.Generator.manual_seed.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+MAX_STOP = 64  # stop strings per request: each one is searched for after every token
 
 
 class _Body(BaseModel):
@@ -35,7 +36,7 @@ class _Sampling(_Body):
     top_p: float | None = Field(None, description="nucleus sampling, in (0, 1]; default 1")
     top_k: int | None = Field(None, description="extension: keep the k most likely tokens (0: off)")
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = Field(None, description=f"at most {MAX_STOP} strings")
     n: int = Field(1, description="only 1 is supported")
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -44,6 +45,13 @@ class _Sampling(_Body):
     frequency_penalty: float | None = Field(None, description="not supported: only 0")
     logit_bias: dict[str, float] | None = Field(None, description="not supported")
     user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _few_stops(cls, v):
+        if isinstance(v, list) and len(v) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings, got {len(v)}")
+        return v
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for the first field set to something this server cannot do."""

@@ -10,8 +10,10 @@ the ``tokenizers`` library; anything else, presets included, gets :class:`ByteTo
 
 from __future__ import annotations
 
+import codecs
 import json
 import logging
+import re
 from functools import lru_cache
 from pathlib import Path
 
@@ -61,6 +63,10 @@ class Tokenizer:
 
     def decode(self, ids) -> str:
         raise NotImplementedError
+
+    def token_bytes(self, ids) -> bytes | None:
+        """The raw bytes ``ids`` stand for, where this tokenizer knows them (None otherwise)."""
+        return None
 
     def encode(self, text: str) -> list[int]:
         ids = self._encode(_clean(text))
@@ -128,7 +134,10 @@ class ByteTokenizer(Tokenizer):
         return ""  # specials have no text form here
 
     def decode(self, ids) -> str:
-        return bytes(int(i) for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+        return self.token_bytes(ids).decode("utf-8", errors="replace")
+
+    def token_bytes(self, ids) -> bytes:
+        return bytes(int(i) for i in ids if 0 <= i < 256)
 
 
 class HFTokenizer(Tokenizer):
@@ -162,13 +171,47 @@ class HFTokenizer(Tokenizer):
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids if 0 <= i < self.vocab_size], skip_special_tokens=True)
 
+    def token_bytes(self, ids) -> bytes:
+        """Byte-level BPE (GPT-2, OPT, Llama 3): each character of a token names one byte;
+        SentencePiece (Llama 2): ``<0xNN>`` byte-fallback tokens are bytes, others UTF-8 text."""
+        from tokenizers import decoders
+
+        byte_level = isinstance(self.tok.decoder, decoders.ByteLevel)
+        out = bytearray()
+        for i in ids:
+            piece = self.tok.id_to_token(int(i)) if 0 <= i < self.vocab_size else None
+            if piece is None:
+                continue
+            if byte_level:
+                out.extend(_UNICODE_TO_BYTE.get(c, 0x3F) for c in piece)
+            elif _BYTE_TOKEN.fullmatch(piece):
+                out.append(int(piece[3:5], 16))
+            else:
+                out.extend(piece.replace("\u2581", " ").encode())
+        return bytes(out)
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte: printable Latin-1 bytes stand for
+    themselves, the others are mapped in order onto code points from 256 up."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    extra = iter(range(256, 512))
+    return {chr(b if b in keep else next(extra)): b for b in range(256)}
+
+
+_UNICODE_TO_BYTE = _byte_level_alphabet()
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
 
 class IncrementalDecoder:
     """Streams text for ids arriving one at a time, never emitting half a character.
 
     Text is re-decoded over a short window (the previous chunk's ids plus the new ones), so
-    tokenizers whose decoding depends on the preceding token (leading spaces) stream correctly;
-    while the window ends in U+FFFD (an incomplete UTF-8 sequence) the text is held back.
+    tokenizers whose decoding depends on the preceding token (leading spaces) stream correctly.
+    While the window ends in U+FFFD the text is held back, but only as long as its last bytes
+    can still grow into a character: bytes that never can (a stray continuation byte, a lead
+    byte followed by a non-continuation) come out as U+FFFD at once. Where the tokenizer cannot
+    name its tokens' bytes, text is held for at most 3 tokens (a character has at most 4 bytes).
     ``"".join(push(i) for i in ids) + flush() == tokenizer.decode(ids)``.
     """
 
@@ -185,10 +228,19 @@ class IncrementalDecoder:
         """The new text that ``token_id`` completes ("" while a character is incomplete)."""
         self.ids.append(token_id)
         new = self._pending()
-        if not new or new.endswith("\ufffd"):
+        if not new or (new.endswith("\ufffd") and self._may_complete()):
             return ""
         self.prefix, self.read = self.read, len(self.ids)
         return new
+
+    def _may_complete(self) -> bool:
+        """Could the held bytes still become a character with more tokens?"""
+        raw = self.tokenizer.token_bytes(self.ids[self.read:])
+        if raw is None:
+            return len(self.ids) - self.read < 4
+        dec = codecs.getincrementaldecoder("utf-8")("replace")
+        dec.decode(raw[-4:], final=False)
+        return bool(dec.getstate()[0])  # the bytes it keeps waiting for their continuation
 
     def flush(self) -> str:
         """Whatever is still held back (incomplete bytes become U+FFFD); call once at the end."""

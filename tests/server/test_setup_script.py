@@ -1,0 +1,49 @@
+"""scripts/setup.sh on a machine without an NVIDIA GPU: torch from PyTorch's CPU-only index (never
+the default index's CUDA build), and the default index only when that one cannot be reached.
+Run against a stand-in ``.venv/bin/python`` that records its pip calls."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+FAKE_PYTHON = """#!/bin/sh
+if [ "$1" = "-c" ]; then exit 1; fi             # import torch: not installed yet
+echo "$*" >> "$(dirname "$0")/calls"
+case "$*" in *--index-url*) exit "${CPU_INDEX_RC:-0}";; esac
+exit 0
+"""
+
+
+def run_setup(tmp_path: Path, cpu_index_rc: int) -> list[str]:
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "setup.sh", tmp_path / "scripts" / "setup.sh")
+    bin_dir = tmp_path / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "python").write_text(FAKE_PYTHON)
+    (bin_dir / "python").chmod(0o755)
+    path = ":".join(p for p in os.environ["PATH"].split(":") if not (Path(p) / "nvidia-smi").exists())
+    subprocess.run(["bash", str(tmp_path / "scripts" / "setup.sh")], check=True, capture_output=True,
+                   env={**os.environ, "PATH": path, "CPU_INDEX_RC": str(cpu_index_rc)})
+    return (bin_dir / "calls").read_text().splitlines()
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="the script takes the GPU branch here")
+def test_cpu_machine_uses_the_cpu_index(tmp_path):
+    calls = run_setup(tmp_path, 0)
+    torch = [c for c in calls if c.endswith(" torch")]
+    assert len(torch) == 1 and "--index-url https://download.pytorch.org/whl/cpu" in torch[0], calls
+    assert "torch==" not in " ".join(calls)
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="the script takes the GPU branch here")
+def test_unreachable_cpu_index_falls_back_to_the_default(tmp_path):
+    calls = run_setup(tmp_path, 1)
+    torch = [c for c in calls if c.endswith(" torch")]
+    assert len(torch) == 2 and "--timeout 10" in torch[0] and "--index-url" not in torch[1], calls

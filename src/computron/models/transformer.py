@@ -57,6 +57,23 @@ class AttnBatch:
     rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin of shape [N, head_dim]
 
 
+@dataclass
+class DenseBatch:
+    """``seqs`` whole sequences of equal length laid end to end, no cache: causal attention that
+    autograd goes through (training). ``rope`` as in :class:`AttnBatch`."""
+
+    seqs: int
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: int) -> torch.Tensor:
+    """q ``[N, hq, d]``, k/v ``[N, hk, d]`` of ``seqs`` equal sequences → ``[N, hq, d]``."""
+    n, hq, d = q.shape
+    q, k, v = (x.view(seqs, n // seqs, x.shape[1], d).transpose(1, 2) for x in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != hq)
+    return out.transpose(1, 2).reshape(n, hq, d)
+
+
 def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)
 
@@ -122,6 +139,9 @@ class Attention(nn.Module):
             cos, sin = batch.rope[0][:, None, :], batch.rope[1][:, None, :]
             qk = qk * cos + _rotate_half(qk) * sin
         q, k = qk.split([hq, hk], dim=1)
+        if isinstance(batch, DenseBatch):
+            out = F.linear(dense_causal_attention(q, k, v, batch.seqs).reshape(-1, hq * d), self.o_weight, self.o_bias)
+            return out if self.reduce is None else self.reduce(out)
         kc, vc = batch.k[self.layer_idx], batch.v[self.layer_idx]
         write_kv(kc, vc, k, v, batch.slots)
         if batch.decode:

@@ -1,0 +1,187 @@
+"""The training side of colocation: one call per micro-batch in any PyTorch loop.
+
+::
+
+    colo = Colocation(address, device=0, memory=MemoryModel(...), on_pause=..., on_resume=...)
+    colo.watch(model)                       # lets a handover abandon the running micro-batch
+    while samples_left:
+        m = colo.micro_batch(most=8)        # the largest that fits the current limit (blocks while paused)
+        with colo.step(m) as s:
+            loss = forward_backward(samples[:m])
+        if s.abandoned:
+            continue                        # the same samples again, in a smaller micro-batch
+        samples = samples[m:]
+
+A background thread holds the connection to the server (:class:`~.protocol.ArbiterServer`) and
+receives limits. A limit that the committed memory already fits is acknowledged at once by that
+thread. Otherwise, with ``immediate`` the running micro-batch is abandoned (hooks on the watched
+modules raise :class:`Abandoned` in its forward or backward), else it finishes; the loop's next
+``micro_batch`` call frees memory (``release``: on CUDA the caching allocator's
+``empty_cache``), picks a micro-batch that fits, and acknowledges. A limit under the smallest
+micro-batch pauses training: ``on_pause`` moves its state off the GPU, ``on_resume`` back.
+Without an address, nothing limits the job. Lives in the training process; CPU or GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import dataclass
+
+from .memmodel import MemoryModel
+from .protocol import Channel, connect
+
+
+class Abandoned(Exception):
+    """Raised inside a micro-batch that a handover abandons; :meth:`Colocation.step` catches it."""
+
+
+@dataclass
+class StepState:
+    micro_batch: int
+    abandoned: bool = False
+    peak_bytes: int | None = None
+
+
+def _noop() -> None:
+    pass
+
+
+class Colocation:
+    def __init__(self, address: str | None = None, device: int = 0, memory: MemoryModel | None = None,
+                 on_pause=_noop, on_resume=_noop, release=_noop, measure=None, reconnect_s: float = 0.05):
+        self.address, self.device = address, device
+        self.memory = memory or MemoryModel(0, 0)
+        self.on_pause, self.on_resume, self.release = on_pause, on_resume, release
+        self.measure = measure  # (start, stop) -> peak bytes of the micro-batch; None: not measured
+        self.reconnect_s = reconnect_s
+        self.abandoned = 0
+        self.paused_s = 0.0
+        self._cond = threading.Condition()
+        self._limit: int | None = None
+        self._limit_id = self._acked_id = 0
+        self._received = 0.0
+        self._committed = 0  # bytes the job may be using now (its running or last micro-batch)
+        self._running = 0
+        self._abandon = self._immediate = False
+        self._paused = False
+        self._chan: Channel | None = None
+        self._closed = False
+        self._min_bytes = self.memory.predict(1)
+        if address is not None:
+            self._thread = threading.Thread(target=self._receive, daemon=True)
+            self._thread.start()
+
+    # ---- what the training loop calls ------------------------------------------------------
+
+    def wait_connected(self, timeout: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self._chan is not None and self._limit is not None, timeout)
+
+    def micro_batch(self, most: int) -> int:
+        """The largest micro-batch (<= ``most``) that fits the current limit; blocks while none does."""
+        with self._cond:
+            while True:
+                m = most if self._limit is None else self.memory.largest(self._limit, most)
+                if m >= 1:
+                    break
+                if not self._paused:
+                    self._paused = True
+                    self._committed = 0
+                    self.on_pause()
+                    self.release()
+                self._ack()
+                t0 = time.monotonic()
+                self._cond.wait(0.5)
+                self.paused_s += time.monotonic() - t0
+            if self._paused:
+                self._paused = False
+                self.on_resume()
+            if self._limit_id > self._acked_id:
+                self.release()
+                self._committed = self.memory.predict(m)
+                self._ack()
+            self._committed = max(self._committed, self.memory.predict(m))
+            return m
+
+    @contextlib.contextmanager
+    def step(self, micro_batch: int):
+        state = StepState(micro_batch)
+        with self._cond:  # a limit that came after micro_batch() chose this size: abandon at once
+            self._running = micro_batch
+            self._abandon = (self._immediate and self._limit_id > self._acked_id
+                             and self.memory.predict(micro_batch) > self._limit)
+        if self.measure is not None:
+            self.measure[0]()
+        try:
+            yield state
+        except Abandoned:
+            state.abandoned = True
+            self.abandoned += 1
+        finally:
+            with self._cond:
+                self._running, self._abandon = 0, False
+        if not state.abandoned and self.measure is not None:
+            state.peak_bytes = self.measure[1]()
+            self.memory.record(micro_batch, state.peak_bytes)
+
+    def watch(self, module) -> None:
+        """Hooks on ``module``'s submodules holding parameters: an abandon order stops the forward or backward."""
+        def check(*_):
+            if self._abandon:
+                raise Abandoned()
+
+        def on_output(_mod, _inp, out):
+            check()
+            if getattr(out, "requires_grad", False):
+                out.register_hook(check)
+
+        for m in module.modules():
+            if any(True for _ in m.parameters(recurse=False)):
+                m.register_forward_pre_hook(check)
+                m.register_forward_hook(on_output)
+
+    def close(self) -> None:
+        self._closed = True
+        if self._chan is not None:
+            self._chan.close()
+
+    # ---- internals -----------------------------------------------------------------------------
+
+    def _ack(self) -> None:
+        """Acknowledge the newest limit (the condition's lock is held)."""
+        if self._limit_id > self._acked_id and self._chan is not None:
+            self._chan.send({"t": "ack", "id": self._limit_id, "bytes": self._limit, "received": self._received,
+                             "released": time.monotonic()})
+        self._acked_id = self._limit_id
+
+    def deliver(self, msg: dict) -> None:
+        """Handle one message from the server (the receiving thread calls this)."""
+        if msg.get("t") != "limit":
+            return
+        with self._cond:
+            self._limit, self._limit_id, self._received = int(msg["bytes"]), int(msg["id"]), time.monotonic()
+            self._immediate = bool(msg.get("immediate"))
+            if self._committed <= self._limit and not self._paused:
+                self._ack()  # nothing to free: answer now
+            elif msg.get("immediate") and self._running:
+                self._abandon = True
+            self._cond.notify_all()
+
+    def _receive(self) -> None:
+        while not self._closed:
+            try:
+                chan = Channel(connect(self.address, timeout=1.0))
+            except OSError:
+                time.sleep(self.reconnect_s)  # no server (yet, or restarting): keep the last limit
+                continue
+            chan.send({"t": "hello", "device": self.device, "min_bytes": self._min_bytes})
+            with self._cond:
+                self._chan = chan
+                self._limit_id = self._acked_id = 0  # a new server numbers its limits from 1
+            while (msg := chan.recv()) is not None:
+                self.deliver(msg)
+            with self._cond:
+                self._chan = None
+            chan.close()

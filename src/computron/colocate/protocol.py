@@ -1,0 +1,217 @@
+"""The handover between processes: JSON lines over a Unix or TCP socket, a message and an ack.
+
+Server side (the inference process): :class:`ArbiterServer` wraps an :class:`Arbiter`, accepts
+training jobs (one per device), and is what the inference engine calls:
+``share = server.demand(device, nbytes)`` blocks until inference may hold ``nbytes`` on that
+device and returns the handover's timing; ``on_share`` is called with every new inference
+budget (the engine sets its scheduler's budget and evicts down to it before returning).
+
+Training side: :class:`~computron.colocate.client.Colocation` (``client.py``).
+
+Messages (one JSON object a line; times are ``time.monotonic()``, one clock for all the
+processes of a machine): training → server ``hello{device, min_bytes}``, ``ack{id, bytes,
+received, released}``; server → training ``limit{id, bytes, immediate, sent}``. A training job
+that disconnects (finished or killed) gives its share back at once; a server that restarts is
+found again by the job, which keeps its last limit meanwhile.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+
+from .arbiter import Arbiter, InferenceShare, TrainLimit
+
+
+def _family(address: str):
+    if ":" in address and not address.startswith(("/", ".")):
+        host, port = address.rsplit(":", 1)
+        return socket.AF_INET, (host, int(port))
+    return socket.AF_UNIX, address
+
+
+def listen(address: str) -> socket.socket:
+    fam, addr = _family(address)
+    if fam == socket.AF_UNIX and os.path.exists(addr):
+        os.unlink(addr)  # a previous server's socket file
+    s = socket.socket(fam, socket.SOCK_STREAM)
+    if fam == socket.AF_INET:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(addr)
+    s.listen(8)
+    return s
+
+
+def connect(address: str, timeout: float | None = None) -> socket.socket:
+    fam, addr = _family(address)
+    s = socket.socket(fam, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    s.connect(addr)
+    s.settimeout(None)
+    if fam == socket.AF_INET:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return s
+
+
+class Channel:
+    """One JSON object a line in each direction; ``send`` is thread-safe."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock, self._lock = sock, threading.Lock()
+        self._file = sock.makefile("rb")
+
+    def send(self, msg: dict) -> bool:
+        data = (json.dumps(msg) + "\n").encode()
+        try:
+            with self._lock:
+                self.sock.sendall(data)
+            return True
+        except OSError:
+            return False
+
+    def recv(self) -> dict | None:
+        """The next message, or None when the peer is gone."""
+        try:
+            line = self._file.readline()
+        except (OSError, ValueError):
+            return None
+        if not line:
+            return None
+        try:
+            return json.loads(line)
+        except ValueError:
+            return None  # a broken peer: treated as gone
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+class ArbiterServer:
+    def __init__(self, arbiter: Arbiter, address: str, on_share=None, tick_s: float = 0.01):
+        self.arbiter, self.address = arbiter, address
+        self.on_share = on_share  # called with (device, bytes): the engine's new budget
+        self.budgets = [0] * len(arbiter.devices)  # inference's budget per device, as last applied
+        self.handovers: list[dict] = []  # one per demand that had to wait for training
+        self._lock = threading.Condition()
+        self._trainers: dict[int, Channel] = {}
+        self._sent: dict[int, tuple[float, int]] = {}  # id -> (sent time, device)
+        self._acks: dict[int, dict] = {}
+        self._closed = False
+        self._listener = listen(address)
+        self._threads = [threading.Thread(target=self._accept, daemon=True),
+                         threading.Thread(target=self._ticker, args=(tick_s,), daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    # ---- what the inference engine calls -----------------------------------------------------
+
+    def demand(self, device: int, nbytes: int, timeout: float | None = None) -> dict:
+        """Block until inference's budget on ``device`` is at least ``nbytes``; the handover's timing.
+
+        Returns ``{"wait_s", "signal_s", "release_s", "ack_s", "granted"}`` (the parts are None when
+        no training memory had to move). Raises TimeoutError after ``timeout`` seconds.
+        """
+        t0 = time.monotonic()
+        with self._lock:
+            first_id = max(self._sent, default=0)
+            self._dispatch(self.arbiter.demand(device, nbytes, t0))
+            ok = self._lock.wait_for(lambda: self.budgets[device] >= min(nbytes, self.arbiter.config.capacity)
+                                     or self.arbiter.config.mode == "static" and not self.arbiter.pending(device),
+                                     timeout)
+            if not ok:
+                raise TimeoutError(f"inference did not get {nbytes} bytes on device {device} within {timeout} s")
+            t1 = time.monotonic()
+            acks = [a for i, a in self._acks.items() if i > first_id and a["device"] == device]
+        rec = {"device": device, "bytes": nbytes, "wait_s": t1 - t0, "granted": self.budgets[device],
+               "signal_s": None, "release_s": None, "ack_s": None}
+        if acks:
+            a = acks[-1]
+            rec.update(signal_s=a["received"] - a["sent"], release_s=a["released"] - a["received"],
+                       ack_s=a["arrived"] - a["released"])
+            self.handovers.append(rec)
+        return rec
+
+    def busy(self, device: int) -> None:
+        with self._lock:
+            self.arbiter.busy(device, time.monotonic())
+
+    def trainer_connected(self, device: int) -> bool:
+        with self._lock:
+            return device in self._trainers
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()
+        with self._lock:
+            for ch in self._trainers.values():
+                ch.close()
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _dispatch(self, actions) -> None:
+        """Carry out the arbiter's actions (the lock is held)."""
+        while actions:
+            a = actions.pop(0)
+            if isinstance(a, TrainLimit):
+                ch = self._trainers.get(a.device)
+                now = time.monotonic()
+                self._sent[a.id] = (now, a.device)
+                if ch is None or not ch.send({"t": "limit", "id": a.id, "bytes": a.bytes,
+                                              "immediate": a.immediate, "sent": now}):
+                    actions += self.arbiter.train_left(a.device, now)
+            elif isinstance(a, InferenceShare):
+                shrink = a.bytes < self.budgets[a.device]
+                if self.on_share is not None:
+                    self.on_share(a.device, a.bytes)  # the engine fits in it before returning
+                self.budgets[a.device] = a.bytes
+                if shrink:
+                    actions += self.arbiter.inference_released(a.device, time.monotonic())
+        self._lock.notify_all()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(Channel(sock),), daemon=True).start()
+
+    def _serve(self, ch: Channel) -> None:
+        hello = ch.recv()
+        if not hello or hello.get("t") != "hello":
+            ch.close()
+            return
+        device = int(hello.get("device", 0))
+        with self._lock:
+            if device in self._trainers or not 0 <= device < len(self.arbiter.devices):
+                ch.send({"t": "error", "error": f"device {device} is taken or unknown"})
+                ch.close()
+                return
+            self._trainers[device] = ch
+            self._dispatch(self.arbiter.train_joined(device, int(hello.get("min_bytes", 0)), time.monotonic()))
+        while (msg := ch.recv()) is not None:
+            if msg.get("t") == "ack":
+                with self._lock:
+                    sent = self._sent.get(msg["id"])
+                    if sent is not None:
+                        self._acks[msg["id"]] = dict(device=device, sent=sent[0], received=msg["received"],
+                                                     released=msg["released"], arrived=time.monotonic())
+                    self._dispatch(self.arbiter.train_ack(device, msg["id"], int(msg["bytes"]), time.monotonic()))
+        with self._lock:
+            if self._trainers.get(device) is ch:
+                del self._trainers[device]
+                self._dispatch(self.arbiter.train_left(device, time.monotonic()))
+        ch.close()
+
+    def _ticker(self, tick_s: float) -> None:
+        while not self._closed:
+            time.sleep(tick_s)
+            with self._lock:
+                self._dispatch(self.arbiter.tick(time.monotonic()))

@@ -1,0 +1,103 @@
+"""The training job on the CPU (fp32): micro-batch changes keep the update, abandoned micro-batches
+are redone, checkpoints resume exactly, and the dense forward equals the serving forward."""
+
+import torch
+
+from computron.models.kvcache import KVPool, block_bytes, paged_batch
+from computron.models.transformer import DenseBatch
+from computron.train.job import Trainer, TrainConfig
+
+CFG = dict(model="tiny-opt", seq_len=16, global_batch=8, micro_batch=8, steps=3, lr=1e-3, synthetic_tokens=4096)
+
+
+def params(tr):
+    return {n: p.detach().clone() for n, p in tr.params.items()}
+
+
+class Sizes:
+    """A scripted micro-batch size per call, standing in for what colocation picks."""
+
+    def __init__(self, colo, sizes):
+        self.colo, self.sizes = colo, list(sizes)
+        colo.micro_batch = lambda most: min(most, self.sizes.pop(0) if self.sizes else most)
+
+
+def test_changing_micro_batch_gives_the_same_parameters_after_each_step():
+    ref = Trainer(TrainConfig(**CFG))
+    got = Trainer(TrainConfig(**CFG))
+    Sizes(got.colo, [3, 5, 1, 1, 2, 4, 2, 6])
+    for _ in range(3):
+        r, g = ref.train_step(), got.train_step()
+        assert r["micro_batches"] == [8] and sum(g["micro_batches"]) == 8 and len(g["micro_batches"]) > 1
+        assert abs(r["loss"] - g["loss"]) < 1e-5
+        for name, p in ref.params.items():  # the same gradients within float32 rounding ...
+            torch.testing.assert_close(got.params[name].grad, p.grad, rtol=1e-4, atol=1e-7)
+        for name, p in params(ref).items():  # ... so the same update (Adam amplifies rounding of ~0 gradients)
+            torch.testing.assert_close(got.params[name].detach(), p, rtol=1e-5, atol=1e-2 * CFG["lr"])
+    assert ref.samples_seen == got.samples_seen
+
+
+def test_an_abandoned_micro_batch_is_redone_with_the_same_data_and_loss():
+    ref = Trainer(TrainConfig(**{**CFG, "micro_batch": 4}))
+    got = Trainer(TrainConfig(**{**CFG, "micro_batch": 4}))
+    colo = got.colo
+    per = colo.memory.predict(2) - colo.memory.predict(1)
+    calls = {"n": 0}
+
+    def interrupt(grad):  # in the backward of the 3rd micro-batch, a limit that fits only 2 samples
+        calls["n"] += 1
+        if calls["n"] == 3:
+            colo.deliver({"t": "limit", "id": 1, "bytes": colo.memory.predict(2) + per // 2, "immediate": True})
+        return grad
+
+    def watch(_mod, _inp, out):
+        out.register_hook(interrupt)
+
+    got.model.layers[1].mlp.register_forward_hook(watch)
+    lr = [ref.train_step() for _ in range(3)]
+    lg = [got.train_step() for _ in range(3)]
+    assert colo.abandoned == 1
+    assert [r["micro_batches"] for r in lg] == [[4, 4], [2, 2, 2, 2], [2, 2, 2, 2]]
+    assert got.samples_seen == ref.samples_seen
+    assert abs(lg[-1]["loss"] - lr[-1]["loss"]) < 1e-5
+    for name, p in params(ref).items():
+        torch.testing.assert_close(got.params[name].detach(), p, rtol=1e-5, atol=1e-2 * CFG["lr"])
+
+
+def test_pause_below_the_smallest_micro_batch_offloads_and_resumes(monkeypatch):
+    tr = Trainer(TrainConfig(**{**CFG, "micro_batch": 4}))
+    colo = tr.colo
+    events = []
+    colo.on_pause, colo.on_resume = (lambda: events.append("pause")), (lambda: events.append("resume"))
+    colo.deliver({"t": "limit", "id": 1, "bytes": 0, "immediate": False})
+    import threading
+    threading.Timer(0.2, colo.deliver, args=({"t": "limit", "id": 2, "bytes": 1 << 40, "immediate": False},)).start()
+    rec = tr.train_step()
+    assert events == ["pause", "resume"] and colo.paused_s >= 0.15 and rec["micro_batches"] == [4, 4]
+
+
+def test_resume_from_a_checkpoint_continues_exactly(tmp_path):
+    ref = Trainer(TrainConfig(**{**CFG, "steps": 4}))
+    ref.run()
+    first = Trainer(TrainConfig(**{**CFG, "steps": 2}, checkpoint=str(tmp_path / "ck")))
+    first.run()
+    assert (tmp_path / "ck" / "model" / "model.safetensors").is_file()
+    second = Trainer(TrainConfig(**{**CFG, "steps": 4}, checkpoint=str(tmp_path / "ck"), resume=True))
+    assert second.step_no == 2
+    second.run()
+    for name, p in params(ref).items():
+        torch.testing.assert_close(second.params[name].detach(), p, rtol=0, atol=0)
+    assert second.samples_seen == ref.samples_seen[2:]
+
+
+def test_dense_training_forward_equals_the_paged_serving_forward():
+    tr = Trainer(TrainConfig(model="tiny-llama", seq_len=8))
+    ids = torch.randint(0, 512, (2, 8))
+    positions = torch.arange(8).repeat(2)
+    with torch.no_grad():
+        dense = tr.model(ids.reshape(-1), positions, DenseBatch(2))
+        bb = block_bytes(tr.model_cfg, 4)
+        pool = KVPool(torch.zeros(8 * bb, dtype=torch.uint8), tr.model_cfg, 4, bb)
+        batch = paged_batch(pool, [([0, 1], 0, 8), ([2, 3], 0, 8)], torch.device("cpu"))
+        paged = tr.model(ids.reshape(-1), positions, batch)
+    torch.testing.assert_close(dense, paged, rtol=1e-4, atol=1e-5)

@@ -136,13 +136,15 @@ class ExecuteBatch:
     model: str
     seqs: list[SeqInput]
     trace: bool = False  # record when each layer group's copy ended and its compute started
+    steps: int = 1  # decode steps to run back to back (each feeds its token to the next); > 1: decode only
 
 
 @dataclass
 class StepResult:
     """What one ``execute`` call produced, for all of its batches."""
 
-    tokens: dict[str, int] = field(default_factory=dict)  # req_id -> next token
+    tokens: dict[str, int | list[int]] = field(default_factory=dict)  # req_id -> next token (a list of
+    # ``steps`` tokens for a batch of several steps)
     loaded: dict[str, float] = field(default_factory=dict)  # model -> seconds its swap-in copies took
     compute_s: dict[str, float] = field(default_factory=dict)  # model -> seconds of its batch
     failed: dict[str, str] = field(default_factory=dict)  # req_id -> why it could not run

@@ -281,7 +281,7 @@ def test_failed_swap_fails_its_requests_and_the_engine_recovers():
 def test_async_loop_answers_every_request_when_a_step_raises(monkeypatch):
     eng = make_engine(64 * 2**20, models=["tiny-opt"])
 
-    def boom(now):
+    def boom(now, max_steps=1):
         raise RuntimeError("scheduler bug")
 
     monkeypatch.setattr(eng.core.scheduler, "schedule", boom)

@@ -37,11 +37,11 @@ def _record(core) -> list:
     plans = []
     inner = core.scheduler.schedule
 
-    def schedule(now=0.0):
-        p = inner(now)
-        plans.append((tuple(p.evictions), tuple(p.loads), tuple(p.prefetch),
-                      tuple((b.model, tuple(b.prefill), tuple(b.decode)) for b in p.batches),
-                      tuple(p.preempted), tuple(rid for rid, _ in p.failed)))
+    def schedule(now=0.0, max_steps=1):
+        p = inner(now, max_steps)
+        plans.extend([(tuple(p.evictions), tuple(p.loads), tuple(p.prefetch),
+                       tuple((b.model, tuple(b.prefill), tuple(b.decode)) for b in p.batches),
+                       tuple(p.preempted), tuple(rid for rid, _ in p.failed))] * p.steps)  # a run: its steps
         return p
 
     core.scheduler.schedule = schedule

@@ -190,25 +190,28 @@ class EngineCore:
                 self.finish(req, "error", why, unavailable)
 
     # ---- the step ------------------------------------------------------------------------------
-    def step(self) -> StepPlan:
+    def step(self, max_steps: int = 1) -> StepPlan:
         """One iteration: schedule, swap, execute one batch per model, update. The KV caches of
-        requests that ended are released in one message at the end."""
+        requests that ended are released in one message at the end. ``max_steps`` > 1 lets a steady
+        decode batch run that many steps in one call (``plan.steps``; see ``Scheduler.schedule``):
+        the caller promises no request arrives meanwhile."""
         try:
-            return self._step()
+            return self._step(max_steps)
         finally:
             self._flush_frees()
 
-    def _step(self) -> StepPlan:
-        plan = self.scheduler.schedule(self.clock())
+    def _step(self, max_steps: int = 1) -> StepPlan:
+        plan = self.scheduler.schedule(self.clock(), max_steps)
         for rid, why in plan.failed:  # it can never fit next to what is pinned: capacity, not a bug
             self._fail([rid], why, unavailable=True)
         evict_s = self._apply(plan)
         batches = [b for b in plan.batches if all(r in self.requests for r in b.requests)]
         if not batches:
             return plan
-        self.stats["steps"] += 1
+        self.stats["steps"] += plan.steps
         msgs = [ExecuteBatch(b.model, [self._prefill(self.requests[r]) for r in b.prefill] +
-                             [self._decode(self.requests[r]) for r in b.decode], self.trace) for b in batches]
+                             [self._decode(self.requests[r]) for r in b.decode], self.trace, plan.steps)
+                for b in batches]
         try:
             result = self.executor.execute(msgs).result()
         except Exception as e:  # a failed step fails its requests, never the engine
@@ -216,7 +219,7 @@ class EngineCore:
                 self._fail(b.requests, f"execution failed: {type(e).__name__}: {e}")
             return plan
         self._absorb(result, batches, evict_s)
-        self.scheduler.update(plan)
+        self.scheduler.update(plan, plan.steps)
         return plan
 
     @staticmethod
@@ -251,7 +254,14 @@ class EngineCore:
                 r.compute_s += compute
                 if not r.output_ids:
                     r.first_token_at, r.load_s, r.evict_s = now, result.loaded.get(b.model, 0.0), evict_s
-                self._append(r, result.tokens[rid])
+                tokens = result.tokens[rid]
+                if type(tokens) is int:
+                    self._append(r, tokens)
+                else:  # a run of several steps: its tokens after the request ended are dropped
+                    for t in tokens:
+                        self._append(r, t)
+                        if r.done:
+                            break
 
     def _append(self, r: CoreRequest, token: int) -> None:
         eos = self.models[r.model].config.eos_token_id

@@ -24,7 +24,8 @@ from ..memory.host import HostImage
 from ..memory.layout import WeightLayout, layout_for
 from ..memory.units import ALIGN, arena_capacity
 from ..memory.swapper import ImageSwapper, SwapIn
-from ..messages import DeviceStatus, ExecuteBatch, ExecutorStatus, ModelDescription, ModelInfo, Residency, StepResult
+from ..messages import (DeviceStatus, ExecuteBatch, ExecutorStatus, ModelDescription, ModelInfo, Residency,
+                        SeqInput, StepResult)
 from ..models import load_weights, resolve_model
 from ..models.config import ModelConfig
 from ..models.kvcache import KVPool, paged_batch
@@ -280,6 +281,8 @@ class InProcessExecutor:
         return fut
 
     def _run(self, batch: ExecuteBatch, result: StepResult) -> None:
+        if batch.steps > 1:
+            return self._run_steps(batch, result)
         name = batch.model
         model = self.models[name]
         runner = model.runner
@@ -318,6 +321,23 @@ class InProcessExecutor:
         if res.swap is not None:
             result.loaded[name] = res.swap.seconds()
             res.swap = None  # loaded: later steps need not wait on its events
+
+    def _run_steps(self, batch: ExecuteBatch, result: StepResult) -> None:
+        """Decode steps back to back, each sequence's token fed to its next step."""
+        if not self.models[batch.model].answers:
+            raise ValueError(f"model {batch.model!r}: this rank does not sample, so it cannot feed a run of "
+                             f"{batch.steps} decode steps")
+        seqs, runs, compute = batch.seqs, {s.req_id: [] for s in batch.seqs}, 0.0
+        for _ in range(batch.steps):
+            one = StepResult()
+            self._run(ExecuteBatch(batch.model, seqs), one)
+            compute += one.compute_s[batch.model]
+            result.loaded.update(one.loaded)
+            for rid, t in one.tokens.items():
+                runs[rid].append(t)
+            seqs = [SeqInput(s.req_id, [one.tokens[s.req_id]], s.past + len(s.tokens), s.params) for s in seqs]
+        result.tokens.update(runs)
+        result.compute_s[batch.model] = compute
 
     @staticmethod
     def _trace(swap: SwapIn | None, runner: ModelRunner) -> dict:

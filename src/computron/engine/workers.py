@@ -490,6 +490,9 @@ class WorkerExecutor:
 
     def execute(self, batches: list[ExecuteBatch]) -> Future:
         out: Future = Future()
+        if any(b.steps != 1 for b in batches):
+            out.set_exception(ValueError("the worker executor runs one decode step per call"))
+            return out
         with self._lock:
             lost, self._lost = self._lost, set()
         if lost:  # a worker died since the last step: its models are gone; say so before running anything
@@ -530,7 +533,7 @@ class WorkerExecutor:
                 error = error or e
                 continue
             if w.device in answers:
-                for field in ("tokens", "loaded", "compute_s", "failed", "trace"):
+                for field in ("tokens", "logprobs", "loaded", "compute_s", "failed", "trace"):
                     getattr(result, field).update(getattr(part, field))
                 result.lost_devices.extend(part.lost_devices)
         if lost:

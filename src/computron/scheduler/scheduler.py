@@ -305,11 +305,15 @@ class Scheduler:
                 m.heap_key = None  # any other entry of m is stale from now on
                 yield key, m
 
-    def schedule(self, now: float = 0.0) -> StepPlan:
+    def schedule(self, now: float = 0.0, max_steps: int = 1) -> StepPlan:
+        """The next step's plan. ``max_steps`` > 1 lets a steady decode batch run up to that many
+        steps back to back (``plan.steps``): it stops before any of its requests would end by length
+        and before a block its tokens need does not fit, so the run decides exactly what as many
+        single steps would, provided no request arrives or ends otherwise in between."""
         self.step_count += 1
         steady = self._steady
         if steady is not None and steady[0] == (self._epoch, self._changes):
-            plan = self._steady_step(steady[1])
+            plan = self._steady_step(steady[1], max_steps)
             if plan is not None:
                 return plan
         plan = self._schedule(now)
@@ -319,7 +323,15 @@ class Scheduler:
         self._steady = ((self._epoch, self._changes), self.models[b[0].model]) if quiet else None
         return plan
 
-    def _steady_step(self, m: ModelState) -> StepPlan | None:
+    def steady_batch(self) -> tuple[str, int] | None:
+        """(model, batch size) of the batch the next ``schedule`` repeats if nothing changes first;
+        None when it would search. Lets a driver with a cost model size a run of several steps."""
+        steady = self._steady
+        if steady is None or steady[0] != (self._epoch, self._changes):
+            return None
+        return steady[1].name, len(steady[1].running)
+
+    def _steady_step(self, m: ModelState, max_steps: int = 1) -> StepPlan | None:
         """Nothing changed since a step that only decoded one model's batch (no arrival, no end, no
         memory freed): the full search would choose that batch again. Only the blocks its next
         tokens need are taken; None (and nothing changed) when they do not fit as they are."""
@@ -337,8 +349,33 @@ class Scheduler:
                 req.blocks += 1
                 self._schedule_growth(m, req)
             self._take_blocks(m, len(due))
+        steps = self._run_length(m, max_steps) if max_steps > 1 else 1
+        self.step_count += steps - 1
         m.last_used = self.step_count
-        return StepPlan(batches=[Batch(m.name, decode=list(m.running))])
+        return StepPlan(batches=[Batch(m.name, decode=list(m.running))], steps=steps)
+
+    def _run_length(self, m: ModelState, max_steps: int) -> int:
+        """How many steps (at most ``max_steps``) the batch may run from now: none of its requests
+        reaches its last token before the last step, and the blocks its later tokens need are
+        taken now, in the order single steps would take them, up to the first that does not fit."""
+        steps = max_steps
+        for req in m.running.values():
+            left = req.max_tokens - (m.steps - req.joined)
+            if left < steps:
+                steps = left
+        growth, last = m.growth, m.steps + steps - 1
+        while growth and growth[0][0] <= last:
+            due, _, req = growth[0]
+            if req.state != "running" or req.due != due:
+                heapq.heappop(growth)
+                continue
+            if not self._fits(self._kv_need(m, 1)):
+                return due - m.steps  # the run ends before the token that needs it
+            heapq.heappop(growth)
+            req.blocks += 1
+            self._take_blocks(m, 1)
+            self._schedule_growth(m, req)
+        return max(steps, 1)
 
     def _schedule(self, now: float) -> StepPlan:
         self._fresh.clear()

@@ -81,7 +81,8 @@ class StepPlan:
     Batches of one step use disjoint devices. ``prefetch``: loads issued for a later step,
     overlapped with this step's compute. ``preempted``: running requests stopped to free KV
     cache (they wait again and recompute). ``failed``: requests that can never run, with the
-    reason (the scheduler has already dropped them).
+    reason (the scheduler has already dropped them). ``steps``: decode steps the (single, decode-only)
+    batch runs back to back; more than one only when ``schedule`` was allowed several.
     """
 
     evictions: list[str] = field(default_factory=list)
@@ -90,6 +91,7 @@ class StepPlan:
     batches: list[Batch] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     failed: list[tuple[str, str]] = field(default_factory=list)
+    steps: int = 1
 
     @property
     def empty(self) -> bool:

@@ -168,10 +168,12 @@ class SimExecutor:
             m = self.models[batch.model]
             if m.ready is None:
                 raise RuntimeError(f"model {batch.model!r} runs a batch but is not on its device")
-            tok, d, bb = m.token, m.device, m.block_bytes
+            tok, d, bb, k = m.token, m.device, m.block_bytes, batch.steps
+            if k > 1:
+                tok = [tok] * k
             prefill = decode = 0
             for s in batch.seqs:
-                n = len(s.tokens)
+                n = len(s.tokens) + k - 1  # a run of k steps writes k positions
                 if s.past:
                     decode += 1
                 else:
@@ -195,6 +197,9 @@ class SimExecutor:
                 finish = pipelined_finish(now, compute, m.groups, m.ready)
             else:
                 finish = now + compute
+            for _ in range(k - 1):  # step by step, so the clock reads as after k single steps
+                finish += compute
+            compute *= k
             result.compute_s[batch.model] = finish - now
             self.stats["compute_s"] += compute
             if not m.reported:
@@ -202,10 +207,26 @@ class SimExecutor:
                 m.reported = True
             if finish > end:
                 end = finish
-        self.stats["steps"] += 1
+        self.stats["steps"] += max(b.steps for b in batches) if batches else 0
         self.clock.advance_to(end)
         self._poll_loads(result.loaded)
         return result
+
+    def steps_before(self, model: str, batch: int, until: float, cap: int) -> int:
+        """How many decode steps of ``batch`` sequences of a warm ``model``, one after another from
+        now, run before one ends at or after ``until`` (that one included), at most ``cap``: the run
+        that single steps would make before a request arriving at ``until`` is seen."""
+        m = self.models[model]
+        now = self.clock.t
+        if m.ready is None or m.load_end > now or cap <= 1:
+            return 1
+        dt, t, k = batch_time(self.cal, m.nbytes, 0, batch), now, 0
+        while k < cap:
+            t += dt
+            k += 1
+            if t >= until:
+                break
+        return k
 
     def _poll_loads(self, out: dict[str, float], wait: bool = False) -> None:
         t = self.clock.t

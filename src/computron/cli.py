@@ -76,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .sim import cli as sim_cli
 
     sim_cli.add_parser(sub)
+    __import__("computron.train.cli", fromlist=["add_parser"]).add_parser(sub)
     return parser
 
 

@@ -33,9 +33,30 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    min_tokens: int = 0  # end-of-sequence is masked until this many tokens were generated
+    presence_penalty: float = 0.0  # subtracted from the logit of each token generated so far
+    frequency_penalty: float = 0.0  # times how often it was generated
+    repetition_penalty: float = 1.0  # divides positive (multiplies negative) logits of tokens seen
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    logprobs: int | None = None  # return the chosen token's log-probability and this many of the most likely
 
     def __post_init__(self) -> None:
         errors = []
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            errors.append(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
+        elif isinstance(self.max_tokens, int) and self.min_tokens > self.max_tokens:
+            errors.append(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= float(getattr(self, name)) <= 2.0:
+                errors.append(f"{name} must be between -2 and 2, got {getattr(self, name)!r}")
+        if not 0.0 < float(self.repetition_penalty) <= 10.0:
+            errors.append(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
+        if any(not isinstance(t, int) or t < 0 or not -100.0 <= float(b) <= 100.0 for t, b in self.logit_bias):
+            errors.append("logit_bias must map token ids (non-negative integers) to values between -100 and 100")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            errors.append(f"logprobs must be an integer between 0 and 20, got {self.logprobs!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             errors.append(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if not (0.0 <= float(self.temperature) <= 100.0):
@@ -56,6 +77,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
 # ---- models ------------------------------------------------------------------------------------
@@ -145,6 +170,8 @@ class StepResult:
 
     tokens: dict[str, int | list[int]] = field(default_factory=dict)  # req_id -> next token (a list of
     # ``steps`` tokens for a batch of several steps)
+    # req_id -> (the token's log-probability, [(id, log-probability)] of the most likely), when asked
+    logprobs: dict[str, tuple] = field(default_factory=dict)
     loaded: dict[str, float] = field(default_factory=dict)  # model -> seconds its swap-in copies took
     compute_s: dict[str, float] = field(default_factory=dict)  # model -> seconds of its batch
     failed: dict[str, str] = field(default_factory=dict)  # req_id -> why it could not run

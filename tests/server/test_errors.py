@@ -33,7 +33,10 @@ def post(live, path: str, **kw) -> httpx.Response:
     ({"model": "tiny-opt", "prompt": "hi", "temperature": -1}, ("temperature",)),
     ({"model": "tiny-opt", "prompt": "hi", "top_p": 0}, ("top_p",)),
     ({"model": "tiny-opt", "prompt": "hi", "max_tokens": 0}, ("max_tokens",)),
-    ({"model": "tiny-opt", "prompt": "hi", "n": 2}, ("n must be 1",)),
+    ({"model": "tiny-opt", "prompt": "hi", "n": 17}, ("n", "less than or equal to 16")),
+    ({"model": "tiny-opt", "prompt": "hi", "n": 2, "best_of": 1}, ("best_of (1) must be at least n (2)",)),
+    ({"model": "tiny-opt", "prompt": "hi", "logit_bias": {"a": 1}}, ("logit_bias", "token ids")),
+    ({"model": "tiny-opt", "prompt": "hi", "min_tokens": 9, "max_tokens": 4}, ("min_tokens (9)",)),
     ({"model": "tiny-opt", "prompt": "hi", "stop": [""]}, ("stop",)),
     ({"model": "tiny-gpt2", "prompt": ""}, ("empty",)),  # no BOS: nothing at all
     ({"model": "tiny-opt", "prompt": [1, 2, 100000]}, ("token ids",)),

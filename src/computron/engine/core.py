@@ -44,6 +44,7 @@ class CoreRequest:
     load_s: float = 0.0  # swap-in seconds of a load that ended in the step of its first token
     evict_s: float = 0.0  # eviction seconds of that step
     compute_s: float = 0.0  # seconds of the batches it took part in
+    logprobs: list = field(default_factory=list)  # per output token, when its params ask: (logprob, top)
 
     @property
     def done(self) -> bool:
@@ -256,19 +257,21 @@ class EngineCore:
                     r.first_token_at, r.load_s, r.evict_s = now, result.loaded.get(b.model, 0.0), evict_s
                 tokens = result.tokens[rid]
                 if type(tokens) is int:
-                    self._append(r, tokens)
+                    self._append(r, tokens, result.logprobs.get(rid))
                 else:  # a run of several steps: its tokens after the request ended are dropped
                     for t in tokens:
                         self._append(r, t)
                         if r.done:
                             break
 
-    def _append(self, r: CoreRequest, token: int) -> None:
+    def _append(self, r: CoreRequest, token: int, logprob=None) -> None:
         eos = self.models[r.model].config.eos_token_id
         if token == eos and not r.params.ignore_eos:
             self.finish(r, "stop")
             return
         r.output_ids.append(token)
+        if logprob is not None:
+            r.logprobs.append(logprob)
         if self.on_token:
             self.on_token(r, token)  # may end it (a stop string)
         if not r.done and len(r.output_ids) >= r.params.max_tokens:

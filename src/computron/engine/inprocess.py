@@ -31,7 +31,7 @@ from ..models.config import ModelConfig
 from ..models.kvcache import KVPool, paged_batch
 from .graphs import DecodeGraphs
 from .runner import ModelRunner
-from .sampling import sample
+from .sampling import History, logprobs, process, sample
 
 CPU_DEFAULT_BUDGET = 2 * 2**30
 
@@ -77,6 +77,7 @@ class _Seq:
     generator: torch.Generator | None
     ids: list[int] | None = None  # the blocks' ids, as of ``ids_at`` compactions of the arena
     ids_at: int = -1
+    history: History | None = None  # for penalties and min_tokens; kept across a preemption
 
 
 class InProcessExecutor:
@@ -254,6 +255,8 @@ class InProcessExecutor:
                 gen = torch.Generator(device=self.device)
                 gen.manual_seed(s.params.seed)
             seq = self.seqs[s.req_id] = _Seq([], gen)
+            if History.needed(s.params):
+                seq.history = History(s.tokens, model.runner.cfg.vocab_size, self.device, s.params.penalized)
         if s.past == 0 and seq.blocks:
             self._release(seq)  # a recompute starts from an empty cache
         need = -(-(s.past + len(s.tokens)) // self.block_tokens)
@@ -311,8 +314,17 @@ class InProcessExecutor:
             ids_t = torch.tensor([tok, pos], dtype=torch.long).to(self.device, non_blocking=True)
             logits = runner.forward(ids_t[0], ids_t[1], attn, res.swap)
         if model.answers:
-            tokens = sample(logits, [s.params for s in batch.seqs], [q.generator for q in seqs]).tolist()
+            params = [s.params for s in batch.seqs]
+            chosen = sample(process(logits, params, [q.history for q in seqs], model.runner.cfg.eos_token_id),
+                            params, [q.generator for q in seqs])
+            for s, lp in zip(batch.seqs, logprobs(logits, chosen, params)):
+                if lp is not None:
+                    result.logprobs[s.req_id] = lp
+            tokens = chosen.tolist()
             result.tokens.update((s.req_id, t) for s, t in zip(batch.seqs, tokens))
+            for q, t in zip(seqs, tokens):
+                if q.history is not None:
+                    q.history.add(t)
         elif self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the step's time is its device work's
         result.compute_s[name] = time.perf_counter() - t0

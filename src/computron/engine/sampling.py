@@ -54,3 +54,86 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list)
             noise[i].exponential_(generator=g)  # a seeded row draws only from its own generator
     drawn = (probs / noise.clamp_min_(torch.finfo(torch.float32).tiny)).argmax(dim=-1)  # E = 0 would make 0/0
     return torch.where(greedy > 0, logits.argmax(dim=-1), drawn)
+
+
+class History:
+    """What one request's logits processors need to remember, on the device: how often each token
+    was generated (frequency and presence penalties) and which tokens the prompt or the output
+    hold (repetition penalty); on the host, how many tokens it generated (min_tokens).
+    Kept with the request's sampling state, so a request that was preempted resumes with it."""
+
+    def __init__(self, prompt: list[int], vocab: int, device, penalties: bool):
+        self.generated = 0
+        self.counts = self.seen = None
+        if penalties:
+            self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+            self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+            self.seen[torch.tensor(prompt, dtype=torch.long).to(device)] = True
+
+    @staticmethod
+    def needed(p: SamplingParams) -> bool:
+        return p.min_tokens > 0 or p.penalized
+
+    def add(self, token: int) -> None:
+        self.generated += 1
+        if self.counts is not None:
+            self.counts[token] += 1
+            self.seen[token] = True
+
+
+def process(logits: torch.Tensor, params: list[SamplingParams], history: list[History | None],
+            eos: int | None) -> torch.Tensor:
+    """Logits [B, V] after each row's processors, for the whole batch at once on the device: the
+    logit bias is added; end-of-sequence is masked until ``min_tokens``; the repetition penalty
+    divides positive logits (multiplies negative ones) of tokens in the prompt or the output; the
+    frequency penalty subtracts ``penalty x count`` and the presence penalty ``penalty`` for each
+    token generated so far. Rows that ask for none of it are left as they are; with no row asking,
+    the logits come back untouched."""
+    if not any(p.logit_bias or p.min_tokens or p.penalized for p in params):
+        return logits
+    logits = logits.float().clone()
+    B, V = logits.shape
+    dev = logits.device
+    rows = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias if t < V]
+    if rows:
+        i, t, b = zip(*rows)
+        logits.index_put_((torch.tensor(i, device=dev), torch.tensor(t, device=dev)),
+                          torch.tensor(b, dtype=torch.float32, device=dev), accumulate=True)
+    if eos is not None:
+        hold = [i for i, (p, h) in enumerate(zip(params, history)) if p.min_tokens and h.generated < p.min_tokens]
+        if hold:
+            logits[torch.tensor(hold, device=dev), eos] = float("-inf")
+    pen = [i for i, p in enumerate(params) if p.penalized]
+    if pen:
+        idx = torch.tensor(pen, device=dev)
+        knobs = torch.tensor([[params[i].repetition_penalty, params[i].frequency_penalty, params[i].presence_penalty]
+                              for i in pen], dtype=torch.float32, device=dev)
+        counts = torch.stack([history[i].counts for i in pen])
+        seen = torch.stack([history[i].seen for i in pen])
+        x = logits[idx]
+        rep = torch.where(x > 0, x / knobs[:, :1], x * knobs[:, :1])
+        x = torch.where(seen, rep, x)
+        x = x - knobs[:, 1:2] * counts - knobs[:, 2:3] * (counts > 0)
+        logits[idx] = x
+    return logits
+
+
+def logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> list:
+    """Per row that asks (``logprobs`` not None): (the chosen token's log-probability, the ``logprobs``
+    most likely tokens as (id, log-probability)), from the model's own distribution (the raw logits,
+    before temperature, penalties or bias); None for the other rows. One log-softmax and one top-k
+    for the batch on the device, one transfer back."""
+    want = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not want:
+        return [None] * len(params)
+    idx = torch.tensor(want, device=logits.device)
+    lp = logits[idx].float().log_softmax(dim=-1)
+    chosen = lp.gather(1, tokens[idx].view(-1, 1)).squeeze(1).tolist()
+    k = max(params[i].logprobs for i in want)
+    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    top_v, top_i = top_v.tolist(), top_i.tolist()
+    out = [None] * len(params)
+    for row, i in enumerate(want):
+        n = params[i].logprobs
+        out[i] = (chosen[row], list(zip(top_i[row][:n], top_v[row][:n])))
+    return out

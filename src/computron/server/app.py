@@ -1,10 +1,11 @@
 """The HTTP server: an OpenAI-compatible API in front of one AsyncEngine.
 
-What flows through: a JSON body → a validated pydantic request → (on the engine thread, in one
-call) model lookup, chat template, tokenisation, queue check and submit → text deltas pushed
-from the engine thread into an asyncio queue → server-sent events or one JSON reply.
+What flows through: a JSON body (its size checked before it is parsed) → a validated pydantic
+request → ``generate.py`` (tokenised on a worker thread, submitted on the engine thread) → text
+deltas pushed from the engine thread into an asyncio queue → server-sent events or one JSON reply.
 
-Every engine access goes through ``AsyncEngine.run``/``call`` (the engine is not thread-safe).
+Every engine access goes through ``AsyncEngine.run``/``call`` (the engine is not thread-safe),
+except the lookup of a model's tokenizer (an atomic read of a dict whose entries never change).
 The lifespan starts model registration in the background and returns at once; until it is
 done every /v1 and /admin route answers 503. A client that goes away (stream or not) aborts
 its request, which frees its KV cache.
@@ -16,7 +17,6 @@ import asyncio
 import hmac
 import logging
 import time
-import uuid
 from contextlib import asynccontextmanager, suppress
 
 import anyio
@@ -26,13 +26,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ..config import ComputronConfig, ModelSpec
 from ..engine import AsyncEngine, SamplingParams
 from . import errors, protocol
-from .errors import APIError, ModelNotFound, QueueFull, error_response
+from .errors import ModelNotFound, QueueFull, error_response
+from .generate import generate
 from .metrics import Metrics, engine_snapshot
 from .protocol import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger("computron.server")
-
-COMPLETION_DEFAULT_MAX_TOKENS = 16  # as in the OpenAI API; chat defaults to the rest of the context
 
 
 class Service:
@@ -69,16 +68,25 @@ class Service:
                      f", {len(self.failed)} failed" if self.failed else "")
 
     # ---- engine thread -----------------------------------------------------------------------
-    def _admit(self, model: str, ids: list[int], params: SamplingParams, rid: str, on_update):
-        """Check the queue and submit: one call on the engine thread, so the queue check and the
-        submit cannot interleave with other requests. The prompt comes tokenised."""
+    def admit(self, model: str, ids: list[int], params: list[SamplingParams], rids: list[str], on_updates: list):
+        """Check the queue and submit a request per choice: one call on the engine thread, so the
+        queue check and the submits cannot interleave with other requests. The prompt comes
+        tokenised."""
         eng = self.engine
         if model not in eng.models:  # deleted while its prompt was being tokenised
             raise ModelNotFound(model, list(eng.models))
         waiting = eng.model_stats(model)["waiting"]
         if waiting >= self.config.server.max_queue:
             raise QueueFull(model, waiting)
-        return eng.submit(model, ids, params, rid, on_update)
+        reqs = []
+        try:
+            for p, rid, fn in zip(params, rids, on_updates):
+                reqs.append(eng.submit(model, ids, p, rid, fn))
+        except BaseException:
+            for r in reqs:
+                eng.abort(r.id)
+            raise
+        return reqs
 
     def model_info(self, name: str) -> dict:
         """GET /v1/models entry (engine thread)."""
@@ -92,76 +100,6 @@ class Service:
     def models_list(self) -> dict:
         return {"object": "list", "data": [self.model_info(n) for n in self.engine.models],
                 "memory": self.engine.memory()}
-
-
-def _tokenize(tok, prompt, messages) -> list[int]:
-    if messages is not None:
-        prompt = tok.apply_chat_template(messages)
-    return tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
-
-
-class Generation:
-    """One request in flight, seen from the event loop."""
-
-    def __init__(self, svc: Service, model: str, endpoint: str):
-        self.svc, self.model, self.endpoint = svc, model, endpoint
-        self.req = None
-        self.finished = False
-        self.queue: asyncio.Queue = asyncio.Queue()
-
-    async def start(self, prompt, messages, max_tokens, sampling: dict, rid: str) -> None:
-        """Validate the cheap things, tokenise on a worker thread (never on the engine's: a long
-        prompt must not stall other users), then submit on the engine thread."""
-        loop, q = asyncio.get_running_loop(), self.queue
-        # An atomic dict lookup from the event loop; a model entry never changes once added, and
-        # _admit checks again that the model is still there.
-        entry = self.svc.engine.models.get(self.model)
-        if entry is None:
-            raise ModelNotFound(self.model, list(self.svc.engine.models))
-        SamplingParams(max_tokens=max_tokens or 1, **sampling)  # bad parameters fail before any tokenising
-        ids = await asyncio.to_thread(_tokenize, entry.tokenizer, prompt, messages)
-        if max_tokens is None:
-            max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if messages is None else max(1, entry.cfg.max_position - len(ids))
-        params = SamplingParams(max_tokens=max_tokens, **sampling)
-
-        def on_update(req, text: str) -> None:  # engine thread
-            with suppress(RuntimeError):  # the event loop is gone (server shut down)
-                loop.call_soon_threadsafe(q.put_nowait, (text, req.done))
-
-        ae, engine = self.svc.ae, self.svc.engine
-        fut = ae.call(self.svc._admit, self.model, ids, params, rid, on_update)
-        try:
-            self.req = await asyncio.shield(asyncio.wrap_future(fut))
-        except asyncio.CancelledError:  # cancelled while being admitted: abort once it is in
-            fut.add_done_callback(lambda f: f.exception() is None and ae.call(engine.abort, rid))
-            raise
-
-    async def next(self) -> tuple[str, bool]:
-        text, done = await self.queue.get()
-        if done:
-            self.finished = True
-        return text, done
-
-    async def collect(self) -> str:
-        parts = []
-        while True:
-            text, done = await self.next()
-            parts.append(text)
-            if done:
-                return "".join(parts)
-
-    def close(self) -> None:
-        """Abort the request unless it ended (a client that went away); record its outcome."""
-        if self.req is None:
-            return
-        if not self.finished:
-            self.svc.ae.call(self.svc.engine.abort, self.req.id)
-            self.svc.metrics.request_done(self.model, self.endpoint, 499, self.req)
-        else:
-            self.svc.metrics.request_done(self.model, self.endpoint, (503 if self.req.unavailable else 500)
-                                          if self.req.finish_reason == "error"
-                                          else 200, self.req)
-        self.req = None
 
 
 class EventStream(StreamingResponse):
@@ -190,11 +128,6 @@ class EventStream(StreamingResponse):
             with suppress(Exception):
                 await self.body_iterator.aclose()
             self.on_close()
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 class Guard:
@@ -322,13 +255,16 @@ def create_app(async_engine: AsyncEngine, config: ComputronConfig | None = None)
     async def get_model(model_id: str):
         return await async_engine.run(_info_or_404, svc, model_id)
 
+    def stream(events, on_close) -> EventStream:
+        return EventStream(events, on_close, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        return await _generate(svc, "completions", body, request, body.single_prompt(), None)
+        return await generate(svc, "completions", body, request, body.single_prompt(), None, stream)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await _generate(svc, "chat", body, request, None, [m.as_dict() for m in body.messages])
+        return await generate(svc, "chat", body, request, None, [m.as_dict() for m in body.messages], stream)
 
     from .admin import add_admin_routes
 
@@ -346,80 +282,3 @@ def _info_or_404(svc: Service, name: str) -> dict:
     if name not in svc.engine.models:
         raise ModelNotFound(name, list(svc.engine.models))
     return svc.model_info(name)
-
-
-async def _generate(svc: Service, endpoint: str, body, request: Request, prompt, messages):
-    chat = endpoint == "chat"
-    bad = body.unsupported()
-    if bad:
-        raise APIError(400, bad[1], bad[0], "unsupported")
-    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    gen = Generation(svc, body.model, endpoint)
-    try:
-        await gen.start(prompt, messages, body.max_new if chat else body.max_tokens, body.sampling(), rid)
-    except APIError as e:
-        svc.metrics.request_done(body.model if e.status != 404 else "unknown", endpoint, e.status)
-        raise
-    except ValueError as e:
-        svc.metrics.request_done(body.model, endpoint, 400)
-        msg = str(e)
-        raise APIError(400, msg, errors.param_of(msg, "messages" if chat else "prompt"), "invalid_value") from None
-    created = protocol.now()
-    if body.stream:
-        return EventStream(_events(gen, body, rid, created, chat), gen.close,
-                           headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    collect = asyncio.create_task(gen.collect())
-    watch = asyncio.create_task(_disconnected(request))
-    try:
-        await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if not collect.done():  # the client went away
-            return Response(status_code=499)
-        text = collect.result()
-    finally:
-        for t in (collect, watch):
-            t.cancel()
-        req = gen.req
-        gen.close()
-    if req.finish_reason == "error":
-        if req.unavailable:  # capacity or a lost device: the client may retry later, or elsewhere
-            raise APIError(503, f"the request could not be served: {req.error}", None, "unavailable")
-        raise APIError(500, f"the request failed: {req.error}", None, "generation_failed")
-    use = protocol.usage(len(req.prompt_ids), len(req.output_ids))
-    build = protocol.chat_completion if chat else protocol.completion
-    return JSONResponse(build(rid, body.model, created, text, protocol.FINISH[req.finish_reason], use))
-
-
-async def _events(gen: Generation, body, rid: str, created: int, chat: bool):
-    model, sse = body.model, protocol.sse
-    extra = {"usage": None} if body.include_usage else {}
-
-    def chunk(text: str | None, finish: str | None = None) -> bytes:
-        if chat:
-            delta = {} if text is None else {"content": text}
-            return sse({**protocol.chat_chunk(rid, model, created, delta, finish), **extra})
-        return sse({**protocol.completion_chunk(rid, model, created, text or "", finish), **extra})
-
-    try:
-        if chat:
-            yield sse({**protocol.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None), **extra})
-        while True:
-            text, done = await gen.next()
-            if text:
-                yield chunk(text)
-            if done:
-                break
-        req = gen.req
-        if req.finish_reason == "error":
-            yield sse(protocol.error_body(f"the request could not be served: {req.error}", "server_error", None,
-                                          "unavailable") if req.unavailable else
-                      protocol.error_body(f"the request failed: {req.error}", "server_error", None,
-                                          "generation_failed"))
-        else:
-            yield chunk(None, protocol.FINISH[req.finish_reason])
-        if body.include_usage:
-            yield sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                       "created": created, "model": model, "choices": [],
-                       "usage": protocol.usage(len(req.prompt_ids), len(req.output_ids))})
-        yield sse("[DONE]")
-    finally:
-        gen.close()

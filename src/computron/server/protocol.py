@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Literal, Union
+from typing import Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 # A seed must fit torch.Generator.manual_seed.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+MAX_CHOICES = 16  # n and best_of: each choice is a request of its own in the engine
 MAX_STOP = 64  # stop strings per request: each one is searched for after every token
 
 
@@ -37,13 +38,19 @@ class _Sampling(_Body):
     top_k: int | None = Field(None, description="extension: keep the k most likely tokens (0: off)")
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = Field(None, description=f"at most {MAX_STOP} strings")
-    n: int = Field(1, description="only 1 is supported")
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices to generate for the prompt")
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(False, description="extension: keep generating past the end-of-sequence token")
-    presence_penalty: float | None = Field(None, description="not supported: only 0")
-    frequency_penalty: float | None = Field(None, description="not supported: only 0")
-    logit_bias: dict[str, float] | None = Field(None, description="not supported")
+    min_tokens: int = Field(0, ge=0, description="extension: no end-of-sequence token before this many tokens")
+    presence_penalty: float | None = Field(None, ge=-2, le=2, description="subtracted from the logit of every "
+                                                                        "token generated so far")
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="subtracted, times its count, from "
+                                                                         "the logit of every token generated")
+    repetition_penalty: float | None = Field(None, gt=0, le=10, description="extension: divides positive (multiplies "
+                                             "negative) logits of tokens in the prompt or the output; 1 is off")
+    logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) -> bias in [-100, 100] "
+                                                                "added to its logit")
     user: str | None = None
 
     @field_validator("stop")
@@ -53,24 +60,32 @@ class _Sampling(_Body):
             raise ValueError(f"at most {MAX_STOP} stop strings, got {len(v)}")
         return v
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v):
+        if v is not None:
+            if len(v) > 1024:
+                raise ValueError(f"at most 1024 logit_bias entries, got {len(v)}")
+            bad = [k for k in v if not k.isdigit() or len(k) > 9]
+            if bad:
+                raise ValueError(f"logit_bias keys must be token ids, got {bad[0]!r}")
+        return v
+
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for the first field set to something this server cannot do."""
-        if self.n != 1:
-            return "n", f"n must be 1 (several choices per request are not supported), got {self.n}"
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                return name, f"{name} is not supported (only 0)"
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
         return None
 
-    def sampling(self) -> dict[str, Any]:
+    def sampling(self, logprobs: int | None = None) -> dict[str, Any]:
         """Keyword arguments for SamplingParams, except max_tokens (its default depends on the prompt)."""
         temperature = 1.0 if self.temperature is None else self.temperature
         stop = self.stop if self.stop is not None else ()
         return dict(temperature=temperature, top_p=1.0 if self.top_p is None else self.top_p,
                     top_k=self.top_k or 0, seed=self.seed, ignore_eos=self.ignore_eos,
-                    stop=(stop,) if isinstance(stop, str) else tuple(stop))
+                    stop=(stop,) if isinstance(stop, str) else tuple(stop), min_tokens=self.min_tokens,
+                    presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+                    repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                    logit_bias=tuple((int(k), float(b)) for k, b in (self.logit_bias or {}).items()),
+                    logprobs=logprobs)
 
     @property
     def include_usage(self) -> bool:
@@ -80,21 +95,27 @@ class _Sampling(_Body):
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[int], list[str], list[list[int]]] = Field(
         description="a string or a list of token ids (a list of one of these is accepted too)")
-    echo: bool = Field(False, description="not supported")
-    logprobs: int | None = Field(None, description="not supported")
+    echo: bool = Field(False, description="the prompt's text before the completion")
+    logprobs: int | None = Field(None, ge=0, le=20, description="log-probabilities of each generated token and of "
+                                                                "this many most likely ones")
     suffix: str | None = Field(None, description="not supported")
-    best_of: int | None = Field(None, description="only 1")
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES, description="generate this many, return the n with "
+                                                                        "the highest log-probability")
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.echo:
-            return "echo", "echo is not supported"
-        if self.logprobs is not None:
-            return "logprobs", "logprobs are not supported"
         if self.suffix:
             return "suffix", "suffix is not supported"
-        if self.best_of not in (None, 1):
-            return "best_of", "best_of must be 1"
-        return super().unsupported()
+        if self.echo and self.logprobs is not None:
+            return "echo", "echo with logprobs is not supported (the prompt's log-probabilities are not computed)"
+        if self.best_of is not None and self.best_of < self.n:
+            return "best_of", f"best_of ({self.best_of}) must be at least n ({self.n})"
+        if self.stream and self.best_of not in (None, self.n):
+            return "best_of", "best_of cannot be streamed unless it equals n"
+        return None
+
+    @property
+    def top_logprobs(self) -> int | None:
+        return self.logprobs
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt; a ValueError for a batch of several."""
@@ -129,19 +150,22 @@ class ChatMessage(_Body):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, description="the newer name of max_tokens")
-    logprobs: bool | None = Field(None, description="not supported")
-    top_logprobs: int | None = Field(None, description="not supported")
+    logprobs: bool | None = Field(None, description="log-probabilities of each generated token")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="and of this many most likely ones")
     tools: list[dict] | None = Field(None, description="not supported")
     response_format: dict | None = Field(None, description="only {'type': 'text'}")
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.logprobs or self.top_logprobs:
-            return "logprobs", "logprobs are not supported"
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs: true"
         if self.tools:
             return "tools", "tools are not supported"
         if self.response_format and self.response_format.get("type", "text") != "text":
             return "response_format", "only the 'text' response format is supported"
-        return super().unsupported()
+        return None
+
+    best_of: ClassVar[None] = None  # completions only
+    echo: ClassVar[bool] = False
 
     @property
     def max_new(self) -> int | None:
@@ -172,25 +196,45 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion(rid: str, model: str, created: int, text: str, finish: str | None, use: dict) -> dict:
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}], "usage": use}
+def reply(rid: str, model: str, created: int, choices: list[dict], chat: bool, chunk: bool = False) -> dict:
+    kind = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
+    return {"id": rid, "object": kind, "created": created, "model": model, "choices": choices}
 
 
-def completion_chunk(rid: str, model: str, created: int, text: str, finish: str | None) -> dict:
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
+def choice(index: int, text: str | None, finish: str | None, chat: bool, chunk: bool = False,
+           logprobs: dict | None = None, delta: dict | None = None) -> dict:
+    """One choice: completions carry ``text``; chat a ``message``, or in a stream a ``delta``."""
+    if not chat:
+        return {"index": index, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
+    if chunk:
+        body = delta if delta is not None else ({} if text is None else {"content": text})
+        return {"index": index, "delta": body, "finish_reason": finish, "logprobs": logprobs}
+    return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+            "logprobs": logprobs}
 
 
-def chat_completion(rid: str, model: str, created: int, text: str, finish: str | None, use: dict) -> dict:
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "finish_reason": finish, "logprobs": None}], "usage": use}
+def token_logprobs(tok, entries: list, chat: bool, offset: int = 0) -> dict:
+    """The ``logprobs`` of a choice from the engine's (logprob, [(id, logprob)]) per token: the
+    completions shape (tokens, token_logprobs, top_logprobs, text_offset from ``offset``) or the
+    chat shape (content: token, logprob, bytes, top_logprobs)."""
+    def text(i: int) -> str:
+        return tok.decode([i])
 
+    def raw(i: int) -> list[int]:
+        b = tok.token_bytes([i])
+        return list(b if b is not None else text(i).encode())
 
-def chat_chunk(rid: str, model: str, created: int, delta: dict, finish: str | None) -> dict:
-    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+    if chat:
+        return {"content": [{"token": text(t), "logprob": lp, "bytes": raw(t),
+                             "top_logprobs": [{"token": text(i), "logprob": v, "bytes": raw(i)} for i, v in top]}
+                            for t, (lp, top) in entries]}
+    tokens, offsets = [], []
+    for t, _ in entries:
+        offsets.append(offset)
+        tokens.append(text(t))
+        offset += len(tokens[-1])
+    return {"tokens": tokens, "token_logprobs": [lp for _, (lp, _) in entries],
+            "top_logprobs": [{text(i): v for i, v in top} for _, (_, top) in entries], "text_offset": offsets}
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | int | None = None) -> dict:

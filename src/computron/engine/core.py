@@ -27,6 +27,8 @@ from .executor import Executor
 class EngineError(ValueError):
     """Bad input from a user (unknown model, prompt too long, bad parameters): a 4xx, not a crash."""
 
+_INT = {int}
+
 
 @dataclass(eq=False)
 class CoreRequest:
@@ -148,7 +150,7 @@ class EngineCore:
         ids, max_tokens = req.prompt_ids, req.params.max_tokens
         if not ids:
             raise EngineError("the prompt is empty")
-        if any((not isinstance(t, int)) or t < 0 or t >= cfg.vocab_size for t in ids):
+        if not set(map(type, ids)) <= _INT or min(ids) < 0 or max(ids) >= cfg.vocab_size:  # C loops: long prompts
             raise EngineError(f"prompt token ids must be integers in [0, {cfg.vocab_size})")
         if len(ids) + max_tokens > cfg.max_position:
             raise EngineError(
@@ -258,11 +260,8 @@ class EngineCore:
                 tokens = result.tokens[rid]
                 if type(tokens) is int:
                     self._append(r, tokens, result.logprobs.get(rid))
-                else:  # a run of several steps: its tokens after the request ended are dropped
-                    for t in tokens:
-                        self._append(r, t)
-                        if r.done:
-                            break
+                else:
+                    self._extend(r, tokens)
 
     def _append(self, r: CoreRequest, token: int, logprob=None) -> None:
         eos = self.models[r.model].config.eos_token_id
@@ -276,6 +275,19 @@ class EngineCore:
             self.on_token(r, token)  # may end it (a stop string)
         if not r.done and len(r.output_ids) >= r.params.max_tokens:
             self.finish(r, "length")
+
+    def _extend(self, r: CoreRequest, tokens: list[int]) -> None:
+        """The tokens of a run of several steps; those after the request ended are dropped."""
+        if self.on_token is None and (r.params.ignore_eos or self.models[r.model].config.eos_token_id not in tokens):
+            room = r.params.max_tokens - len(r.output_ids)
+            r.output_ids.extend(tokens[:room] if room < len(tokens) else tokens)
+            if room <= len(tokens):
+                self.finish(r, "length")
+            return
+        for t in tokens:
+            self._append(r, t)
+            if r.done:
+                return
 
     def _lose(self, devices: list[int]) -> None:
         """Devices died: fail every request of a model on them; those models are off the device now."""

@@ -21,6 +21,7 @@ allocation beyond the capacity raises (the scheduler was wrong), as the arena wo
 
 from __future__ import annotations
 
+import math
 from concurrent.futures import Future
 from typing import Callable
 
@@ -196,10 +197,8 @@ class SimExecutor:
             if m.load_end > now:  # cold: group i computes once group i has landed
                 finish = pipelined_finish(now, compute, m.groups, m.ready)
             else:
+                compute *= k  # a run is warm: k equal steps
                 finish = now + compute
-            for _ in range(k - 1):  # step by step, so the clock reads as after k single steps
-                finish += compute
-            compute *= k
             result.compute_s[batch.model] = finish - now
             self.stats["compute_s"] += compute
             if not m.reported:
@@ -218,15 +217,13 @@ class SimExecutor:
         that single steps would make before a request arriving at ``until`` is seen."""
         m = self.models[model]
         now = self.clock.t
-        if m.ready is None or m.load_end > now or cap <= 1:
+        if cap <= 1 or m.ready is None or m.load_end > now:
             return 1
-        dt, t, k = batch_time(self.cal, m.nbytes, 0, batch), now, 0
-        while k < cap:
-            t += dt
-            k += 1
-            if t >= until:
-                break
-        return k
+        if until == math.inf:
+            return cap
+        dt = batch_time(self.cal, m.nbytes, 0, batch)
+        k = math.ceil((until - now) / dt)
+        return min(cap, max(k, 1))
 
     def _poll_loads(self, out: dict[str, float], wait: bool = False) -> None:
         t = self.clock.t

@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from computron.train.job import Trainer, TrainConfig
+from computron.train.config import TrainConfig
+from computron.train.job import Trainer
 
 TRAIN = dict(model="tiny-opt", seq_len=16, global_batch=8, micro_batch=8)
 

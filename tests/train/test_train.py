@@ -5,7 +5,8 @@ import torch
 
 from computron.models.kvcache import KVPool, block_bytes, paged_batch
 from computron.models.transformer import DenseBatch
-from computron.train.job import Trainer, TrainConfig
+from computron.train.config import TrainConfig
+from computron.train.job import Trainer
 
 CFG = dict(model="tiny-opt", seq_len=16, global_batch=8, micro_batch=8, steps=3, lr=1e-3, synthetic_tokens=4096)
 

@@ -9,7 +9,7 @@ from dataclasses import fields
 
 
 def add_parser(sub) -> None:
-    from .job import TrainConfig
+    from .config import TrainConfig
 
     p = sub.add_parser("train", help="train a model (AdamW, gradient accumulation), colocated with serving or not",
                        description=__doc__.splitlines()[0])
@@ -38,7 +38,8 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     import torch
 
-    from .job import TrainConfig, Trainer
+    from .config import TrainConfig
+    from .job import Trainer
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -33,29 +33,8 @@ from ..colocate.memmodel import MemoryModel, estimate
 from ..models import load_tokenizer, load_weights, resolve_model, save_checkpoint
 from ..models.transformer import DecoderLM, DenseBatch, bind_weights
 from ..parallel.dims import ParallelDims
+from .config import TrainConfig
 from .data import TokenData
-
-
-@dataclass
-class TrainConfig:
-    model: str = "tiny-opt"  # preset or checkpoint directory
-    data: str | None = None  # a text file; None: synthetic tokens
-    seq_len: int = 64
-    global_batch: int = 8  # samples per optimizer step
-    micro_batch: int = 8  # the largest micro-batch
-    steps: int = 10
-    lr: float = 3e-4
-    weight_decay: float = 0.0
-    device: str = "cpu"
-    dtype: str = "float32"  # float32, or bfloat16 (autocast, GPU)
-    seed: int = 0
-    synthetic_tokens: int = 1 << 16
-    checkpoint: str | None = None  # directory
-    checkpoint_every: int = 0  # steps; 0: at the end only
-    resume: bool = False
-    dims: dict = field(default_factory=dict)  # ParallelDims fields
-    colocate: str | None = None  # the arbiter server's address (a socket path or host:port)
-    colocate_device: int = 0
 
 
 class Trainer:

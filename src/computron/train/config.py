@@ -1,0 +1,28 @@
+"""TrainConfig: what ``computron train`` runs (model, data, batch sizes, optimizer, device,
+checkpoints, colocation). Torch-free, so the command line can show its defaults without torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TrainConfig:
+    model: str = "tiny-opt"  # preset or checkpoint directory
+    data: str | None = None  # a text file; None: synthetic tokens
+    seq_len: int = 64
+    global_batch: int = 8  # samples per optimizer step
+    micro_batch: int = 8  # the largest micro-batch
+    steps: int = 10
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    device: str = "cpu"
+    dtype: str = "float32"  # float32, or bfloat16 (autocast, GPU)
+    seed: int = 0
+    synthetic_tokens: int = 1 << 16
+    checkpoint: str | None = None  # directory
+    checkpoint_every: int = 0  # steps; 0: at the end only
+    resume: bool = False
+    dims: dict = field(default_factory=dict)  # ParallelDims fields
+    colocate: str | None = None  # the arbiter server's address (a socket path or host:port)
+    colocate_device: int = 0

@@ -1,4 +1,4 @@
-"""The ``computron`` command: serve | ps | generate | bench | plan | sim.
+"""The ``computron`` command: serve | ps | generate | bench | plan | sim | loadgen | train.
 
 Each sub-command's parser lives next to the code it runs; this file only assembles them.
 """
@@ -76,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .sim import cli as sim_cli
 
     sim_cli.add_parser(sub)
+
+    from .workload import loadgen
+
+    loadgen.add_parser(sub)
     __import__("computron.train.cli", fromlist=["add_parser"]).add_parser(sub)
     return parser
 

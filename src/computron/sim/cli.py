@@ -1,89 +1,175 @@
 """``computron sim``: what a policy, a budget and a workload would do, before running them.
 
-A workload (a JSONL trace, or arrivals generated per model: Gamma with a rate and a CV, Poisson
-or on/off bursts, with a power-law skew over the models) runs through the real engine core and
-scheduler on a simulated executor and a virtual clock, with a calibration (built-in ``cpu`` or
-``h200-rough``, or a JSON file). Prints per-model latency and time to first token and writes the
-records and summary as JSON. Imports no torch.
+A workload (a JSONL trace, arrivals generated per model: Gamma with a rate and a CV, Poisson or
+on/off bursts, with a power-law skew or explicit rates, or a preset of the original Computron
+simulation) runs through the real engine core and scheduler on a simulated executor and a virtual
+clock, with a calibration (built-in ``cpu`` or ``h200-rough``, or a file from ``computron bench
+calibrate``). Prints per-model latency, time to first token, time per output token and SLO
+attainment, writes the records and summary as JSON and, with ``--plots``, the latency CDF and the
+attainment curve. ``--sweep rate|cv|budget --values ...`` runs both policies at each value and
+plots attainment against it. Imports no torch.
+
+Presets (``--preset``): N copies of one model (``--models``, default opt-13b), the budget holding
+R of them (and half a model's bytes of KV cache); the ``computron`` policy keeps R resident:
+
+    3m-1-1-1, 3m-10-1-1, 3m-10-10-1                  3 models, 2 resident, rates as named (req/s)
+    6m-1x6, 6m-10-10-1-1-1-1, 6m-10x4-1-1           6 models, 4 resident
 """
 
 from __future__ import annotations
 
 import sys
 
+POLICIES = ("default", "computron")
+PRESETS = {  # name: (models resident at once, per-model rates)
+    "3m-1-1-1": (2, (1, 1, 1)), "3m-10-1-1": (2, (10, 1, 1)), "3m-10-10-1": (2, (10, 10, 1)),
+    "6m-1x6": (4, (1,) * 6), "6m-10-10-1-1-1-1": (4, (10, 10, 1, 1, 1, 1)), "6m-10x4-1-1": (4, (10,) * 4 + (1, 1)),
+}
+
 
 def add_parser(sub) -> None:
+    from ..workload.args import add_workload_args
+
     p = sub.add_parser("sim", help="simulate a workload on the real scheduler with a calibrated cost model",
-                       description=__doc__.splitlines()[0])
-    p.add_argument("--models", required=True,
-                   help="comma-separated presets or checkpoints, NAME_OR_DIR[=ALIAS] (aliases name copies)")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--trace", metavar="FILE.jsonl", help="arrivals from a trace (time, model, prompt_tokens, "
-                                                           "output_tokens per line)")
-    src.add_argument("--rate", type=float, help="requests per second over all models")
-    p.add_argument("--duration", type=float, default=30.0, help="seconds of generated arrivals (default 30)")
-    p.add_argument("--cv", type=float, default=1.0, help="coefficient of variation of inter-arrival times (gamma)")
-    p.add_argument("--skew", type=float, default=0.0, help="power-law exponent of the per-model rates (0: even)")
-    p.add_argument("--process", choices=("gamma", "poisson", "bursts"), default="gamma")
-    p.add_argument("--prompt", type=int, default=128, help="prompt tokens per request (default 128)")
-    p.add_argument("--output", type=int, default=128, help="output tokens per request (default 128)")
-    p.add_argument("--seed", type=int, default=0)
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default=None,
+                   help="comma-separated presets or checkpoints, NAME_OR_DIR[=ALIAS] (aliases name copies); "
+                        "with --preset, the one model copied (default opt-13b)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="a workload of the original Computron simulation (rates, copies, models resident)")
+    add_workload_args(p, source_required=False)
     p.add_argument("--calibration", default="cpu", help="cpu, h200-rough, or a calibration JSON file")
-    p.add_argument("--policy", choices=("default", "computron"), default="default")
+    p.add_argument("--policy", choices=POLICIES, default="default")
     p.add_argument("--budget", metavar="SIZE", help="device memory budget, e.g. 40GiB (default: the calibration's)")
     p.add_argument("--max-loaded", type=int, default=1, help="computron policy: models resident at once")
-    p.add_argument("--out", default=None, help="JSON output (default: bench/results/sim_<policy>.json)")
+    p.add_argument("--sweep", choices=("rate", "cv", "budget"), default=None,
+                   help="run both policies at each of --values and plot SLO attainment against it")
+    p.add_argument("--values", default=None, help="the sweep's values, comma-separated (sizes for budget)")
+    p.add_argument("--out", default=None, help="JSON output (default: bench/results/sim_<policy|sweep>.json)")
     p.set_defaults(func=main)
+
+
+def _setup(args):
+    """(model specs, engine config keyword arguments) from the flags and the preset."""
+    from ..config import ModelSpec, format_bytes, parse_bytes
+    from .layout import group_bytes
+
+    if args.preset:
+        resident, rates = PRESETS[args.preset]
+        base = (args.models or "opt-13b").split(",")[0].strip()
+        specs = [ModelSpec.parse(f"{base}={base.split('/')[-1]}-{i}") for i in range(len(rates))]
+        if args.rate is None and args.rates is None and not args.trace:
+            args.rates = ",".join(str(r) for r in rates)
+        budget = args.budget
+        if budget is None:
+            from ..models import resolve_model
+
+            cfg, _ = resolve_model(specs[0].source, dtype=specs[0].dtype)
+            budget = format_bytes(int((resident + 0.5) * sum(group_bytes(cfg))) + (2 << 30))  # + the workspace
+        return specs, dict(gpu_memory_budget=budget, max_loaded=resident, workspace_bytes=2 << 30)
+    if not args.models:
+        raise ValueError("give --models (or --preset)")
+    specs = [ModelSpec.parse(m.strip()) for m in args.models.split(",") if m.strip()]
+    if not specs:
+        raise ValueError("--models names no model")
+    parse_bytes(args.budget)
+    return specs, dict(gpu_memory_budget=args.budget, max_loaded=args.max_loaded)
+
+
+def run_once(args, specs, cfg_kw, cal, policy: str):
+    """One simulation: (result, summary with SLO attainment)."""
+    from ..config import EngineConfig
+    from ..workload.args import slo_report, workload_from_args
+    from .run import Simulation
+
+    sim = Simulation(specs, cal, EngineConfig(device="cpu", policy=policy, **cfg_kw))
+    trace = workload_from_args(args, [s.name for s in specs])
+    result = sim.run(trace)
+    summary = result.summary()
+    base = args.slo_ms / 1e3 if args.slo_ms else sim.solo_latency(trace)
+    plots, args.plots = args.plots, (f"{args.plots}/{policy}" if args.plots and args.sweep else args.plots)
+    summary["slo"] = slo_report(result.records, base, args, f"sim, policy {policy}")
+    args.plots = plots
+    return result, summary
 
 
 def main(args) -> int:
     from ..bench.common import write_json
-    from ..config import EngineConfig, ModelSpec
-    from ..workload import Trace, make_workload
     from .costs import calibration
-    from .run import simulate
 
     try:
-        specs = [ModelSpec.parse(m.strip()) for m in args.models.split(",") if m.strip()]
-        if not specs:
-            raise ValueError("--models names no model")
+        specs, cfg_kw = _setup(args)
+        if args.trace is None and args.rate is None and args.rates is None:
+            raise ValueError("give --trace, --rate, --rates or --preset")
         cal = calibration(args.calibration)
-        cfg = EngineConfig(device="cpu", gpu_memory_budget=args.budget, policy=args.policy,
-                           max_loaded=args.max_loaded)
-        names = [s.name for s in specs]
-        if args.trace:
-            trace = Trace.read_jsonl(args.trace)
-            unknown = sorted(set(trace.models) - set(names))
-            if unknown:
-                raise ValueError(f"the trace names model(s) {', '.join(unknown)} that --models does not "
-                                 f"({', '.join(names)})")
-        else:
-            trace = make_workload(names, args.rate, args.duration, cv=args.cv, skew=args.skew, prompt=args.prompt,
-                                  output=args.output, seed=args.seed, process=args.process)
-        result = simulate(trace, specs, cal, cfg)
+        if args.sweep:
+            return _sweep(args, specs, cfg_kw, cal)
+        result, summary = run_once(args, specs, cfg_kw, cal, args.policy)
     except (ValueError, KeyError, FileNotFoundError) as e:
         print(f"computron sim: {e.args[0] if e.args else e}", file=sys.stderr)
         return 2
-    summary = result.summary()
     out = args.out or f"bench/results/sim_{args.policy}.json"
-    write_json(out, {"settings": {k: v for k, v in vars(args).items() if k != "func"},
-                     "calibration": cal.to_dict(), "summary": summary,
+    write_json(out, {"settings": _settings(args), "calibration": cal.to_dict(), "summary": summary,
                      "records": [r.__dict__ for r in result.records]})
-    _print(summary, args)
+    _print(summary, args.policy, args.calibration)
+    print(f"wrote {out}" + (f" and plots under {args.plots}" if args.plots else ""))
+    return 0
+
+
+def _settings(args) -> dict:
+    return {k: v for k, v in vars(args).items() if k != "func"}
+
+
+def _sweep(args, specs, cfg_kw, cal) -> int:
+    from ..bench.common import print_table, write_json
+    from ..config import parse_bytes
+    from ..workload.report import plot_curves
+
+    if not args.values:
+        raise ValueError("--sweep needs --values, e.g. --values 1,2,4,8")
+    values = [v.strip() for v in args.values.split(",") if v.strip()]
+    base_rates = [float(x) for x in args.rates.split(",")] if args.rates else None
+    runs, curves, rows = [], {}, []
+    for policy in POLICIES:
+        ys = []
+        for v in values:
+            kw = dict(cfg_kw)
+            if args.sweep == "rate":
+                if base_rates:  # keep the preset's (or --rates') proportions, scaled to this total
+                    total = sum(base_rates)
+                    args.rates = ",".join(str(r * float(v) / total) for r in base_rates)
+                else:
+                    args.rate = float(v)
+            elif args.sweep == "cv":
+                args.cv = float(v)
+            else:
+                kw["gpu_memory_budget"] = v
+                parse_bytes(v)
+            _, summary = run_once(args, specs, kw, cal, policy)
+            slo = summary["slo"]
+            at = slo["all"][slo["scales"].index(args.slo_scale)]
+            ys.append(at)
+            runs.append({"policy": policy, args.sweep: v, "summary": summary})
+            lat = summary["all"]["latency"]
+            rows.append([policy, v, f"{at * 100:.1f}%", f"{lat['mean']:.3f}", f"{lat['p99']:.3f}"])
+        curves[policy] = ([float(v) if args.sweep != "budget" else parse_bytes(v) / 2**30 for v in values], ys)
+    print_table(f"sim sweep over {args.sweep}: SLO attainment at {args.slo_scale:g}x, latency (s)",
+                ["policy", args.sweep, "attainment", "mean", "p99"], rows)
+    out = args.out or f"bench/results/sim_sweep_{args.sweep}.json"
+    write_json(out, {"settings": _settings(args), "calibration": cal.to_dict(), "runs": runs})
+    if args.plots:
+        xlabel = {"rate": "total rate (req/s)", "cv": "coefficient of variation", "budget": "budget (GiB)"}
+        p = plot_curves(curves, f"{args.plots}/sweep_{args.sweep}.png", xlabel[args.sweep],
+                        f"SLO attainment at {args.slo_scale:g}x against {args.sweep}")
+        print(f"wrote {p}")
     print(f"wrote {out}")
     return 0
 
 
-def _print(summary: dict, args) -> None:
-    from ..bench.common import print_table
+def _print(summary: dict, policy: str, cal: str) -> None:
+    from ..workload.report import print_summary
 
-    rows = []
-    for name, s in [*summary["models"].items(), ("all", summary["all"])]:
-        lat, ttft = s["latency"], s["ttft"]
-        rows.append([name, s["requests"], s["completed"], s["failed"], lat["mean"], lat["p50"], lat["p99"],
-                     ttft["p50"], ttft["p99"]])
-    print_table(f"sim: policy {args.policy}, calibration {args.calibration} (seconds)",
-                ["model", "requests", "done", "failed", "latency mean", "p50", "p99", "TTFT p50", "TTFT p99"], rows)
+    print_summary(f"sim: policy {policy}, calibration {cal}", summary, summary.get("slo"))
     st = summary["stats"]
     print(f"simulated {summary['end_time']:.1f} s in {summary['steps']} steps; swap-ins {st.get('swap_ins', 0)}, "
           f"evictions {st.get('evictions', 0)}, preemptions {st.get('preemptions', 0)}")

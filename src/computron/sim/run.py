@@ -22,6 +22,7 @@ from typing import Iterable
 from ..config import EngineConfig, ModelSpec
 from ..engine.core import CoreRequest, EngineCore
 from ..messages import ModelDescription, SamplingParams
+from ..workload.report import by_model
 from .clock import VirtualClock
 from .costs import CPU_DEFAULT, Calibration
 from .executor import SimExecutor
@@ -60,6 +61,10 @@ class RequestRecord:
     def ttft(self) -> float | None:
         return None if self.first_token is None else self.first_token - self.arrival
 
+    @property
+    def ok(self) -> bool:
+        return self.finish_reason in ("length", "stop")
+
 
 @dataclass
 class SimResult:
@@ -71,34 +76,9 @@ class SimResult:
 
     def summary(self) -> dict:
         """Latency and time to first token (mean, p50, p99) over all requests and per model."""
-        out = {"all": _summarize(self.records), "models": {}}
-        for name in sorted({r.model for r in self.records}):
-            out["models"][name] = _summarize([r for r in self.records if r.model == name])
+        out = by_model(self.records)
         out["end_time"], out["steps"], out["stats"] = self.end_time, self.steps, dict(self.stats)
         return out
-
-
-def percentile(sorted_xs: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default), ``q`` in [0, 100]."""
-    if not sorted_xs:
-        return math.nan
-    pos = (len(sorted_xs) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(sorted_xs) - 1)
-    return sorted_xs[lo] + (sorted_xs[hi] - sorted_xs[lo]) * (pos - lo)
-
-
-def _stats(xs: list[float]) -> dict:
-    xs = sorted(xs)
-    return {"mean": sum(xs) / len(xs) if xs else math.nan, "p50": percentile(xs, 50), "p99": percentile(xs, 99),
-            "max": xs[-1] if xs else math.nan}
-
-
-def _summarize(records: list[RequestRecord]) -> dict:
-    ok = [r for r in records if r.finish_reason in ("length", "stop")]
-    return {"requests": len(records), "completed": len(ok), "failed": len(records) - len(ok),
-            "latency": _stats([r.latency for r in ok]), "ttft": _stats([r.ttft for r in ok]),
-            "output_tokens": sum(r.output_tokens for r in ok)}
 
 
 def _arrivals(trace) -> list:
@@ -132,6 +112,22 @@ class Simulation:
             spec = ModelSpec.parse(m) if isinstance(m, str) else m
             desc = ModelDescription(spec.name, spec.source, spec.dtype, spec.seed)
             self.core.add_model(self.executor.register(desc), pinned=spec.pinned)
+
+    def solo_latency(self, trace) -> dict[str, float]:
+        """Each model's latency for its median request (prompt and output tokens of ``trace``) alone
+        on its device, warm: the base of an SLO given as a multiple of solo latency."""
+        from .costs import batch_time
+
+        out = {}
+        for name, m in self.executor.models.items():
+            mine = sorted((a.prompt_tokens, a.output_tokens) for a in _arrivals(trace) if a.model == name)
+            if not mine:
+                continue
+            p = sorted(x for x, _ in mine)[len(mine) // 2]
+            o = sorted(y for _, y in mine)[len(mine) // 2]
+            cal = self.executor.cal
+            out[name] = batch_time(cal, m.nbytes, p, 0) + (o - 1) * batch_time(cal, m.nbytes, 0, 1)
+        return out
 
     def _finished(self, req: CoreRequest) -> None:
         rec = self.records[req.id]

@@ -1,0 +1,38 @@
+"""computron loadgen against a real server: every request of the trace is answered or reported."""
+
+import json
+
+from computron.cli import main
+from computron.workload import Request, Trace
+
+from .conftest import running
+
+
+def test_loadgen_replays_a_trace_and_reports_every_error(tmp_path, capsys):
+    reqs = [Request(0.02 * i, ("tiny-opt", "tiny-llama", "tiny-gpt2")[i % 3], 4 + i, 3 + i % 4) for i in range(12)]
+    reqs.append(Request(0.05, "no-such-model", 4, 2))
+    trace = tmp_path / "t.jsonl"
+    Trace(reqs).write_jsonl(trace)
+    out, plots = tmp_path / "lg.json", tmp_path / "plots"
+    with running() as live:
+        code = main(["loadgen", "--url", live.url, "--trace", str(trace), "--out", str(out), "--plots", str(plots)])
+    assert code == 1  # one request failed, and the exit status says so
+    res = json.loads(out.read_text())
+    recs = res["records"]
+    assert len(recs) == len(reqs)
+    bad = [r for r in recs if r["model"] == "no-such-model"]
+    assert len(bad) == 1 and bad[0]["status"] == 404 and "no-such-model" in bad[0]["error"]
+    good = [r for r in recs if r["model"] != "no-such-model"]
+    assert all(r["error"] is None for r in good)
+    # nothing lost: the server made exactly the tokens asked for, and said so in its usage
+    assert [r["completion_tokens"] for r in good] == [r.output_tokens for r in reqs if r.model != "no-such-model"]
+    assert all(r["arrival"] <= r["first_token"] <= r["finish"] for r in good)
+    s = res["summary"]
+    assert s["all"]["completed"] == 12 and s["all"]["failed"] == 1
+    assert s["models"]["tiny-opt"]["completed"] == 4 and s["models"]["no-such-model"]["completed"] == 0
+    slo = s["slo"]  # the base is each model's solo latency, measured first; the failed request misses
+    assert set(slo["base_s"]) == {"tiny-opt", "tiny-llama", "tiny-gpt2"}
+    assert slo["models"]["no-such-model"] == [0.0] * len(slo["scales"])
+    assert (plots / "latency_cdf.png").stat().st_size > 1000 and (plots / "slo_attainment.png").stat().st_size > 1000
+    err = capsys.readouterr().err
+    assert "no solo latency for 'no-such-model'" in err and "HTTP 404" in err

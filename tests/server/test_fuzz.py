@@ -36,8 +36,8 @@ def check(r: httpx.Response | object, what: str) -> None:
         assert isinstance(err["message"], str) and err["message"] and "type" in err, r.text
 
 
-UNSUPPORTED = ("n", "presence_penalty", "frequency_penalty", "logit_bias", "echo", "logprobs", "suffix", "best_of",
-               "tools", "response_format", "top_logprobs")
+UNSUPPORTED = ("suffix",
+               "tools", "response_format")
 
 
 def short(body: dict, n: int) -> None:

@@ -234,7 +234,15 @@ def token_logprobs(tok, entries: list, chat: bool, offset: int = 0) -> dict:
         tokens.append(text(t))
         offset += len(tokens[-1])
     return {"tokens": tokens, "token_logprobs": [lp for _, (lp, _) in entries],
-            "top_logprobs": [{text(i): v for i, v in top} for _, (_, top) in entries], "text_offset": offsets}
+            "top_logprobs": [_by_text(top, text) for _, (_, top) in entries], "text_offset": offsets}
+
+
+def _by_text(top: list, text) -> dict:
+    """Completions' top_logprobs are keyed by text: of ids with the same text, the likeliest one."""
+    out: dict[str, float] = {}
+    for i, v in top:
+        out.setdefault(text(i), v)
+    return out
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | int | None = None) -> dict:

@@ -8,6 +8,10 @@ from computron.workload import Request, Trace
 from .conftest import running
 
 
+def s_server(res):
+    return res["summary"]["server"]
+
+
 def test_loadgen_replays_a_trace_and_reports_every_error(tmp_path, capsys):
     reqs = [Request(0.02 * i, ("tiny-opt", "tiny-llama", "tiny-gpt2")[i % 3], 4 + i, 3 + i % 4) for i in range(12)]
     reqs.append(Request(0.05, "no-such-model", 4, 2))
@@ -26,7 +30,8 @@ def test_loadgen_replays_a_trace_and_reports_every_error(tmp_path, capsys):
     assert all(r["error"] is None for r in good)
     # nothing lost: the server made exactly the tokens asked for, and said so in its usage
     assert [r["completion_tokens"] for r in good] == [r.output_tokens for r in reqs if r.model != "no-such-model"]
-    assert all(r["arrival"] <= r["first_token"] <= r["finish"] for r in good)
+    assert all(r["arrival"] < r["first_token"] < r["finish"] for r in good)  # a chunk per token, text or not
+    assert s_server(res)["computron_model_swaps_total"] >= 3  # the budget holds one model: they swapped
     s = res["summary"]
     assert s["all"]["completed"] == 12 and s["all"]["failed"] == 1
     assert s["models"]["tiny-opt"]["completed"] == 4 and s["models"]["no-such-model"]["completed"] == 0

@@ -77,8 +77,32 @@ def add_decode_parser(sub) -> None:
     p.set_defaults(func=_decode)
 
 
+def _calibrate(args) -> int:
+    from . import calibrate
+
+    return calibrate.main(args)
+
+
+def add_calibrate_parser(sub) -> None:
+    from .calibrate import __doc__ as doc
+
+    p = sub.add_parser("calibrate", help="measure swap, prefill and decode times for the simulator's cost model",
+                       description=doc.split("\n\n")[0])
+    p.add_argument("model", nargs="*", default=None,
+                   help="models of two or more sizes (default: opt-125m opt-350m opt-1.3b on a GPU, tiny presets on CPU)")
+    p.add_argument("--batch", type=positive_int, nargs="+", default=[1, 4, 16, 64])
+    p.add_argument("--prompt", type=positive_int, nargs="+", default=[32, 128, 512])
+    p.add_argument("--new-tokens", type=positive_int, default=32)
+    p.add_argument("--repeats", type=positive_int, default=3)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--gpu-memory-budget", default=None)
+    p.add_argument("--out", default="bench/results/calibration.json", help="the calibration file to write")
+    p.set_defaults(func=_calibrate)
+
+
 def add_parsers(sub) -> None:
-    """Add ``round-robin``, ``swap`` and ``decode`` to a ``bench`` sub-parsers object."""
+    """Add ``round-robin``, ``swap``, ``decode`` and ``calibrate`` to a ``bench`` sub-parsers object."""
     add_round_robin_parser(sub)
     add_swap_parser(sub)
     add_decode_parser(sub)
+    add_calibrate_parser(sub)

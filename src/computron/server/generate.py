@@ -201,9 +201,11 @@ async def _events(gen: Generation, body, rid: str, created: int, chat: bool, wan
                 yield chunk(i, None, delta={"role": "assistant", "content": ""})
             elif echo:
                 yield chunk(i, echo, upto=0)
+        shown = [0] * n  # tokens of each choice a chunk has reported
         while len(gen.done) < n:
             i, text, _, made = await gen.next()
-            if text:
+            if text or made > shown[i]:  # a chunk per step with a new token, even one with no text yet,
+                shown[i] = made  # so that a client sees when each token came (time to first token)
                 yield chunk(i, text, upto=made)
         failed = gen.failure()
         if failed is not None:

@@ -5,9 +5,10 @@ Every time is a simple affine model with a floor (no torch, no I/O except ``load
 - **swap-in**: ``bytes / swap_bandwidth[device]`` (one copy stream per device: loads on one
   device run one after another, each layer group landing in turn);
 - **prefill** of ``t`` tokens on a model of ``B`` weight bytes (one rank's shard):
-  ``max(B / hbm_bandwidth, prefill_fixed_s + t * (prefill_token_s + prefill_token_s_per_byte * B))``;
-- **decode** step of ``b`` sequences: ``max(B / hbm_bandwidth, decode_fixed_s + b * (decode_seq_s +
-  decode_seq_s_per_byte * B))``;
+  ``max(B / hbm_bandwidth, prefill_fixed_s + prefill_fixed_s_per_byte * B + t * (prefill_token_s +
+  prefill_token_s_per_byte * B))``;
+- **decode** step of ``b`` sequences: ``max(B / hbm_bandwidth, decode_fixed_s + decode_fixed_s_per_byte * B
+  + b * (decode_seq_s + decode_seq_s_per_byte * B))`` (the per-byte fixed term: reading the weights);
 - a **mixed** batch (prompts and decodes in one step) pays the prefill fixed cost and both sums;
 - **eviction**: ``evict_s`` (nothing is copied back: the region is released).
 
@@ -34,6 +35,8 @@ class Calibration:
     decode_seq_s: float = 2e-5  # per sequence of the batch
     decode_seq_s_per_byte: float = 5e-12  # per sequence per weight byte
     evict_s: float = 1e-5  # per eviction
+    prefill_fixed_s_per_byte: float = 0.0  # per batch with a prompt, per weight byte
+    decode_fixed_s_per_byte: float = 0.0  # per decode-only batch, per weight byte (the weights read once)
     device_memory: int = 2 * 2**30  # bytes per device when the engine config sets no budget (the CPU default)
 
     def __post_init__(self) -> None:
@@ -135,9 +138,10 @@ def batch_time(cal: Calibration, nbytes: int, prefill_tokens: int, decode_seqs: 
     """Seconds of one batch of a model of ``nbytes`` weight bytes: ``prefill_tokens`` prompt tokens
     and ``decode_seqs`` sequences decoding one token each (the weights warm on the device)."""
     if prefill_tokens:
-        t = cal.prefill_fixed_s + prefill_tokens * (cal.prefill_token_s + cal.prefill_token_s_per_byte * nbytes)
+        t = cal.prefill_fixed_s + cal.prefill_fixed_s_per_byte * nbytes + \
+            prefill_tokens * (cal.prefill_token_s + cal.prefill_token_s_per_byte * nbytes)
     else:
-        t = cal.decode_fixed_s
+        t = cal.decode_fixed_s + cal.decode_fixed_s_per_byte * nbytes
     if decode_seqs:
         t += decode_seqs * (cal.decode_seq_s + cal.decode_seq_s_per_byte * nbytes)
     floor = nbytes / cal.hbm_bandwidth

@@ -5,8 +5,9 @@ in flight, as a streamed completion: the prompt as token ids (``prompt_tokens`` 
 length is exact whatever the tokenizer), ``max_tokens`` = the trace's output tokens, greedy,
 ``ignore_eos`` (the server's extension: every request makes exactly its output tokens), usage
 included. Per request it records, on this process's clock: the send time, the first streamed text
-(time to first token), the end, the completion tokens the server counted, and the HTTP status and
-error of a failure. Time per output token is (end − first token) / (tokens − 1).
+(the first chunk that reports a token: time to first token), the end, the completion tokens the
+server counted, and the HTTP status and error of a failure; and the server's swap counters
+(/metrics) over the replay. Time per output token is (end − first token) / (tokens − 1).
 
 The SLO's base is ``--slo-ms``, or each model's solo latency: before the workload, one warm-up
 request and then one request of the model's median prompt and output lengths, sent alone.
@@ -75,8 +76,9 @@ async def _one(client, url: str, headers: dict, rec: LoadRecord, t0: float) -> N
                     return
                 if msg.get("usage"):
                     rec.completion_tokens = msg["usage"].get("completion_tokens")
-                if rec.first_token is None and any(c.get("text") for c in msg.get("choices") or ()):
-                    rec.first_token = time.perf_counter() - t0
+                if rec.first_token is None and any(c.get("text") or c.get("finish_reason") is None
+                                                   for c in msg.get("choices") or ()):
+                    rec.first_token = time.perf_counter() - t0  # the server sends a chunk per new token
         rec.finish = time.perf_counter() - t0
         if rec.first_token is None:  # no text at all (tokens that decode to nothing): the end is the first
             rec.first_token = rec.finish
@@ -107,6 +109,28 @@ async def replay(url: str, trace, api_key: str | None = None, timeout: float = 6
 
         await asyncio.gather(*(fire(r) for r in records))
     return records
+
+
+def server_counters(url: str, api_key: str | None = None) -> dict[str, float]:
+    """The server's swap counters (``computron_model_swaps_total`` and its seconds and bytes, summed
+    over models), to report what the server did during a replay; {} when /metrics cannot be read."""
+    import httpx
+
+    out: dict[str, float] = {}
+    try:
+        text = httpx.get(f"{url.rstrip('/')}/metrics", timeout=10,
+                         headers={"Authorization": f"Bearer {api_key}"} if api_key else {}).text
+    except httpx.HTTPError:
+        return out
+    for line in text.splitlines():
+        if line.startswith("computron_model_swap") or line.startswith("computron_swap_seconds_sum"):
+            name, _, value = line.rpartition(" ")
+            key = name.split("{")[0]
+            try:
+                out[key] = out.get(key, 0.0) + float(value)
+            except ValueError:
+                pass
+    return out
 
 
 def solo_latency(url: str, trace, api_key: str | None = None) -> dict[str, float]:
@@ -173,10 +197,13 @@ def main(args) -> int:
             errors[0] += rec.error is not None
             bar.update(task, advance=1, errors=errors[0])
 
+        before = server_counters(args.url, args.api_key)
         t0 = time.perf_counter()
         records = asyncio.run(replay(args.url, trace, args.api_key, args.timeout, done))
         wall = time.perf_counter() - t0
+        after = server_counters(args.url, args.api_key)
     summary = by_model(records)
+    summary["server"] = {k: v - before.get(k, 0.0) for k, v in after.items()}
     summary["slo"] = slo_report(records, base, args, "loadgen")
     summary["wall_s"] = wall
     write_json(args.out, {"settings": {k: v for k, v in vars(args).items() if k not in ("func", "api_key")},

@@ -1,0 +1,28 @@
+"""The calibration fit recovers a known cost model; files without the newer terms still load."""
+
+import pytest
+
+from computron.bench.calibrate import _fit
+from computron.sim.costs import H200_ROUGH, Calibration, batch_time
+
+
+def test_fit_recovers_known_terms_and_never_goes_negative():
+    true = (6e-4, 5e-13, 2e-6, 2.5e-15)  # fixed, per byte, per sequence, per sequence per byte
+    rows = [(b, n, true[0] + true[1] * b + n * (true[2] + true[3] * b))
+            for b in (2.5e8, 6.6e8, 2.6e9) for n in (1, 4, 16, 64)]
+    got = _fit(rows)
+    for g, t in zip(got, true):
+        assert g == pytest.approx(t, rel=1e-6)
+    flat = [(b, n, 5e-3) for b in (1e8, 1e9) for n in (32, 512)]  # no dependence at all: one fixed term
+    got = _fit(flat)
+    assert got[0] == pytest.approx(5e-3) and got[1:] == (0.0, 0.0, 0.0)
+    noisy = [(b, n, t * (1.3 if n == 1 else 0.9)) for b, n, t in rows]
+    assert min(_fit(noisy)) >= 0.0
+
+
+def test_per_byte_fixed_terms_and_old_files():
+    cal = Calibration(decode_fixed_s=1e-3, decode_fixed_s_per_byte=1e-12, decode_seq_s=0.0, decode_seq_s_per_byte=0.0,
+                      hbm_bandwidth=1e15)
+    assert batch_time(cal, 2 * 10**9, 0, 8) == pytest.approx(1e-3 + 2e-3)
+    old = {k: v for k, v in H200_ROUGH.to_dict().items() if not k.endswith("fixed_s_per_byte")}
+    assert Calibration.from_dict(old).decode_fixed_s_per_byte == 0.0

@@ -72,3 +72,51 @@ def test_heterogeneous_speeds_get_proportional_layers():
 def test_infeasible_memory_caps():
     assert partition.greedy(10, [1, 1], [0, 0], [4, 4]) is None
     assert partition.exact(partition.linear_costs(10, [1, 1], [0, 0], [4, 4])) is None
+
+
+def _all_partitions(L, p, caps, least):
+    if p == 1:
+        if least <= L <= caps[0]:
+            yield (L,)
+        return
+    for k in range(least, min(caps[0], L) + 1):
+        for rest in _all_partitions(L - k, p - 1, caps[1:], least):
+            yield (k,) + rest
+
+
+@pytest.mark.parametrize("v", [1, 2])
+def test_pipeline_min_max_never_above_a_simulated_schedule(v):
+    """The search prunes with this bound: it must not exceed the simulated time of any partition
+    (random stages, forward a third of each layer's time, fixed costs split over the chunks)."""
+    from computron.planner.partition import pipeline_min_max
+    from computron.planner.schedule import simulate
+
+    rng = random.Random(7 + v)
+    ratios = []
+    for _ in range(150):
+        p = rng.randint(2, 4)
+        m = p * rng.randint(1, 3) if v > 1 else rng.randint(1, 8)
+        L = rng.randint(p * v, 12)
+        w = [rng.uniform(0.5, 3.0) for _ in range(p)]
+        c = [rng.uniform(0.0, 1.0) for _ in range(p)]
+        caps = [rng.randint(v, L) for _ in range(p)]
+        bound = pipeline_min_max(L, w, caps, m, v, v, c)
+        best = math.inf
+        for counts in _all_partitions(L, p, caps, v):
+            fwd, bwd = [0.0] * (p * v), [0.0] * (p * v)
+            for s, n in enumerate(counts):
+                q, r = divmod(n, v)
+                for j in range(v):
+                    k = q + (1 if j < r else 0)
+                    fwd[j * p + s] = k * w[s] / 3 + c[s] / (2 * v)
+                    bwd[j * p + s] = k * w[s] * 2 / 3 + c[s] / (2 * v)
+            best = min(best, simulate(p, v, m, fwd, bwd).makespan)
+        if best == math.inf:
+            assert bound == math.inf
+            continue
+        assert bound <= best * (1 + 1e-9)
+        busy = m * partition.capped_min_max(L, w, caps, v, c)  # the bound without fill and drain
+        assert bound >= busy * (1 - 1e-9)
+        ratios.append((busy / best, bound / best))
+    # the fill and drain close much of the gap to the simulated optimum
+    assert sum(b for _, b in ratios) / len(ratios) > sum(a for a, _ in ratios) / len(ratios) + 0.05

@@ -10,7 +10,8 @@ from computron.planner.estimate import CostModel, PlanConfig, PlanContext
 from computron.planner.hardware import parse_compact
 from computron.planner.layout import distinct_orderings, stage_envs
 from computron.planner.model import TransformerShape, preset
-from computron.planner.search import SearchOptions, _layouts, block_orderings, capped_min_max, divisors, search
+from computron.planner.partition import capped_min_max
+from computron.planner.search import SearchOptions, _layouts, block_orderings, divisors, search
 
 SMALL = TransformerShape("small", "gpt", layers=8, hidden=1024, heads=16, ffn=4096, vocab=32000, seq_len=1024, global_batch=32)
 

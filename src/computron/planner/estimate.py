@@ -241,14 +241,13 @@ class PlanContext:
         v, L = self.cfg.v, self.m.layers
         return all(k >= v for k in self.caps) and sum(min(k, L) for k in self.caps) >= L
 
-    def quick_bound(self) -> float:
-        """A partition-free lower bound on the pipeline time: m times the fractional min-max stage
-        time ``T = (L + sum c_s/t_s) / sum 1/t_s`` (no integer partition has a smaller bottleneck),
-        and at least m times the time of the cheapest stage holding v layers."""
+    def quick_bound(self, cutoff: float = math.inf) -> float:
+        """A partition-free lower bound on the pipeline time: :func:`partition.pipeline_min_max` over
+        fractional partitions within the memory caps (every stage's m busy micro-batches, and the
+        last stage's wait for the pipeline to fill and drain)."""
         t, c = self.linear_terms()
-        frac = (self.m.layers + sum(ci / ti for ti, ci in zip(t, c))) / sum(1 / ti for ti in t)
-        floor = max(ci + self.cfg.v * ti for ti, ci in zip(t, c))
-        return self.mb * max(frac, floor)
+        return partition.pipeline_min_max(self.m.layers, t, self.caps, self.mb, self.cfg.v, self.cfg.v, c,
+                                         cutoff=cutoff)
 
     # ---- per stage costs
     def _stage(self, s: int) -> StageCost:

@@ -35,10 +35,12 @@ from .errors import PlannerError
 from . import schedule
 from .estimate import METHODS, CostModel, PlanConfig, PlanContext, PlanResult, max_layers, memory_terms
 from .hardware import Cluster
+from .partition import capped_min_max, pipeline_min_max
 from .layout import check_dims, compositions, distinct_orderings, stage_envs, stage_node_names
 from .model import TransformerShape
 
 OBJECTIVES = ("time", "cost", "throughput")
+DIVE = 1e18  # subtracted from the heap key of entries explored ahead of their bound
 
 
 @dataclass(frozen=True)
@@ -163,6 +165,42 @@ class _StageTables:
             self._caps[key] = got
         return got
 
+    def fixed(self, sig: tuple[int, ...], b: int, v: int) -> list[float]:
+        """Per stage, a lower bound on its time per micro-batch besides its layers: the embedding on
+        the first stage, the head on the last (at their fastest type) and the pipeline sends (over
+        the network at the fastest link when a stage's G GPUs fill whole nodes on both sides, else
+        at the fastest intra-node link)."""
+        p = self.dims.pp
+        out = [0.0] * p
+        if p == 1:
+            out[0] = self._part("head", sig[0], b)
+            return out
+        for s in range(p):
+            out[s] = (v - (s == p - 1)) * self._part("send", (sig[s], sig[(s + 1) % p]), b) + \
+                (v - (s == 0)) * self._part("send", (sig[s], sig[(s - 1) % p]), b)
+        out[0] += self._part("emb", sig[0], b)
+        out[-1] += self._part("head", sig[-1], b)
+        return out
+
+    def _part(self, kind: str, k, b: int) -> float:
+        key = (kind, k, b)
+        got = self._w.get(key)
+        if got is None:
+            m, a, t, G = self.m, self.cm.a, self.dims.tp, self.dims.tp * self.dims.dp
+            if kind == "emb":
+                got = min(sum(costs.embedding_compute(m, n.gpu, t, b, a)) for n in self.sets[k])
+            elif kind == "head":
+                got = min(sum(costs.head_compute(m, n.gpu, t, b, a)) for n in self.sets[k])
+            else:
+                here, other = self.sets[k[0]], self.sets[k[1]]
+                both = here + other
+                crosses = G >= max(n.gpus_per_node for n in both)
+                bw = (min(n.nic_per_gpu for n in both) * a.inter_eff if crosses
+                      else max(n.intra_bw for n in both) * a.intra_eff)
+                got = costs.p2p_time(m, t, b, bw, max(n.intra_bw for n in other), a, crosses)
+            self._w[key] = got
+        return got
+
     def w(self, k: int, b: int, rec: bool) -> float:
         """Seconds per layer per micro-batch on node set k (its slowest type)."""
         key = (k, b, rec)
@@ -170,24 +208,6 @@ class _StageTables:
         if got is None:
             got = self._w[key] = b * max(_tau(self.m, n, self.dims.tp, b, self.cm, rec) for n in self.sets[k])
         return got
-
-
-def capped_min_max(L: int, w: list[float], caps: list[int], least: int = 1) -> float:
-    """Least bottleneck ``T`` of a fractional split of L layers with stage s taking ``n_s <= caps[s]``
-    layers at ``w[s]`` seconds each (and at least ``least`` layers): water-filling,
-    ``T = (L - sum of saturated caps) / sum of 1/w over the rest``; inf when the caps hold < L."""
-    if sum(caps) < L or min(caps) < least:
-        return math.inf
-    floor = max(least * x for x in w)
-    order = sorted(range(len(w)), key=lambda i: caps[i] * w[i])
-    left, inv = float(L), sum(1.0 / x for x in w)
-    for i in order:
-        t = left / inv
-        if t <= caps[i] * w[i]:
-            return max(t, floor)
-        left -= caps[i]
-        inv -= 1.0 / w[i]
-    return math.inf if left > 1e-9 else floor
 
 
 def _free_bound(m: TransformerShape, dims: ParallelDims, stage_nodes, b: int, cm: CostModel) -> float:
@@ -215,6 +235,17 @@ def _capped_bound(m: TransformerShape, sig: tuple[int, ...], b: int, v: int, opt
         ws = {k: tabs.w(k, b, rec) for k in lists}
         return mb * capped_min_max(m.layers, [ws[k] for k in sig], caps, v), rec
     return math.inf, False
+
+
+def _fill_bound(m: TransformerShape, sig: tuple[int, ...], b: int, v: int, rec: bool, tabs: _StageTables,
+                cutoff: float = math.inf) -> float:
+    """:func:`pipeline_min_max` for plans whose stage s falls on node set ``sig[s]`` (micro-batch b,
+    v chunks, recomputation ``rec``): the capped bound plus the pipeline's fill and drain."""
+    mb = m.global_batch // (tabs.dims.dp * b)
+    lists = {k: tabs.caps(k, b, v, rec) for k in set(sig)}
+    caps = [lists[k][s] for s, k in enumerate(sig)]
+    return pipeline_min_max(m.layers, [tabs.w(k, b, rec) for k in sig], caps, mb, v, v, tabs.fixed(sig, b, v),
+                            cutoff=cutoff)
 
 
 def _group_bound(m: TransformerShape, comp: dict[str, int], nts: dict, dims: ParallelDims, sizes, cm: CostModel) -> float:
@@ -297,8 +328,9 @@ def search(m: TransformerShape, cluster: Cluster, opts: SearchOptions = SearchOp
     - group: composition + tp/pp/dp (:func:`_group_bound`) -> families of gatherings;
     - family: gatherings whose stages fall on the same multiset of node types (:func:`_free_bound`)
       -> its gatherings;
-    - gathering: placements with the same node types per stage (:func:`_capped_bound`, memory caps
-      included) -> one lazy configuration per distinct stage view, micro-batch size and v;
+    - gathering: placements with the same node types per stage, per micro-batch size and v
+      (:func:`_capped_bound`, memory caps included; on first pop tightened by :func:`_fill_bound`,
+      the pipeline's fill and drain, and queued again) -> one lazy configuration per stage view;
     - lazy: built into a PlanContext on pop, re-pushed with PlanContext.quick_bound;
     - config: partitioned; each partition gets PlanContext.lower_bound and is simulated.
 
@@ -317,21 +349,33 @@ def search(m: TransformerShape, cluster: Cluster, opts: SearchOptions = SearchOp
         heap.append((objective_value(opts, lb, price), lb, next(seq), "group", g))
     heapq.heapify(heap)
     intern: dict = {}
+    view_cache: dict = {}  # id(placements of a gathering) -> (them, {stage views: placement})
     best: list[tuple[float, float, PlanResult]] = []
     keys = set()
+
+    def cutoff(price: float) -> float:
+        """The time a plan at this price must beat to enter the top (inf while it has room)."""
+        if len(best) < opts.top:
+            return math.inf
+        return best[-1][0] * 3600 / price if opts.objective == "cost" else best[-1][0]
 
     def beaten(obj: float) -> bool:
         return len(best) >= opts.top and obj >= best[-1][0]
 
-    def push(lb: float, price: float, kind: str, item) -> None:
+    def push(lb: float, price: float, kind: str, item, dive: bool = False) -> None:
+        """Queue an entry by its bound; ``dive`` queues it ahead of every bound (while no plan is
+        known, so that one is found early and prunes the rest; order never affects exactness)."""
         obj = objective_value(opts, lb, price)
         if beaten(obj) or (opts.objective == "cost" and opts.time_limit is not None and lb > opts.time_limit):
             return
-        heapq.heappush(heap, (obj, lb, next(seq), kind, item))
+        heapq.heappush(heap, (obj - DIVE if dive else obj, lb, next(seq), kind, item))
 
     while heap:
         obj0, lb0, _, kind, item = heapq.heappop(heap)
-        if beaten(obj0):
+        if obj0 < 0:  # explored ahead of its bound
+            if beaten(obj0 + DIVE):
+                continue
+        elif beaten(obj0):
             break
         if opts.objective == "cost" and opts.time_limit is not None and lb0 > opts.time_limit:
             continue
@@ -345,29 +389,39 @@ def search(m: TransformerShape, cluster: Cluster, opts: SearchOptions = SearchOp
                 families.setdefault(tuple(sorted(sig)), []).append((sig, orders))
             for members in families.values():
                 stage_nodes = [tabs.sets[k] for k in members[0][0]]  # any member: the bound ignores order
-                lb = min(_free_bound(m, dims, stage_nodes, b, cm) for b in sizes)
-                push(max(lb, lb0), price, "family", (item, tabs, members))
+                free = {b: max(_free_bound(m, dims, stage_nodes, b, cm), lb0) for b in sizes}
+                push(min(free.values()), price, "family", (item, tabs, members, free))
             continue
         if kind == "family":
-            group, tabs, members = item
+            group, tabs, members, free = item
             comp, nts, dims, sizes, price = group
+            sizes = [b for b in sizes if not beaten(objective_value(opts, free[b], price))]
             for sig, orders in members:
-                bounds = {(b, v): _capped_bound(m, sig, b, v, opts, tabs) for b in sizes for v in opts.virtual_stages}
-                lb = min(x for x, _ in bounds.values())
-                if lb < math.inf:
-                    push(max(lb, lb0), price, "gathering", (group, orders, bounds))
+                for b in sizes:
+                    for v in opts.virtual_stages:
+                        lb, rec = _capped_bound(m, sig, b, v, opts, tabs)
+                        if lb < math.inf:
+                            push(max(lb, lb0), price, "gathering", (group, tabs, sig, orders, b, v, rec, False))
             continue
         if kind == "gathering":
-            stats["gatherings"] += 1
-            (comp, nts, dims, sizes, price), orders, bounds = item
-            views: dict = {}
-            for order in orders:
-                views.setdefault(stage_envs(order, dims, cm.a, intern), order)
-            stats["views"] += len(views)
-            for (b, v), (lb, rec) in bounds.items():
-                if lb < math.inf:
-                    for envs, order in views.items():
-                        push(max(lb, lb0), price, "lazy", (envs, order, PlanConfig(dims, b, v, rec, opts.zero1), price))
+            group, tabs, sig, orders, b, v, rec, tight = item
+            comp, nts, dims, sizes, price = group
+            if not tight:  # add the pipeline's fill and drain, queue again behind better entries
+                lb = _fill_bound(m, sig, b, v, rec, tabs, cutoff(price))
+                if lb > lb0 and best:
+                    push(lb, price, "gathering", (group, tabs, sig, orders, b, v, rec, True))
+                    continue
+                lb0 = max(lb, lb0)
+            views = view_cache.get(id(orders), (None, None))[1]
+            if views is None:
+                stats["gatherings"] += 1
+                views = {}
+                for order in orders:
+                    views.setdefault(stage_envs(order, dims, cm.a, intern), order)
+                view_cache[id(orders)] = (orders, views)  # holding orders keeps its id unique
+                stats["views"] += len(views)
+            for envs, order in views.items():
+                push(lb0, price, "lazy", (envs, order, PlanConfig(dims, b, v, rec, opts.zero1), price), not best)
             continue
         if kind == "lazy":
             envs, order, cfg, price = item
@@ -376,7 +430,7 @@ def search(m: TransformerShape, cluster: Cluster, opts: SearchOptions = SearchOp
             except PlannerError:
                 continue  # batch/schedule constraints (micro-batches vs pp, layers vs chunks)
             stats["configs"] += 1
-            push(max(lb0, ctx.quick_bound()), price, "config", (ctx, order, price))
+            push(max(lb0, ctx.quick_bound(cutoff(price))), price, "config", (ctx, order, price), not best)
             continue
         ctx, order, price = item
         stats["partitioned"] += 1

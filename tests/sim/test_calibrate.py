@@ -16,6 +16,9 @@ def test_fit_recovers_known_terms_and_never_goes_negative():
     flat = [(b, n, 5e-3) for b in (1e8, 1e9) for n in (32, 512)]  # no dependence at all: one fixed term
     got = _fit(flat)
     assert got[0] == pytest.approx(5e-3) and got[1:] == (0.0, 0.0, 0.0)
+    evictions = [(b, 0, 3e-5 + b / 20e9) for b in (2.5e8, 6.6e8, 2.6e9)]  # a copy back at 20 GB/s
+    got = _fit(evictions)
+    assert got[0] == pytest.approx(3e-5, rel=1e-6) and got[1] == pytest.approx(1 / 20e9, rel=1e-6)
     noisy = [(b, n, t * (1.3 if n == 1 else 0.9)) for b, n, t in rows]
     assert min(_fit(noisy)) >= 0.0
 

@@ -35,6 +35,7 @@ def _fit(rows: list[tuple[float, float, float]]) -> tuple[float, float, float, f
     t = np.array([t for _, _, t in rows])
     w = 1.0 / t  # relative error: small steps count as much as large ones
     scale = np.abs(cols).max(axis=0)  # bytes are ~1e9: columns scaled for a well-conditioned solve
+    scale[scale == 0] = 1.0  # a column of zeros (no tokens: evictions) stays zero
     best, best_err = (0.0, 0.0, 0.0, 0.0), np.inf
     for k in (1, 2, 3, 4):
         for subset in combinations(range(4), k):
@@ -52,7 +53,7 @@ def _fit(rows: list[tuple[float, float, float]]) -> tuple[float, float, float, f
 
 
 def run(models: list[str], device: str, batches: list[int], prompts: list[int], new: int, repeats: int,
-        budget: str | None) -> dict:
+        budget: str | None, executor: str | None = None) -> dict:
     import torch
 
     from ..config import EngineConfig, ModelSpec
@@ -61,7 +62,7 @@ def run(models: list[str], device: str, batches: list[int], prompts: list[int], 
     from .common import machine
     from .decode import _engine_step_s, _floor_s
 
-    eng = Engine(EngineConfig(device=device, gpu_memory_budget=budget))
+    eng = Engine(EngineConfig(device=device, gpu_memory_budget=budget, executor=executor))
     dev = eng.executor.device if hasattr(eng.executor, "device") else torch.device("cpu")
     points = {"swap": [], "evict": [], "prefill": [], "decode": [], "floor": []}
     rng = np.random.default_rng(0)
@@ -104,12 +105,13 @@ def run(models: list[str], device: str, batches: list[int], prompts: list[int], 
     hbm = statistics.median(b / s for _, b, s in points["floor"])
     pf = _fit([(b, p, t) for _, b, p, t in points["prefill"]])
     dc = _fit([(b, n, t) for _, b, n, t in points["decode"]])
+    ev = _fit([(b, 0, t) for _, b, t in points["evict"]])  # fixed + per byte (a copy back, if any)
     mem = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else eng.executor.status().devices[0].budget
     cal = Calibration(name=f"measured:{machine().get('gpu', dev.type)}", swap_bandwidth=(swap_bw,), hbm_bandwidth=hbm,
                       prefill_fixed_s=pf[0], prefill_fixed_s_per_byte=pf[1], prefill_token_s=pf[2],
                       prefill_token_s_per_byte=pf[3], decode_fixed_s=dc[0], decode_fixed_s_per_byte=dc[1],
                       decode_seq_s=dc[2], decode_seq_s_per_byte=dc[3],
-                      evict_s=statistics.median(s for _, _, s in points["evict"]), device_memory=int(mem))
+                      evict_s=ev[0], evict_s_per_byte=ev[1], device_memory=int(mem))
     checks = []
     for kind in ("prefill", "decode"):
         for name, b, n, t in points[kind]:
@@ -129,7 +131,7 @@ def main(args) -> int:
         gpu = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
         args.model = ["opt-125m", "opt-350m", "opt-1.3b"] if gpu else ["tiny-gpt2", "tiny-opt", "tiny-llama"]
     res = run(args.model, args.device, args.batch, args.prompt, args.new_tokens, args.repeats,
-              args.gpu_memory_budget)
+              args.gpu_memory_budget, args.executor)
     cal = res.pop("calibration")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -140,5 +142,5 @@ def main(args) -> int:
     print_table("calibration: measured against the fitted cost model (ms)",
                 ["kind", "model", "tokens/batch", "measured", "fit", "error"], rows)
     print(f"swap-in {cal.swap_bandwidth[0] / 1e9:.1f} GB/s, weight reads {cal.hbm_bandwidth / 1e9:.0f} GB/s, "
-          f"eviction {cal.evict_s * 1e6:.0f} us; wrote {out} and {out.with_suffix('.points.json')}")
+          f"eviction {cal.evict_s * 1e6:.0f} us + {cal.evict_s_per_byte * 1e9 * 1e3:.2f} ms/GB; wrote {out} and {out.with_suffix('.points.json')}")
     return 0

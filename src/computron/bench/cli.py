@@ -96,6 +96,8 @@ def add_calibrate_parser(sub) -> None:
     p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument("--device", default="auto")
     p.add_argument("--gpu-memory-budget", default=None)
+    p.add_argument("--executor", choices=("inprocess", "legacy"), default=None,
+                   help="the executor to measure (legacy: the computron policy's; default: the default policy's)")
     p.add_argument("--out", default="bench/results/calibration.json", help="the calibration file to write")
     p.set_defaults(func=_calibrate)
 

@@ -132,11 +132,23 @@ def _worker_main(conn, config, device: int, world: int = 1, port: int = 0, steps
             else:
                 log.exception("worker for device %d: %s failed", device, name)
 
+    def leave() -> None:
+        """Tear the process group down before exiting (else NCCL's watchdog reports the store gone)."""
+        if world > 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                try:
+                    dist.destroy_process_group()
+                except Exception:  # noqa: BLE001 -- exiting anyway
+                    pass
+
     while True:
         try:
             rid, name, args = conn.recv()
         except (EOFError, OSError):  # the parent died or closed the pipe: nothing more to serve
             ex.shutdown()
+            leave()
             return
         if name == "register":  # slow: build the host image while steps go on
             threading.Thread(target=serve, args=(rid, name, args), daemon=True).start()
@@ -145,6 +157,7 @@ def _worker_main(conn, config, device: int, world: int = 1, port: int = 0, steps
         else:
             serve(rid, name, args)
             if name == "shutdown":
+                leave()
                 return
 
 

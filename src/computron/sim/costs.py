@@ -10,7 +10,9 @@ Every time is a simple affine model with a floor (no torch, no I/O except ``load
 - **decode** step of ``b`` sequences: ``max(B / hbm_bandwidth, decode_fixed_s + decode_fixed_s_per_byte * B
   + b * (decode_seq_s + decode_seq_s_per_byte * B))`` (the per-byte fixed term: reading the weights);
 - a **mixed** batch (prompts and decodes in one step) pays the prefill fixed cost and both sums;
-- **eviction**: ``evict_s`` (nothing is copied back: the region is released).
+- **eviction**: ``evict_s + evict_s_per_byte * B`` (the default executor copies nothing back: the
+  region is released; the legacy executor of the ``computron`` policy copies the weights back to
+  the host, which a calibration of that executor measures as a per-byte term).
 
 The weight-read floor ``B / hbm_bandwidth`` is the least any step can take: every weight is read once.
 """
@@ -37,6 +39,7 @@ class Calibration:
     evict_s: float = 1e-5  # per eviction
     prefill_fixed_s_per_byte: float = 0.0  # per batch with a prompt, per weight byte
     decode_fixed_s_per_byte: float = 0.0  # per decode-only batch, per weight byte (the weights read once)
+    evict_s_per_byte: float = 0.0  # per eviction, per weight byte (an executor that copies weights back)
     device_memory: int = 2 * 2**30  # bytes per device when the engine config sets no budget (the CPU default)
 
     def __post_init__(self) -> None:

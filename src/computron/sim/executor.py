@@ -5,7 +5,7 @@ It answers every call of ``engine/executor.py`` as the in-process executor would
 
 - ``register``: the model's config (presets and checkpoint directories through ``resolve_model``)
   and its image's bytes from the config alone (``sim/layout.py``, exactly the real layout);
-- ``apply``: evictions take ``evict_s`` each (an eviction of a model still loading first waits for
+- ``apply``: evictions take ``evict_s`` (+ ``evict_s_per_byte`` × bytes) each (an eviction of a model still loading first waits for
   its copies, as the real one synchronises); loads start now, or when the device's copy stream is
   free, and each layer group lands at ``start + bytes so far / bandwidth``;
 - ``execute``: one token per sequence (a fixed id, never EOS) in a completed future; the clock
@@ -107,7 +107,7 @@ class SimExecutor:
             t0 = self.clock.t
             if m.load_end > t0:  # copies in flight must land before the region is reused
                 self.clock.advance_to(m.load_end)
-            self.clock.advance(self.cal.evict_s)
+            self.clock.advance(self.cal.evict_s + self.cal.evict_s_per_byte * m.nbytes)
             self._evict(m)
             evicted[name] = self.clock.t - t0
         for name in change.load:

@@ -121,17 +121,7 @@ def plot_cdf(records: Sequence, path: str | Path, title: str = "latency") -> Pat
         if xs:
             ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=name)
     ax.set_xscale("log")
-    ax.set_xlabel("latency (s)")
-    ax.set_ylabel("share of requests")
-    ax.set_title(title)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize="small")
-    fig.tight_layout()
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
-    return p
+    return _save(plt, fig, ax, path, "latency (s)", "share of requests", title)
 
 
 def plot_curves(curves: Mapping[str, tuple[Sequence[float], Sequence[float]]], path: str | Path, xlabel: str,
@@ -142,9 +132,13 @@ def plot_curves(curves: Mapping[str, tuple[Sequence[float], Sequence[float]]], p
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for label, (xs, ys) in curves.items():
         ax.plot(list(xs), [y * 100 for y in ys], marker="o", label=label)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel + " (%)")
     ax.set_ylim(0, 101)
+    return _save(plt, fig, ax, path, xlabel, ylabel + " (%)", title)
+
+
+def _save(plt, fig, ax, path, xlabel: str, ylabel: str, title: str) -> Path:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small")

@@ -113,11 +113,11 @@ def test_directory_without_tokenizer_falls_back_to_bytes(tmp_path):
 
 
 def test_byte_tokenizer_specials():
-    llama, gpt2 = load_tokenizer(None, get_preset("tiny-llama")), load_tokenizer(None, get_preset("tiny-gpt2"))
+    llama, gpt2 = ByteTokenizer(get_preset("tiny-llama")), ByteTokenizer(get_preset("tiny-gpt2"))
     assert (llama.bos_token_id, llama.eos_token_id, llama.vocab_size) == (256, 257, 258)
     assert llama.encode("hi") == [256, 104, 105]  # Llama and OPT prepend BOS
     assert gpt2.encode("hi") == [104, 105]  # GPT-2 does not
-    bare = load_tokenizer(None, get_preset("tiny-opt").with_(bos_token_id=None, eos_token_id=None))
+    bare = ByteTokenizer(get_preset("tiny-opt").with_(bos_token_id=None, eos_token_id=None))
     assert (bare.vocab_size, bare.encode("hi")) == (256, [104, 105])
     assert llama.encode("\ud800x") == [256, 0xEF, 0xBF, 0xBD, ord("x")]  # a lone surrogate becomes U+FFFD
 
@@ -125,13 +125,13 @@ def test_byte_tokenizer_specials():
 @settings(max_examples=200, deadline=None)
 @given(st.text())
 def test_byte_tokenizer_round_trips_any_text(text):
-    tok = load_tokenizer(None, get_preset("tiny-llama"))
+    tok = ByteTokenizer(get_preset("tiny-llama"))
     assert tok.decode(tok.encode(text)) == text
 
 
 @pytest.mark.parametrize("text", SAMPLES + ["😀€\u00e9\U0010FFFF"])
 def test_incremental_decode_byte_by_byte(text):
-    tok = load_tokenizer(None, get_preset("tiny-gpt2"))
+    tok = ByteTokenizer(get_preset("tiny-gpt2"))
     dec = IncrementalDecoder(tok)
     pieces = [dec.push(b) for b in text.encode("utf-8")]
     assert all("\ufffd" not in p for p in pieces)  # never half a character
@@ -142,5 +142,5 @@ def test_incremental_decode_byte_by_byte(text):
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(min_value=-2, max_value=300), max_size=40))
 def test_stream_equals_full_decode_for_any_ids(ids):
-    tok = load_tokenizer(None, get_preset("tiny-opt"))
+    tok = ByteTokenizer(get_preset("tiny-opt"))
     assert "".join(decode_stream(tok, ids)) == tok.decode(ids)

@@ -125,7 +125,7 @@ def test_add_parser_wires_into_a_top_level_cli(capsys):
     (["search", "--model", "gpt2-345m", "--cluster", "a100-80gb:8"], "malformed node spec 'a100-80gb:8'"),
     (["search", "--model", "gpt2-345m", "--cluster", "a100-80gb8x2"], "missing ':GPUSxNODES'"),
     (["search", "--model", "gpt2-345m", "--cluster", "a100-80gb:8x0"], "at least 1"),
-    (["search", "--model", "gpt-9", "--cluster", "a100-80gb:8x1"], "unknown model 'gpt-9'; presets: gpt2-345m"),
+    (["search", "--model", "gpt-9", "--cluster", "a100-80gb:8x1"], "unknown model 'gpt-9'; presets: gpt2, gpt2-medium"),
     (["search", "--model", "nofile.yaml", "--cluster", "a100-80gb:8x1"], "does not exist"),
     (["estimate", "--model", "gpt2-1.5b", "--cluster", "a100-80gb:8x1", "--tp", "2", "--pp", "1", "--dp", "4",
       "--mbs", "1"], "tp=2 does not divide the 25 attention heads"),

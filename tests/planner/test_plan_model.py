@@ -7,14 +7,15 @@ from computron.planner import cli
 from computron.planner.errors import PlannerError
 from computron.planner.model import ALIASES, PRESETS, load_model, preset
 
-SHARED = {"llama-2-7b", "llama-2-13b", "llama-2-70b", "llama-3-8b"}
+SHARED = {"gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "llama-2-7b", "llama-2-13b", "llama-2-70b", "llama-3-8b", "llama-3-70b"}
+FAMILY = {"gpt": "gpt2", "llama": "llama"}
 
 
 def test_models_both_know_go_by_the_engines_name_with_the_same_shape():
     assert set(PRESETS) & set(ENGINE_PRESETS) == SHARED
     for name in SHARED:
         m, e = PRESETS[name], ENGINE_PRESETS[name]
-        assert (m.family, m.layers, m.hidden, m.heads, m.kv, m.ffn, m.vocab, m.seq_len) == (
+        assert (FAMILY[m.family], m.layers, m.hidden, m.heads, m.kv, m.ffn, m.vocab, m.seq_len) == (
             e.family, e.num_layers, e.hidden_size, e.num_heads, e.kv_heads, e.ffn_size, e.vocab_size, e.max_position)
 
 

@@ -12,14 +12,14 @@ from pathlib import Path
 
 from .checkpoint import CheckpointError, load_weights, read_config, save_checkpoint
 from .config import ModelConfig
-from .presets import PRESETS, get_preset
+from .presets import ALIASES, PRESETS, canonical_name, get_preset
 from .tokenizer import IncrementalDecoder, Tokenizer, decode_stream, load_tokenizer
 
 _TORCH_NAMES = ("AttnBatch", "DecoderLM", "bind_weights")
 
 __all__ = [
-    "AttnBatch", "CheckpointError", "DecoderLM", "IncrementalDecoder", "ModelConfig", "PRESETS", "Tokenizer",
-    "bind_weights", "decode_stream", "get_preset", "load_tokenizer", "load_weights", "read_config",
+    "ALIASES", "AttnBatch", "CheckpointError", "DecoderLM", "IncrementalDecoder", "ModelConfig", "PRESETS", "Tokenizer",
+    "bind_weights", "canonical_name", "decode_stream", "get_preset", "load_tokenizer", "load_weights", "read_config",
     "resolve_model", "save_checkpoint",
 ]
 
@@ -27,11 +27,11 @@ __all__ = [
 def resolve_model(name_or_dir: str | Path, dtype: str | None = None) -> tuple[ModelConfig, str | None]:
     """(config, checkpoint directory) for a checkpoint directory, or (preset, None) for a preset name.
 
-    A directory holding ``config.json`` wins over a preset of the same name; ``dtype`` overrides
-    the stored or preset dtype.
+    A directory holding ``config.json`` wins over a preset of the same name (or alias, see
+    ``presets.ALIASES``); ``dtype`` overrides the stored or preset dtype.
     """
-    if str(name_or_dir) in PRESETS:
-        cfg = PRESETS[str(name_or_dir)]
+    if canonical_name(str(name_or_dir)) in PRESETS:
+        cfg = PRESETS[canonical_name(str(name_or_dir))]
         if not (Path(name_or_dir) / "config.json").is_file():
             return (cfg.with_(dtype=str(dtype).removeprefix("torch.")) if dtype else cfg), None
     shown = str(name_or_dir) if len(str(name_or_dir)) <= 80 else str(name_or_dir)[:77] + "..."

@@ -4,8 +4,9 @@ What flows through: request text (or OpenAI-style chat messages, rendered by the
 Jinja2 ``chat_template`` in a sandbox) becomes a list of ids; generated ids come back as text,
 token by token through :class:`IncrementalDecoder` so a streamed multi-byte character is never
 split. A checkpoint with ``tokenizer.json`` (or GPT-2-style ``vocab.json`` + ``merges.txt``) uses
-the ``tokenizers`` library; anything else, presets included, gets :class:`ByteTokenizer` (ids
-0-255 are UTF-8 bytes, the config's BOS/EOS ids are specials). Pure CPU, no torch.
+the ``tokenizers`` library, and so does a preset (a small byte-level BPE built by
+``preset_tokenizer``); a checkpoint without tokenizer files gets :class:`ByteTokenizer` (ids 0-255
+are UTF-8 bytes, the config's BOS/EOS ids are specials). Pure CPU, no torch.
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ class HFTokenizer(Tokenizer):
 
     def __init__(self, tok, tok_config: dict, cfg: ModelConfig, chat_template: str | None = None):
         self.tok = tok
-        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self.vocab_size = max(tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1  # ids may have gaps
 
         def special(key: str, fallback: int | None) -> int | None:
             value = tok_config.get(key)
@@ -275,9 +276,11 @@ def _chat_template(path: Path, tok_config: dict) -> str | None:
 
 
 def load_tokenizer(path: str | Path | None, cfg: ModelConfig) -> Tokenizer:
-    """The tokenizer of checkpoint directory ``path``, or a ByteTokenizer for ``None`` (a preset)."""
+    """The tokenizer of checkpoint directory ``path``, or of preset ``cfg`` for ``None``."""
     if path is None:
-        return ByteTokenizer(cfg)
+        from .preset_tokenizer import preset_tokenizer_dir
+
+        path = preset_tokenizer_dir(cfg)
     path = Path(path).expanduser()
     if not path.is_dir():
         raise ValueError(f"tokenizer directory {path} does not exist")

@@ -5,9 +5,9 @@ and overrides) becomes a :class:`TransformerShape`. Parameter counts per tensor-
 derived here (used by the memory model and the gradient all-reduce); FLOPs and times live in costs.py.
 
 This is a training-side description (sequence length, global batch) of the same decoder shapes
-``computron.models`` serves; it is kept self-contained so the planner imports nothing heavy. A
-model both know goes by the name ``computron.models.presets`` gives it (``llama-2-7b``); the
-planner's earlier spellings (``llama2-7b``) still resolve, as aliases.
+``computron.models`` serves; it imports only the pure-Python preset table from there. A model both
+know goes by the name ``computron.models.presets`` gives it (``llama-2-7b``, ``gpt2-xl``), and
+both resolve names through its one alias table (``llama2-7b``, ``gpt2-1.5b`` still work).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, fields, replace
 
+from ..models.presets import ALIASES as ENGINE_ALIASES, canonical_name
 from .errors import PlannerError
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2}
@@ -139,8 +140,10 @@ def _llama(name, layers, hidden, heads, kv, ffn, vocab, seq, batch):
 
 
 PRESETS: dict[str, TransformerShape] = {m.name: m for m in [
-    _gpt("gpt2-345m", 24, 1024, 16, 1024, 512),
-    _gpt("gpt2-1.5b", 48, 1600, 25, 1024, 512),
+    _gpt("gpt2", 12, 768, 12, 1024, 512),
+    _gpt("gpt2-medium", 24, 1024, 16, 1024, 512),
+    _gpt("gpt2-large", 36, 1280, 20, 1024, 512),
+    _gpt("gpt2-xl", 48, 1600, 25, 1024, 512),
     # GPT-3 shapes (Brown et al. 2020, Table 2.1); global batch from the paper's token batch / 2048
     _gpt("gpt3-1.3b", 24, 2048, 16, 2048, 512),
     _gpt("gpt3-2.7b", 32, 2560, 32, 2048, 512),
@@ -155,9 +158,8 @@ PRESETS: dict[str, TransformerShape] = {m.name: m for m in [
     _llama("llama-3-70b", 80, 8192, 64, 8, 28672, 128256, 8192, 512),
 ]}
 
-# The planner's earlier names, kept so that old commands, result files and YAML bases still resolve.
-ALIASES: dict[str, str] = {"llama2-7b": "llama-2-7b", "llama2-13b": "llama-2-13b", "llama2-70b": "llama-2-70b",
-                           "llama3-8b": "llama-3-8b", "llama3-70b": "llama-3-70b"}
+# Other spellings (the planner's earlier names among them) resolve through the engine's one table.
+ALIASES: dict[str, str] = {old: new for old, new in ENGINE_ALIASES.items() if new in PRESETS}
 
 _FIELDS = {f.name for f in fields(TransformerShape)}
 
@@ -182,8 +184,7 @@ def model_from_dict(data: dict, default_name: str = "custom") -> TransformerShap
 
 def preset(name: str) -> TransformerShape:
     """A preset by its name or an alias of it (case-insensitive)."""
-    key = name.strip().lower()
-    key = ALIASES.get(key, key)
+    key = canonical_name(name)
     if key not in PRESETS:
         raise PlannerError(f"unknown model {name!r}; presets: {', '.join(PRESETS)} (or a YAML file)")
     return PRESETS[key]

@@ -19,7 +19,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from ..config import ModelSpec, format_bytes
-from ..models import PRESETS
+from ..models import PRESETS, canonical_name
 from ..models.config import DTYPE_BYTES, ModelConfig
 from .errors import APIError, ModelNotFound
 from .protocol import RegisterModelRequest, now
@@ -34,8 +34,8 @@ def checked_source(source: str, model_dirs: list[str]) -> str:
     """The source to register: a preset name as is, or the resolved checkpoint directory when it
     lies inside ``model_dirs``. APIError 403/400 otherwise."""
     if not _looks_like_path(source):
-        if source in PRESETS:
-            return source
+        if canonical_name(source) in PRESETS:
+            return canonical_name(source)
         raise APIError(400, f"unknown model source {source!r}: neither a preset ({', '.join(PRESETS)}) nor a "
                        "checkpoint directory", "source", "unknown_source")
     try:
@@ -56,8 +56,8 @@ def estimate_bytes(source: str, dtype: str | None) -> int:
     """The host bytes a model will take, before it is built: a preset's parameter count times its
     weight size, or the size of a checkpoint's safetensors files (halved or doubled for a dtype
     other than the files')."""
-    if source in PRESETS:
-        c: ModelConfig = PRESETS[source]
+    if canonical_name(source) in PRESETS:
+        c: ModelConfig = PRESETS[canonical_name(source)]
         h, f, v = c.hidden_size, c.ffn_size, c.vocab_size
         kv = c.kv_heads * (c.head_size or h // c.num_heads)
         layer = 2 * h * h + 2 * h * kv + (3 if c.gated_mlp else 2) * h * f

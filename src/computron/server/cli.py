@@ -1,4 +1,4 @@
-"""Command line of the server: ``computron serve``, ``computron ps`` and ``computron bench serve``.
+"""Command line of the server: ``computron serve``, ``ps``, ``tokenizer`` and ``bench serve``.
 
 The top-level CLI calls ``add_parsers(subparsers)`` and ``add_bench_parser(bench_subparsers)``;
 each sub-command sets ``func`` (``args -> exit code``). ``main(argv)`` is a stand-alone entry
@@ -37,7 +37,10 @@ def add_parsers(subparsers) -> None:
     p.add_argument("--gpu-memory-budget", metavar="SIZE", help="device memory for weights + KV cache, e.g. 40GiB")
     p.add_argument("--workspace", metavar="SIZE", help="part of the budget reserved for activations")
     p.add_argument("--device", help="auto (default), cpu, cuda or cuda:N")
-    p.add_argument("--policy", choices=("default", "computron"), help="scheduling and swap policy")
+    p.add_argument("--policy", choices=("default", "preempt", "computron"),
+                   help="scheduling and swap policy (preempt: a request kept waiting --max-wait seconds by "
+                        "other models' running requests preempts them)")
+    p.add_argument("--max-wait", type=float, metavar="SECONDS", help="preempt policy's bound on waiting (default 1)")
     p.add_argument("--devices", type=int, metavar="N", help="devices to serve on, one worker process each "
                                                              "(executor workers; default: what the layouts need)")
     p.add_argument("--executor", choices=("inprocess", "legacy", "workers"),
@@ -56,6 +59,7 @@ def add_parsers(subparsers) -> None:
     p.add_argument("--model-dir", action="append", metavar="DIR",
                    help="directory whose checkpoints may be registered at run time (repeat for several)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    __import__("computron.colocate.serving", fromlist=["add_arguments"]).add_arguments(p)  # --colocate ADDRESS
     p.set_defaults(func=serve_main)
 
     q = subparsers.add_parser("ps", help="list the models of a running server and where each lives",
@@ -65,6 +69,14 @@ def add_parsers(subparsers) -> None:
     q.add_argument("--api-key", default=None, help="API key (default $COMPUTRON_API_KEY)")
     q.add_argument("--json", action="store_true", help="print the raw JSON instead of a table")
     q.set_defaults(func=_ps)
+
+    t = subparsers.add_parser("tokenizer", help="write a preset's tokenizer directory (for clients that count tokens)",
+                              description="Write the tokenizer a preset is served with (tokenizer.json, "
+                                          "tokenizer_config.json) to a directory that tokenizers.Tokenizer.from_file "
+                                          "and transformers.AutoTokenizer.from_pretrained load.")
+    t.add_argument("preset", help="preset name (or an alias of one)")
+    t.add_argument("--out", required=True, metavar="DIR", help="directory to write (created if needed)")
+    t.set_defaults(func=_tokenizer)
 
 
 def add_bench_parser(bench_subparsers) -> None:
@@ -79,6 +91,20 @@ def _ps(args) -> int:
     return ps_main(args)
 
 
+def _tokenizer(args) -> int:
+    from ..models import get_preset
+    from ..models.preset_tokenizer import write_tokenizer
+
+    try:
+        cfg = get_preset(args.preset)
+        out = write_tokenizer(cfg, args.out)
+    except (KeyError, ValueError, OSError) as e:
+        print(f"error: {e.args[0] if e.args else e}", file=sys.stderr)
+        return 2
+    print(f"{cfg.name}: tokenizer written to {out}")
+    return 0
+
+
 def build_config(args) -> ComputronConfig:
     """The configuration ``serve`` runs with: defaults < YAML file < environment < flags."""
     cfg = load_config(getattr(args, "config", None))
@@ -89,6 +115,8 @@ def build_config(args) -> ComputronConfig:
         eng.device = args.device
     if args.policy is not None:
         eng.policy = args.policy
+    if args.max_wait is not None:
+        eng.max_wait_s = args.max_wait
     if getattr(args, "executor", None) is not None:
         eng.executor = args.executor
     if getattr(args, "devices", None) is not None:
@@ -187,7 +215,9 @@ def serve_main(args) -> int:
     if srv.host not in ("127.0.0.1", "localhost", "::1") and not srv.api_key:
         log.warning("listening on %s without an API key: anyone who can reach it can use it", srv.host)
     ae = AsyncEngine(engine)
+    colocation = None
     try:
+        colocation = __import__("computron.colocate.serving", fromlist=["attach"]).attach(args, ae)
         app = create_app(ae, cfg)
         log.info("serving %d model(s) on http://%s:%d (OpenAI API under /v1)", len(cfg.models), srv.host, srv.port)
         server = uvicorn.Server(uvicorn.Config(app, host=srv.host, port=srv.port, log_level=args.log_level,
@@ -198,6 +228,8 @@ def serve_main(args) -> int:
             pass
         return 0 if server.started else 1
     finally:
+        if colocation is not None:
+            colocation.close()
         ae.shutdown()
         engine.executor.shutdown()  # release the device (worker processes would also leave on the pipe's EOF)
 

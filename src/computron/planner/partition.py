@@ -146,7 +146,8 @@ def capped_min_max(L: int, w: list[float], caps: list[float], least: int = 1, c:
 
 
 def pipeline_min_max(L: int, w: list[float], caps: list[int], m: int, v: int, least: int = 1,
-                     c: list[float] | None = None, rel_tol: float = 1e-3, cutoff: float = math.inf) -> float:
+                     c: list[float] | None = None, rel_tol: float = 1e-3, cutoff: float = math.inf,
+                     k: list[float] | None = None) -> float:
     """A bound on the pipeline time of every partition of L layers (stage s: ``n_s <= caps[s]``
     layers at ``w[s]`` seconds forward + backward and ``c[s]`` fixed, per micro-batch), the
     pipeline's fill and drain included.
@@ -161,7 +162,8 @@ def pipeline_min_max(L: int, w: list[float], caps: list[int], m: int, v: int, le
     chunk holds at least n/v layers). The least T over partitions in whole layers (the terms'
     caps rounded down; the work filled greedily) is bracketed by bisection; the value returned is
     never above it. With a ``cutoff`` that already fails, ``cutoff`` is returned at once (the least
-    T is at least that); below it, 1% is precise enough."""
+    T is at least that); below it, 1% is precise enough. ``k`` replaces the per-stage fill terms
+    (smaller ones give a weaker bound, e.g. one that holds whatever the stage order)."""
     p = len(w)
     c = c or [0.0] * p
     if sum(caps) < L or min(caps) < least:
@@ -169,7 +171,9 @@ def pipeline_min_max(L: int, w: list[float], caps: list[int], m: int, v: int, le
     lo = m * capped_min_max(L, w, [float(k) for k in caps], least, c)  # the busy terms alone
     if p == 1 or lo == math.inf:
         return lo
-    if v == 1:
+    if k is not None:
+        pass
+    elif v == 1:
         k = [(m - 1) * w[s] - (min(p - s, m) - 1) * w[s] / 2 for s in range(p)]
     else:
         k = [0.0] * (p - 1) + [m * w[-1] - w[-1] / v]

@@ -238,14 +238,29 @@ def _capped_bound(m: TransformerShape, sig: tuple[int, ...], b: int, v: int, opt
 
 
 def _fill_bound(m: TransformerShape, sig: tuple[int, ...], b: int, v: int, rec: bool, tabs: _StageTables,
-                cutoff: float = math.inf) -> float:
+                cutoff: float = math.inf, rel_tol: float = 1e-3) -> float:
     """:func:`pipeline_min_max` for plans whose stage s falls on node set ``sig[s]`` (micro-batch b,
     v chunks, recomputation ``rec``): the capped bound plus the pipeline's fill and drain."""
     mb = m.global_batch // (tabs.dims.dp * b)
     lists = {k: tabs.caps(k, b, v, rec) for k in set(sig)}
     caps = [lists[k][s] for s, k in enumerate(sig)]
     return pipeline_min_max(m.layers, [tabs.w(k, b, rec) for k in sig], caps, mb, v, v, tabs.fixed(sig, b, v),
-                            cutoff=cutoff)
+                            rel_tol=rel_tol, cutoff=cutoff)
+
+
+def _family_fill_bound(m: TransformerShape, sig: tuple[int, ...], b: int, opts: SearchOptions, tabs: _StageTables,
+                       cutoff: float) -> float:
+    """A bound for every ordering of the stages on node sets ``sig`` at micro-batch b (v = 1): the
+    pipeline bound with each set's largest memory cap over stage positions, no sends, embedding or
+    head, and the fill term of the position that has the most forwards in flight."""
+    p, mb = tabs.dims.pp, m.global_batch // (tabs.dims.dp * b)
+    out = math.inf
+    for rec in _recompute_options(opts):
+        caps = {k: max(tabs.caps(k, b, 1, rec)) for k in set(sig)}
+        w = [tabs.w(k, b, rec) for k in sig]
+        fill = [(mb - 1) * x - (min(p, mb) - 1) * x / 2 for x in w]
+        out = min(out, pipeline_min_max(m.layers, w, [caps[k] for k in sig], mb, 1, cutoff=cutoff, k=fill))
+    return out
 
 
 def _group_bound(m: TransformerShape, comp: dict[str, int], nts: dict, dims: ParallelDims, sizes, cm: CostModel) -> float:
@@ -389,27 +404,38 @@ def search(m: TransformerShape, cluster: Cluster, opts: SearchOptions = SearchOp
                 families.setdefault(tuple(sorted(sig)), []).append((sig, orders))
             for members in families.values():
                 stage_nodes = [tabs.sets[k] for k in members[0][0]]  # any member: the bound ignores order
-                free = {b: max(_free_bound(m, dims, stage_nodes, b, cm), lb0) for b in sizes}
-                push(min(free.values()), price, "family", (item, tabs, members, free))
+                for b in sizes:
+                    lb = max(_free_bound(m, dims, stage_nodes, b, cm), lb0)
+                    push(lb, price, "family", (item, tabs, members, b, math.inf))
             continue
         if kind == "family":
-            group, tabs, members, free = item
+            group, tabs, members, b, checked = item
             comp, nts, dims, sizes, price = group
-            sizes = [b for b in sizes if not beaten(objective_value(opts, free[b], price))]
+            cut = cutoff(price)
+            if cut < checked and opts.virtual_stages == (1,):  # the fill and drain, whatever the stage order
+                lb = _family_fill_bound(m, members[0][0], b, opts, tabs, cut)
+                if lb >= cut:
+                    continue
+                if lb > lb0 and best:
+                    push(lb, price, "family", (group, tabs, members, b, cut))
+                    continue
+                lb0 = max(lb, lb0)
             for sig, orders in members:
-                for b in sizes:
-                    for v in opts.virtual_stages:
-                        lb, rec = _capped_bound(m, sig, b, v, opts, tabs)
-                        if lb < math.inf:
-                            push(max(lb, lb0), price, "gathering", (group, tabs, sig, orders, b, v, rec, False))
+                for v in opts.virtual_stages:
+                    lb, rec = _capped_bound(m, sig, b, v, opts, tabs)
+                    if lb < math.inf:
+                        push(max(lb, lb0), price, "gathering", (group, tabs, sig, orders, b, v, rec, math.inf))
             continue
         if kind == "gathering":
-            group, tabs, sig, orders, b, v, rec, tight = item
+            group, tabs, sig, orders, b, v, rec, checked = item
             comp, nts, dims, sizes, price = group
-            if not tight:  # add the pipeline's fill and drain, queue again behind better entries
-                lb = _fill_bound(m, sig, b, v, rec, tabs, cutoff(price))
+            cut = cutoff(price)
+            if cut < checked:  # the fill and drain: can it still beat the cutoff? (queued again if it rose)
+                lb = _fill_bound(m, sig, b, v, rec, tabs, cut, rel_tol=math.inf if best else 1e-3)
+                if lb >= cut:
+                    continue
                 if lb > lb0 and best:
-                    push(lb, price, "gathering", (group, tabs, sig, orders, b, v, rec, True))
+                    push(lb, price, "gathering", (group, tabs, sig, orders, b, v, rec, cut))
                     continue
                 lb0 = max(lb, lb0)
             views = view_cache.get(id(orders), (None, None))[1]

@@ -162,8 +162,9 @@ def pipeline_min_max(L: int, w: list[float], caps: list[int], m: int, v: int, le
     chunk holds at least n/v layers). The least T over partitions in whole layers (the terms'
     caps rounded down; the work filled greedily) is bracketed by bisection; the value returned is
     never above it. With a ``cutoff`` that already fails, ``cutoff`` is returned at once (the least
-    T is at least that); below it, 1% is precise enough. ``k`` replaces the per-stage fill terms
-    (smaller ones give a weaker bound, e.g. one that holds whatever the stage order)."""
+    T is at least that); below it, 1% is precise enough (with ``rel_tol=inf``, only whether the
+    cutoff is beaten). ``k`` replaces the per-stage fill terms (smaller ones give a weaker bound,
+    e.g. one that holds whatever the stage order)."""
     p = len(w)
     c = c or [0.0] * p
     if sum(caps) < L or min(caps) < least:
@@ -210,12 +211,16 @@ def pipeline_min_max(L: int, w: list[float], caps: list[int], m: int, v: int, le
             W = W2
         return True
 
-    if ok(lo):
+    if lo >= cutoff:
         return lo
-    if cutoff < math.inf and cutoff > lo:
+    if cutoff < math.inf:
         if not ok(cutoff):
             return cutoff
         hi, rel_tol = cutoff, max(rel_tol, 0.01)  # it will be explored: the bound orders it only
+        if hi - lo <= rel_tol * lo or ok(lo):
+            return lo
+    elif ok(lo):
+        return lo
     else:
         hi = lo * 2
     while not ok(hi):

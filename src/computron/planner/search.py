@@ -249,17 +249,26 @@ def _fill_bound(m: TransformerShape, sig: tuple[int, ...], b: int, v: int, rec: 
 
 
 def _family_fill_bound(m: TransformerShape, sig: tuple[int, ...], b: int, opts: SearchOptions, tabs: _StageTables,
-                       cutoff: float) -> float:
-    """A bound for every ordering of the stages on node sets ``sig`` at micro-batch b (v = 1): the
-    pipeline bound with each set's largest memory cap over stage positions, no sends, embedding or
-    head, and the fill term of the position that has the most forwards in flight."""
+                       cutoff: float) -> dict[int, float]:
+    """Per node set that can come last, a bound for every ordering of the stages on node sets
+    ``sig`` that ends on it, at micro-batch b (v = 1): the pipeline bound where the last stage has its
+    own memory cap, the head and the full fill term, and every other stage its largest cap over
+    the other positions and the fill term of the position with the most forwards in flight; each
+    stage sends at least once, at the cheapest link to any set of the family."""
     p, mb = tabs.dims.pp, m.global_batch // (tabs.dims.dp * b)
-    out = math.inf
+    kinds = set(sig)
+    send = {k: min(tabs._part("send", (k, j), b) for j in kinds) if p > 1 else 0.0 for k in kinds}
+    out = dict.fromkeys(kinds, math.inf)
     for rec in _recompute_options(opts):
-        caps = {k: max(tabs.caps(k, b, 1, rec)) for k in set(sig)}
+        lists = {k: tabs.caps(k, b, 1, rec) for k in kinds}
         w = [tabs.w(k, b, rec) for k in sig]
         fill = [(mb - 1) * x - (min(p, mb) - 1) * x / 2 for x in w]
-        out = min(out, pipeline_min_max(m.layers, w, [caps[k] for k in sig], mb, 1, cutoff=cutoff, k=fill))
+        caps = [max(lists[k][:-1] or lists[k]) for k in sig]
+        for last in kinds:
+            s = sig.index(last)
+            k, n, c = list(fill), list(caps), [send[x] for x in sig]
+            k[s], n[s], c[s] = (mb - 1) * w[s], lists[last][-1], c[s] + tabs._part("head", last, b)
+            out[last] = min(out[last], pipeline_min_max(m.layers, w, n, mb, 1, c=c, cutoff=cutoff, k=k))
     return out
 
 
@@ -406,25 +415,29 @@ def search(m: TransformerShape, cluster: Cluster, opts: SearchOptions = SearchOp
                 stage_nodes = [tabs.sets[k] for k in members[0][0]]  # any member: the bound ignores order
                 for b in sizes:
                     lb = max(_free_bound(m, dims, stage_nodes, b, cm), lb0)
-                    push(lb, price, "family", (item, tabs, members, b, math.inf))
+                    push(lb, price, "family", (item, tabs, members, b, math.inf, None))
             continue
         if kind == "family":
-            group, tabs, members, b, checked = item
+            group, tabs, members, b, checked, by_last = item
             comp, nts, dims, sizes, price = group
             cut = cutoff(price)
             if cut < checked and opts.virtual_stages == (1,):  # the fill and drain, whatever the stage order
-                lb = _family_fill_bound(m, members[0][0], b, opts, tabs, cut)
+                by_last = _family_fill_bound(m, members[0][0], b, opts, tabs, cut)
+                lb = min(by_last.values())
                 if lb >= cut:
                     continue
                 if lb > lb0 and best:
-                    push(lb, price, "family", (group, tabs, members, b, cut))
+                    push(lb, price, "family", (group, tabs, members, b, cut, by_last))
                     continue
                 lb0 = max(lb, lb0)
             for sig, orders in members:
+                last = by_last[sig[-1]] if by_last else lb0
+                if last >= cut:
+                    continue
                 for v in opts.virtual_stages:
                     lb, rec = _capped_bound(m, sig, b, v, opts, tabs)
                     if lb < math.inf:
-                        push(max(lb, lb0), price, "gathering", (group, tabs, sig, orders, b, v, rec, math.inf))
+                        push(max(lb, lb0, last), price, "gathering", (group, tabs, sig, orders, b, v, rec, math.inf))
             continue
         if kind == "gathering":
             group, tabs, sig, orders, b, v, rec, checked = item

@@ -81,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     loadgen.add_parser(sub)
     __import__("computron.train.cli", fromlist=["add_parser"]).add_parser(sub)
+    __import__("computron.colocate.cli", fromlist=["add_parser"]).add_parser(sub)
     return parser
 
 

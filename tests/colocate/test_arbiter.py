@@ -124,7 +124,8 @@ def test_new_work_cancels_an_unconfirmed_idle_reduction():
     arb.train_ack(0, lim.id, lim.bytes, 0.0)
     arb.train_ack(0, arb.demand(0, 4 * GB, 1.0)[0].id, 6 * GB, 1.0)
     assert arb.tick(2.5) == [InferenceShare(0, 0)]
-    assert arb.demand(0, 4 * GB, 2.6) == []  # work again before the engine shrank: keep the share
+    # work again before the engine shrank: it is told it keeps its share (it was told 0)
+    assert arb.demand(0, 4 * GB, 2.6) == [InferenceShare(0, 4 * GB)]
     assert arb.inference_released(0, 2.7) == [] and arb.shares(0) == (4 * GB, 6 * GB)
 
 

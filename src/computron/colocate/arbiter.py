@@ -130,6 +130,7 @@ class Arbiter:
         out = []
         if d.infer_target is not None and d.wanted > d.infer_target:  # idle reduction overtaken by work
             d.infer_target = None
+            out.append(InferenceShare(device, d.infer))  # inference keeps what it held
         free = c.capacity - d.infer - self._train_booked(d)
         if c.mode == "task-switch":  # training pauses whenever inference has work
             if d.joined and self._train_target(d) > 0:
@@ -169,7 +170,7 @@ class Arbiter:
             return out
         for i, d in enumerate(self.devices):
             idle = now - d.last_busy >= c.idle_s
-            if idle and d.infer > c.infer_floor and d.infer_target is None and d.train_sent is None:
+            if idle and d.joined and d.infer > c.infer_floor and d.infer_target is None and d.train_sent is None:
                 d.infer_target = c.infer_floor
                 out.append(InferenceShare(i, c.infer_floor))
             elif idle and d.joined and d.train_sent is None and d.infer_target is None:

@@ -4,7 +4,8 @@ Server side (the inference process): :class:`ArbiterServer` wraps an :class:`Arb
 training jobs (one per device), and is what the inference engine calls:
 ``share = server.demand(device, nbytes)`` blocks until inference may hold ``nbytes`` on that
 device and returns the handover's timing; ``on_share`` is called with every new inference
-budget (the engine sets its scheduler's budget and evicts down to it before returning).
+budget (the engine sets its scheduler's budget and evicts down to it before returning, or
+answers False and calls ``released(device)`` once it has, from its own thread).
 
 Training side: :class:`~computron.colocate.client.Colocation` (``client.py``).
 
@@ -26,7 +27,7 @@ import time
 from .arbiter import Arbiter, InferenceShare, TrainLimit
 
 
-def _family(address: str):
+def family(address: str):
     if ":" in address and not address.startswith(("/", ".")):
         host, port = address.rsplit(":", 1)
         return socket.AF_INET, (host, int(port))
@@ -34,7 +35,7 @@ def _family(address: str):
 
 
 def listen(address: str) -> socket.socket:
-    fam, addr = _family(address)
+    fam, addr = family(address)
     if fam == socket.AF_UNIX and os.path.exists(addr):
         os.unlink(addr)  # a previous server's socket file
     s = socket.socket(fam, socket.SOCK_STREAM)
@@ -46,7 +47,7 @@ def listen(address: str) -> socket.socket:
 
 
 def connect(address: str, timeout: float | None = None) -> socket.socket:
-    fam, addr = _family(address)
+    fam, addr = family(address)
     s = socket.socket(fam, socket.SOCK_STREAM)
     s.settimeout(timeout)
     s.connect(addr)
@@ -138,6 +139,11 @@ class ArbiterServer:
             self.handovers.append(rec)
         return rec
 
+    def released(self, device: int) -> None:
+        """The engine fits in a reduced budget now (after an ``on_share`` that answered False)."""
+        with self._lock:
+            self._dispatch(self.arbiter.inference_released(device, time.monotonic()))
+
     def busy(self, device: int) -> None:
         with self._lock:
             self.arbiter.busy(device, time.monotonic())
@@ -168,10 +174,9 @@ class ArbiterServer:
                     actions += self.arbiter.train_left(a.device, now)
             elif isinstance(a, InferenceShare):
                 shrink = a.bytes < self.budgets[a.device]
-                if self.on_share is not None:
-                    self.on_share(a.device, a.bytes)  # the engine fits in it before returning
+                fitted = True if self.on_share is None else self.on_share(a.device, a.bytes) is not False
                 self.budgets[a.device] = a.bytes
-                if shrink:
+                if shrink and fitted:  # else the engine calls released() once it fits
                     actions += self.arbiter.inference_released(a.device, time.monotonic())
         self._lock.notify_all()
 

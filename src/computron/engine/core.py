@@ -75,6 +75,9 @@ class EngineCore:
         self.on_finish: Callable[[CoreRequest], None] | None = None
         self.trace = False  # ask the executor for a per-layer copy/compute trace of the next batches
         self.last_trace: dict[str, dict] = {}
+        # An optional arbiter link (computron.colocate.serving.EngineLink): its poll() runs before each
+        # step; it asks for the memory the work needs and sets budgets through set_budget.
+        self.colocation = None
 
     # ---- models --------------------------------------------------------------------------------
     def add_model(self, info: ModelInfo, pinned: bool = False) -> None:
@@ -204,6 +207,8 @@ class EngineCore:
             self._flush_frees()
 
     def _step(self, max_steps: int = 1) -> StepPlan:
+        if self.colocation is not None:
+            self.colocation.poll()
         plan = self.scheduler.schedule(self.clock(), max_steps)
         for rid, why in plan.failed:  # it can never fit next to what is pinned: capacity, not a bug
             self._fail([rid], why, unavailable=True)
@@ -329,6 +334,10 @@ class EngineCore:
             self.stats["swap_in_bytes"] += self.models[name].total_bytes
         return sum(evicted.values())
 
+    def set_budget(self, device: int, nbytes: int) -> None:
+        """Colocation: inference may use ``nbytes`` of ``device`` from now on; idle models beyond it are evicted."""
+        self._apply(self.scheduler.set_budget(device, nbytes))
+
     def _evict(self, names: list[str]) -> None:
         self._flush_frees()
         for name, s in self.executor.apply(Residency(evict=names)).items():
@@ -347,7 +356,8 @@ class EngineCore:
     def memory(self) -> dict:
         """Bytes per device as the executor holds them, beside the scheduler's accounting."""
         st = self.executor.status()
-        return {"devices": [{"device": d.name, "budget": d.budget, "capacity": d.capacity, "weights": d.weights, "kv": d.kv,
+        return {"devices": [{"device": d.name, "budget": d.budget, "capacity": d.capacity,
+                             "share": self.scheduler.shares[d.index], "weights": d.weights, "kv": d.kv,
                              "scheduled": d.capacity - self.scheduler.free_bytes(d.index),
                              "compactions": d.compactions} for d in st.devices],
                 "weights": sum(d.weights for d in st.devices), "kv": sum(d.kv for d in st.devices),

@@ -81,6 +81,7 @@ class Scheduler:
         self._stuck: dict[tuple[str, str], int] = {}
         self._changes = 0  # bumped by arrivals and model changes; with _epoch it says "nothing changed"
         self._steady: tuple | None = None  # ((epoch, changes), model) after a step that only decoded it
+        self.shares = list(self.config.budgets)  # what inference may use now (colocation: see set_budget)
 
     # ---- models --------------------------------------------------------------------------------
     def add_model(self, name: str, weights: tuple[int, ...] | int, kv_per_token: tuple[int, ...] | int,
@@ -206,7 +207,41 @@ class Scheduler:
 
     def free_bytes(self, device: int) -> int:
         used = self.kv_used[device] + (self.weights_used[device] if self.counts_bytes else 0)
-        return self.config.budgets[device] - used
+        return self.shares[device] - used
+
+    # ---- run-time budgets (colocation: an arbiter lends part of a device to a training job) -------
+    def set_budget(self, device: int, nbytes: int) -> StepPlan:
+        """From now on inference may use ``nbytes`` of ``device`` (capped at its configured budget,
+        which stays the ceiling requests are checked against). The plan evicts models with nothing
+        running, least recently used first, until what is booked fits; running requests keep their
+        memory until they end, and nothing new is admitted meanwhile."""
+        if nbytes < 0:
+            raise ValueError(f"a budget must be >= 0 bytes, got {nbytes}")
+        self.shares[device] = min(nbytes, self.config.budgets[device])
+        self._epoch += 1
+        plan = StepPlan()
+        idle = sorted((c for c in self.on_device[device].values() if not c.running and not c.pinned),
+                      key=lambda c: c.last_used)
+        for c in idle:
+            if self.free_bytes(device) >= 0:
+                break
+            self._set_offloaded(c)
+            plan.evictions.append(c.name)
+        return plan
+
+    def need_bytes(self, device: int) -> int:
+        """Bytes the work on ``device`` needs (at most its configured budget): the weights of every
+        model with requests, and each request's KV cache at its full length (waiting requests: up
+        to a batch per model), so that what it asks for is enough to finish."""
+        total = 0
+        for m in self.models.values():
+            if device not in m.devices or not m.has_work:
+                continue
+            i = m.devices.index(device)
+            reqs = list(m.running.values()) + list(m.waiting)[:self.config.max_batch_size]
+            total += (m.weights[i] if self.counts_bytes else 0) + m.block_bytes[i] * sum(
+                self._blocks(r.prompt_len + r.max_tokens) for r in reqs)
+        return min(total, self.config.budgets[device])
 
     def _set_on_device(self, m: ModelState, now: float) -> None:
         self._epoch += 1

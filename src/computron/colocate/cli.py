@@ -1,0 +1,81 @@
+"""``computron colocate``: one command starts a server and a training job that share the devices.
+
+The server is ``computron serve SERVE_ARGS --colocate ADDRESS --colocate-mode MODE`` and the job
+``computron train TRAIN_ARGS --colocate ADDRESS``, each a process of its own (their output
+interleaves). When the job ends the server keeps serving; Ctrl-C (or SIGTERM) stops both; if the
+server exits, the job is stopped too and the server's exit status is returned.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+from .arbiter import MODES
+from .protocol import family
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("colocate", help="serve models and train on the same devices, memory handed over by an arbiter",
+                       description=__doc__.splitlines()[0])
+    p.add_argument("--serve", default="", metavar="'ARGS'", help="arguments of `computron serve`, one string")
+    p.add_argument("--train", default="", metavar="'ARGS'", help="arguments of `computron train`, one string")
+    p.add_argument("--mode", choices=MODES, default="colocate")
+    p.add_argument("--idle", type=float, default=1.0, help="seconds inference idles before memory goes back")
+    p.add_argument("--static-train", default="0", metavar="SIZE", help="static mode: training's share")
+    p.add_argument("--at-boundary", action="store_true", help="training releases at its next micro-batch boundary")
+    p.add_argument("--address", default=None, help="the arbiter's socket (default: a fresh Unix socket path)")
+    p.set_defaults(func=run)
+
+
+def commands(args, address: str) -> tuple[list[str], list[str]]:
+    """The two command lines ``computron colocate`` runs."""
+    base = [sys.executable, "-m", "computron.cli"]
+    serve = base + ["serve", *shlex.split(args.serve), "--colocate", address, "--colocate-mode", args.mode,
+                    "--colocate-idle", str(args.idle), "--colocate-static-train", str(args.static_train)]
+    if args.at_boundary:
+        serve.append("--colocate-at-boundary")
+    train = base + ["train", *shlex.split(args.train), "--colocate", address]
+    return serve, train
+
+
+def _stop(p: subprocess.Popen, timeout: float = 20.0) -> int:
+    if p.poll() is None:
+        p.send_signal(signal.SIGINT)
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    return p.returncode
+
+
+def run(args) -> int:
+    address = args.address or os.path.join(tempfile.mkdtemp(prefix="computron-colocate-"), "arbiter.sock")
+    serve_cmd, train_cmd = commands(args, address)
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
+    server = subprocess.Popen(serve_cmd)
+    trainer = None
+    try:
+        # a Unix socket: start the job once the server listens (a TCP one: the job finds it later)
+        unix = family(address)[0] == socket.AF_UNIX
+        while unix and not os.path.exists(address) and server.poll() is None and not stop:
+            time.sleep(0.1)
+        if server.poll() is None and not stop:
+            trainer = subprocess.Popen(train_cmd)
+        while server.poll() is None and not stop:
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if trainer is not None:
+            _stop(trainer)
+        rc = _stop(server)
+    return 0 if stop else rc

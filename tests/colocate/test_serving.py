@@ -1,0 +1,134 @@
+"""The serving engine under the arbiter, on the CPU: a real `computron serve --colocate` and a real
+training job, each a process of its own, with the official OpenAI client.
+
+Inference's share of the device starts at 0 (training holds it all); a burst of requests to two
+models takes what they need from training, which shrinks its micro-batch; every request is
+answered; after the idle time the models are evicted, the share goes back to 0 and training runs
+full micro-batches again; a second burst swaps the models in again. Then `computron colocate`
+starts both with one command.
+"""
+
+import signal
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+
+from computron.server.background import free_port
+from computron.train.config import TrainConfig
+from computron.train.job import Trainer
+
+from test_handover import Proc
+
+TRAIN = dict(model="tiny-opt", seq_len=16, global_batch=8, micro_batch=8)
+MODELS = ("tiny-opt", "tiny-gpt2")
+
+
+def wait_health(url, proc, timeout=90):
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, "the server exited"
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.1)
+
+
+def memory(url):
+    body = httpx.get(url + "/v1/models").json()
+    return body["memory"]["devices"][0], {m["id"]: m["state"] for m in body["data"]}
+
+
+def burst(url, n=6):
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+
+    def one(i):
+        r = client.completions.create(model=MODELS[i % 2], prompt="hello there", max_tokens=5, temperature=0.0)
+        return r.choices[0]
+
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(one, range(n)))
+
+
+def wait_for(fn, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not fn():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def serve_args(port, extra=()):
+    # a budget whose arena holds the job at its full micro-batch, or both models beside a smaller one
+    return ["serve", *[a for m in MODELS for a in ("--model", m)], "--device", "cpu", "--port", str(port),
+            "--gpu-memory-budget", "5800000", "--workspace", "100000", "--log-level", "info", *extra]
+
+
+def test_serve_hands_memory_to_and_from_a_training_job(tmp_path):
+    addr, port = str(tmp_path / "arb.sock"), free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = Proc(["computron.cli", *serve_args(port, ("--colocate", addr, "--colocate-idle", "1.5"))])
+    job = None
+    try:
+        wait_health(url, server.p)
+        dev, _ = memory(url)
+        capacity = dev["capacity"]
+        assert dev["share"] == 0  # colocate mode: inference starts with nothing and asks
+        mm = Trainer(TrainConfig(**TRAIN)).memory_model()
+        assert mm.predict(8) <= capacity  # the job fits whole when inference is idle
+        job = Proc(["computron.cli", "train", "--colocate", addr, "--steps", "100000", "--device", "cpu",
+                    *[f"--{k.replace('_', '-')}={v}" for k, v in TRAIN.items()]])
+        job.wait_line(r"micro-batches \[8\]")
+        for round_ in range(2):
+            n = len(job.lines)
+            answers = burst(url)
+            assert [a.finish_reason for a in answers] == ["length"] * 6 and all(a.text for a in answers)
+            dev, states = memory(url)
+            # inference got what the two models and their requests need, out of training's share
+            assert dev["share"] > 0 and dev["weights"] > 0 and dev["share"] >= dev["weights"] + dev["kv"], dev
+            assert dev["share"] <= capacity
+            # the job shrank its micro-batch to the rest: training + inference never exceed the device
+            # (a step's last micro-batch: those before it may have run before the handover)
+            line = job.wait_line(r"micro-batches \[([0-9]+, )*[1-7]\]", start=n)
+            m = int(line.split("micro-batches [")[1].split("]")[0].split(",")[-1])
+            assert mm.predict(m) <= capacity - dev["share"] * 0.9, (line, dev)
+            # idle: the models are evicted down to the share of 0 and training grows back
+            wait_for(lambda: memory(url)[0]["share"] == 0)
+            dev, states = memory(url)
+            assert dev["weights"] == 0 and set(states.values()) == {"offloaded"}, (dev, states)
+            job.wait_line(r"micro-batches \[8\]", start=len(job.lines))
+        assert any("inference budget" in l for l in server.lines)
+        # the job dies: the server goes on answering, its budget grows to what it needs
+        job.kill()
+        assert all(a.finish_reason == "length" for a in burst(url, 2))
+    finally:
+        for p in (job, server):
+            if p is not None and p.p.poll() is None:
+                p.kill()
+
+
+def test_colocate_command_starts_both_and_stops_both(tmp_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    serve = " ".join(serve_args(port)[1:])
+    train = " ".join(["--device", "cpu", "--steps", "100000", *[f"--{k.replace('_', '-')}={v}" for k, v in
+                                                                TRAIN.items()]])
+    p = Proc(["computron.cli", "colocate", "--serve", serve, "--train", train, "--mode", "colocate",
+              "--address", str(tmp_path / "arb.sock")])
+    try:
+        wait_health(url, p.p)
+        assert all(a.finish_reason == "length" for a in burst(url, 2))
+        assert memory(url)[0]["share"] > 0
+        p.wait_line("micro-batches")  # the job runs under the arbiter
+        assert any("arbiter on" in l for l in p.lines)
+    finally:
+        p.p.send_signal(signal.SIGINT)
+        try:
+            p.p.wait(60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+    assert p.p.returncode == 0, p.lines[-30:]

@@ -92,7 +92,7 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     gpu_memory_budget: int | None = None  # bytes for weights + KV cache + workspace; None: 90% of the device
     workspace_bytes: int | None = None  # reserved for activations; None: a tenth of the budget, at most 2 GiB
-    policy: str = "default"  # default | computron
+    policy: str = "default"  # default | preempt | computron
     executor: str | None = None  # inprocess | legacy | workers (one worker process per device); None: legacy for the computron policy, else inprocess
     devices: int = 1  # executor "workers": devices, one worker process each (models spread over them by placement)
     max_batch_size: int = 32
@@ -101,6 +101,7 @@ class EngineConfig:
     kv_block_tokens: int = 16  # tokens per block of the paged KV cache
     cuda_graphs: bool = True  # replay each model's decode step as a CUDA graph (GPU only)
     prefetch: bool = True
+    max_wait_s: float = 1.0  # preempt policy: a request kept waiting this long by others' running requests preempts them
 
     def __post_init__(self) -> None:
         self.gpu_memory_budget = parse_bytes(self.gpu_memory_budget)

@@ -182,6 +182,42 @@ def test_a_model_with_steady_traffic_does_not_starve_another():
     assert any(r.model == "a" and r.state == "running" for r in s.requests.values())  # a resumed
 
 
+def test_preempt_policy_serves_the_waiting_model_within_the_bound_and_a_resumes():
+    """As above, with a's generations 100 tokens long: draining keeps b waiting until a's older
+    requests end; the preempt policy stops a's batch once b has waited max_wait_s, and a's stopped
+    requests recompute and finish with every token."""
+    served = {}
+    for policy in ("default", "preempt"):
+        s = _sched(1_300_000, max_batch_size=4, policy=policy, max_wait_s=10.0)  # one model + its batch's cache
+        for m in "ab":
+            s.add_model(m, 700_000, KVT)
+        n, made, preempted = 0, {}, []
+        for step in range(3000):
+            now = float(step)
+            if step % 3 == 0 and step < 120:
+                s.add_request(_req(n, "a", max_tokens=100, t=now))
+                made[f"r{n}"] = 0
+                n += 1
+            if step == 5:
+                s.add_request(SchedRequest("b0", "b", 4, 3, now))
+                made["b0"] = 0
+            p = _run_step(s, now=now)
+            preempted += p.preempted
+            for b in p.batches:
+                for rid in b.requests:
+                    made[rid] += 1
+            if "b" in _models(p) and policy not in served:
+                served[policy] = step
+            if not s.requests:
+                break
+        assert not s.requests, policy
+        assert all(v == (3 if k == "b0" else 100) for k, v in made.items())  # nothing lost or repeated
+        if policy == "preempt":
+            assert preempted and s.switches >= 1
+    assert served["default"] >= 100  # r0 and r1, older than b, drained first
+    assert served["preempt"] <= 5 + 10 + 2  # b waited the bound, then a's batch stopped
+
+
 def test_kv_blocked_request_makes_others_drain_instead_of_failing():
     s = _sched(400_000)  # both models (200 kB) fit, and r0 beside them, but not r0 and r1
     s.add_model("a", 100_000, KVT)
@@ -271,13 +307,13 @@ def test_a_request_that_cannot_grow_preempts_the_newest_and_both_finish():
     assert not s.requests and s.free_bytes(0) == 5 * small
 
 
-@pytest.mark.parametrize("policy", ["default", "computron"])
+@pytest.mark.parametrize("policy", ["default", "preempt", "computron"])
 @pytest.mark.parametrize("seed", range(5))
 def test_random_steps_keep_invariants(policy, seed):
     rng = random.Random(seed)
     budget = 512_000
     s = _sched(budget, policy=policy, max_loaded=2, max_batch_size=rng.randint(1, 6),
-               max_tokens_per_step=rng.randint(8, 64), block_tokens=4)
+               max_tokens_per_step=rng.randint(8, 64), block_tokens=4, max_wait_s=rng.choice([0.0, 3.0, 20.0]))
     sizes = {f"m{i}": 512 * rng.randint(100, 600) for i in range(5)}
     for m, b in sizes.items():
         s.add_model(m, b, KVT, pinned=(m == "m0" and seed % 2 == 0))
@@ -315,7 +351,7 @@ def test_random_steps_keep_invariants(policy, seed):
                 made[rid] += 1
         held = {r: n for r, n in held.items() if r in s.requests}
         # Bytes in use, summed here from the sizes, never exceed the budget.
-        weights = sum(sizes[m] for m in on_device) if policy == "default" else 0
+        weights = sum(sizes[m] for m in on_device) if policy != "computron" else 0
         kv = sum(held.values()) * kv_region_bytes(4, KVT)
         assert weights + kv <= budget
         assert s.free_bytes(0) == budget - weights - kv

@@ -106,7 +106,8 @@ def run(models: list[str], device: str, batches: list[int], prompts: list[int], 
     pf = _fit([(b, p, t) for _, b, p, t in points["prefill"]])
     dc = _fit([(b, n, t) for _, b, n, t in points["decode"]])
     ev = _fit([(b, 0, t) for _, b, t in points["evict"]])  # fixed + per byte (a copy back, if any)
-    mem = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else eng.executor.status().devices[0].budget
+    mem = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else \
+        eng.executor.status().devices[0].budget
     cal = Calibration(name=f"measured:{machine().get('gpu', dev.type)}", swap_bandwidth=(swap_bw,), hbm_bandwidth=hbm,
                       prefill_fixed_s=pf[0], prefill_fixed_s_per_byte=pf[1], prefill_token_s=pf[2],
                       prefill_token_s_per_byte=pf[3], decode_fixed_s=dc[0], decode_fixed_s_per_byte=dc[1],
@@ -142,5 +143,6 @@ def main(args) -> int:
     print_table("calibration: measured against the fitted cost model (ms)",
                 ["kind", "model", "tokens/batch", "measured", "fit", "error"], rows)
     print(f"swap-in {cal.swap_bandwidth[0] / 1e9:.1f} GB/s, weight reads {cal.hbm_bandwidth / 1e9:.0f} GB/s, "
-          f"eviction {cal.evict_s * 1e6:.0f} us + {cal.evict_s_per_byte * 1e9 * 1e3:.2f} ms/GB; wrote {out} and {out.with_suffix('.points.json')}")
+          f"eviction {cal.evict_s * 1e6:.0f} us + {cal.evict_s_per_byte * 1e9 * 1e3:.2f} ms/GB; "
+          f"wrote {out} and {out.with_suffix('.points.json')}")
     return 0

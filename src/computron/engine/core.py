@@ -62,7 +62,7 @@ class EngineCore:
         self.scheduler = Scheduler(SchedulerConfig(
             budgets=tuple(d.capacity for d in st.devices), policy=cfg.policy, max_batch_size=cfg.max_batch_size,
             max_tokens_per_step=cfg.max_tokens_per_step, max_loaded=cfg.max_loaded, prefetch=cfg.prefetch,
-            block_tokens=st.kv_block_tokens))
+            block_tokens=st.kv_block_tokens, max_wait_s=cfg.max_wait_s))
         self.models: dict[str, ModelInfo] = {}
         self.requests: dict[str, CoreRequest] = {}
         self._ids = itertools.count()

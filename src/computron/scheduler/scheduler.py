@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from ..memory.units import kv_region_bytes
 from .state import LOADING, OFFLOADED, RESIDENT, Batch, ModelState, SchedRequest, StepPlan
 
-POLICIES = ("default", "computron")
+POLICIES = ("default", "preempt", "computron")
 
 
 @dataclass
@@ -44,6 +44,7 @@ class SchedulerConfig:
     prefetch: bool = True
     load_bandwidth: float | None = None  # bytes/s per device, to estimate when a load ends
     block_tokens: int = 16  # tokens per block of the paged KV cache
+    max_wait_s: float = 1.0  # preempt policy: a request kept from starting this long preempts what blocks it
 
     def __post_init__(self) -> None:
         if isinstance(self.budgets, int):
@@ -64,7 +65,14 @@ class SchedulerConfig:
 class Scheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
-        self.counts_bytes = config.policy == "default"  # computron: weights live outside the budget
+        self.counts_bytes = config.policy != "computron"  # computron: weights live outside the budget
+        self.preempts = config.policy == "preempt"
+        # preempt policy: a model whose running requests were stopped for another's (name ->
+        # that other) admits nothing until the other is on its devices; and when the oldest
+        # blocked request's wait runs out (a full search is due then, even in a steady run)
+        self._yielded: dict[str, str] = {}
+        self.deadline: float | None = None
+        self.switches = 0
         n = len(config.budgets)
         self.weights_used = [0] * n
         self.kv_used = [0] * n
@@ -246,6 +254,9 @@ class Scheduler:
     def _set_on_device(self, m: ModelState, now: float) -> None:
         self._epoch += 1
         m.state = LOADING
+        if self._yielded:  # those that stopped for m may run again
+            for name in [k for k, v in self._yielded.items() if v == m.name]:
+                del self._yielded[name]
         bw = self.config.load_bandwidth
         m.ready_at = now + max(m.weights) / bw if bw else None
         for d, w in zip(m.devices, m.weights):
@@ -347,7 +358,8 @@ class Scheduler:
         single steps would, provided no request arrives or ends otherwise in between."""
         self.step_count += 1
         steady = self._steady
-        if steady is not None and steady[0] == (self._epoch, self._changes):
+        if steady is not None and steady[0] == (self._epoch, self._changes) and \
+                (self.deadline is None or now < self.deadline):
             plan = self._steady_step(steady[1], max_steps)
             if plan is not None:
                 return plan
@@ -373,7 +385,7 @@ class Scheduler:
         growth, due = m.growth, []
         while growth and growth[0][0] <= m.steps:
             entry = heapq.heappop(growth)
-            if entry[2].state == "running" and entry[2].due == entry[0]:
+            if entry[2].state == "running" and entry[2].due == entry[1]:
                 due.append(entry)
         if due:
             if not self._fits(self._kv_need(m, len(due))):
@@ -400,8 +412,8 @@ class Scheduler:
                 steps = left
         growth, last = m.growth, m.steps + steps - 1
         while growth and growth[0][0] <= last:
-            due, _, req = growth[0]
-            if req.state != "running" or req.due != due:
+            due, tie, req = growth[0]
+            if req.state != "running" or req.due != tie:
                 heapq.heappop(growth)
                 continue
             if not self._fits(self._kv_need(m, 1)):
@@ -422,11 +434,15 @@ class Scheduler:
         # The oldest model that has nothing running: if memory held by running requests keeps it
         # from starting, every request newer than its head waits (the running models drain).
         hold_after: float | None = None
+        self.deadline = None
         for key, m in ages:
             seen.append((key, m))
             if not m.running:
                 if not self._can_start(m) and self._busy_near(m):
-                    hold_after = key
+                    if not (self.preempts and now - key >= self.config.max_wait_s and self._switch_to(m, plan)):
+                        hold_after = key
+                        if self.preempts:
+                            self.deadline = key + self.config.max_wait_s
                 break
         for key, m in self._chain(seen, ages):
             if not free_devices:
@@ -435,6 +451,8 @@ class Scheduler:
                 continue
             if hold_after is not None and key > hold_after and not m.on_device:
                 continue  # it could admit nothing: do not take memory the older request waits for
+            if self._yielded and self._yielding(m):
+                continue
             if not self._make_resident(m, claimed, plan, plan.loads, now, evict_waiting=True):
                 if self._busy_near(m):
                     hold_after = key if hold_after is None else hold_after
@@ -456,6 +474,47 @@ class Scheduler:
         for _, m in seen:
             self._queue(m)
         return plan
+
+    def _switch_to(self, m: ModelState, plan: StepPlan) -> bool:
+        """Preempt policy: stop the running requests of the models that keep ``m`` from starting
+        (those that lose the fewest tokens first; they recompute later, and ``plan.preempted``
+        says so), until ``m`` can start. False (nothing stopped) when even all of them would not do."""
+        blockers = {c.name: c for d in m.devices for c in self.on_device[d].values()
+                    if c is not m and c.running and not c.pinned}
+        order = sorted(blockers.values(), key=lambda c: sum(c.steps - r.joined for r in c.running.values()))
+        need = self._kv_need(m, self._blocks_at_start(m.waiting[0]))
+        for d, w in zip(m.devices, m.weights):
+            need[d] += w if not m.on_device else 0
+        freed = {d: self.free_bytes(d) for d in need}
+        for c in order:  # would stopping them all make room? (evicting them, and idle models, too)
+            for d, w, bb in zip(c.devices, c.weights, c.block_bytes):
+                if d in freed:
+                    freed[d] += w + bb * sum(r.blocks for r in c.running.values())
+        idle = {d: sum(i.weights[i.devices.index(d)] for i in self.on_device[d].values()
+                       if i is not m and not i.running and not i.pinned) for d in need}
+        if any(freed[d] + idle[d] < n for d, n in need.items()):
+            return False
+        self._yielded.pop(m.name, None)  # m waits for no one now (no cycle of models holding back)
+        for c in order:
+            for req in reversed(list(c.running.values())):
+                self._preempt(c, req, plan)
+            self._yielded[c.name] = m.name
+            self._epoch += 1
+            self.switches += 1
+            if self._can_start_now(m):
+                break
+        return True
+
+    def _yielding(self, m: ModelState) -> bool:
+        """Does ``m`` hold back for the model it was preempted for (still not on its devices)?"""
+        other = self._yielded.get(m.name)
+        if other is None:
+            return False
+        o = self.models.get(other)
+        if o is not None and o.has_work:
+            return True
+        del self._yielded[m.name]  # it was removed, or its work ended before it got in
+        return False
 
     @staticmethod
     def _chain(seen: list, ages):
@@ -542,8 +601,9 @@ class Scheduler:
 
     def _schedule_growth(self, m: ModelState, req: SchedRequest) -> None:
         """Note when the request's next token will not fit its blocks: at that step it needs another."""
-        req.due = req.blocks * self.config.block_tokens - req.prompt_len + req.joined + 1
-        heapq.heappush(m.growth, (req.due, next(self._tie), req))
+        req.due = next(self._tie)  # names its live entry: entries left from before a preemption are stale
+        step = req.blocks * self.config.block_tokens - req.prompt_len + req.joined + 1
+        heapq.heappush(m.growth, (step, req.due, req))
 
     def _grow(self, m: ModelState, req: SchedRequest, blocks: int, plan: StepPlan, keep: set[str]) -> bool:
         """Give a running request ``blocks`` more blocks: evict idle models, else preempt this
@@ -568,8 +628,8 @@ class Scheduler:
         keep = claimed | {m.name}
         growth = m.growth
         while growth and growth[0][0] <= m.steps:  # only requests whose next token starts a block
-            due, _, req = heapq.heappop(growth)
-            if req.state != "running" or req.due != due:
+            due, tie, req = heapq.heappop(growth)
+            if req.state != "running" or req.due != tie:
                 continue  # preempted or finished since
             if self._grow(m, req, 1, plan, keep):
                 self._schedule_growth(m, req)

@@ -23,7 +23,7 @@ class SchedRequest:
     blocks: int = 0  # KV-cache blocks it holds (on each of its model's ranks)
     joined: int = 0  # its model's step count when it was admitted (tokens made = steps since)
     done: int = 0  # tokens it had made when it was preempted (it recomputes them when it resumes)
-    due: int = 0  # its model's step count at which its next token needs one more block
+    due: int = -1  # the tie of its live entry in its model's growth heap (when it needs one more block)
     state: str = "waiting"  # waiting | running | finished
 
 

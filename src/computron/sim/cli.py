@@ -6,7 +6,7 @@ simulation) runs through the real engine core and scheduler on a simulated execu
 clock, with a calibration (built-in ``cpu`` or ``h200-rough``, or a file from ``computron bench
 calibrate``). Prints per-model latency, time to first token, time per output token and SLO
 attainment, writes the records and summary as JSON and, with ``--plots``, the latency CDF and the
-attainment curve. ``--sweep rate|cv|budget --values ...`` runs both policies at each value and
+attainment curve. ``--sweep rate|cv|budget --values ...`` runs every policy (or ``--policies``) at each value and
 plots attainment against it. Imports no torch.
 
 Presets (``--preset``): N copies of one model (``--models``, default opt-13b), the budget holding
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import sys
 
-POLICIES = ("default", "computron")
+POLICIES = ("default", "preempt", "computron")
 PRESETS = {  # name: (models resident at once, per-model rates)
     "3m-1-1-1": (2, (1, 1, 1)), "3m-10-1-1": (2, (10, 1, 1)), "3m-10-10-1": (2, (10, 10, 1)),
     "6m-1x6": (4, (1,) * 6), "6m-10-10-1-1-1-1": (4, (10, 10, 1, 1, 1, 1)), "6m-10x4-1-1": (4, (10,) * 4 + (1, 1)),
@@ -42,9 +42,12 @@ def add_parser(sub) -> None:
     p.add_argument("--policy", choices=POLICIES, default="default")
     p.add_argument("--budget", metavar="SIZE", help="device memory budget, e.g. 40GiB (default: the calibration's)")
     p.add_argument("--max-loaded", type=int, default=1, help="computron policy: models resident at once")
+    p.add_argument("--max-wait", type=float, default=1.0, help="preempt policy: seconds a request may be kept "
+                                                               "waiting by other models' running requests")
     p.add_argument("--sweep", choices=("rate", "cv", "budget"), default=None,
-                   help="run both policies at each of --values and plot SLO attainment against it")
+                   help="run every policy at each of --values and plot SLO attainment against it")
     p.add_argument("--values", default=None, help="the sweep's values, comma-separated (sizes for budget)")
+    p.add_argument("--policies", default=",".join(POLICIES), help="the policies a sweep compares (default: all)")
     p.add_argument("--out", default=None, help="JSON output (default: bench/results/sim_<policy|sweep>.json)")
     p.set_defaults(func=main)
 
@@ -82,7 +85,7 @@ def run_once(args, specs, cfg_kw, cal, policy: str):
     from ..workload.args import slo_report, workload_from_args
     from .run import Simulation
 
-    sim = Simulation(specs, cal, EngineConfig(device="cpu", policy=policy, **cfg_kw))
+    sim = Simulation(specs, cal, EngineConfig(device="cpu", policy=policy, max_wait_s=args.max_wait, **cfg_kw))
     trace = workload_from_args(args, [s.name for s in specs])
     result = sim.run(trace)
     summary = result.summary()
@@ -130,7 +133,7 @@ def _sweep(args, specs, cfg_kw, cal) -> int:
     values = [v.strip() for v in args.values.split(",") if v.strip()]
     base_rates = [float(x) for x in args.rates.split(",")] if args.rates else None
     runs, curves, rows = [], {}, []
-    for policy in POLICIES:
+    for policy in args.policies.split(","):
         ys = []
         for v in values:
             kw = dict(cfg_kw)

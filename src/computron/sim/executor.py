@@ -5,9 +5,10 @@ It answers every call of ``engine/executor.py`` as the in-process executor would
 
 - ``register``: the model's config (presets and checkpoint directories through ``resolve_model``)
   and its image's bytes from the config alone (``sim/layout.py``, exactly the real layout);
-- ``apply``: evictions take ``evict_s`` (+ ``evict_s_per_byte`` × bytes) each (an eviction of a model still loading first waits for
-  its copies, as the real one synchronises); loads start now, or when the device's copy stream is
-  free, and each layer group lands at ``start + bytes so far / bandwidth``;
+- ``apply``: evictions take ``evict_s`` (+ ``evict_s_per_byte`` × bytes) each (an eviction of a
+  model still loading first waits for its copies, as the real one synchronises); loads start now,
+  or when the device's copy stream is free, and each layer group lands at ``start + bytes so far /
+  bandwidth``;
 - ``execute``: one token per sequence (a fixed id, never EOS) in a completed future; the clock
   moves to the end of the slowest batch (batches of one step run on disjoint devices at once). A
   cold batch computes layer group *i* once group *i* has landed, so compute overlaps the copy;

@@ -174,8 +174,10 @@ class Simulation:
                 steady = core.scheduler.steady_batch()
                 if steady is not None:
                     cap = FAST_FORWARD_MAX if max_steps is None else max(1, max_steps - steps)
-                    k = self.executor.steps_before(steady[0], steady[1], arrivals[i].time if i < n else math.inf,
-                                                   cap)
+                    until = arrivals[i].time if i < n else math.inf
+                    if core.scheduler.deadline is not None:  # a full search is due then (preempt policy)
+                        until = min(until, core.scheduler.deadline)
+                    k = self.executor.steps_before(steady[0], steady[1], until, cap)
             plan = core.step(k)
             if plan.batches:
                 steps, idle = steps + plan.steps, 0

@@ -188,7 +188,8 @@ def main(args) -> int:
         return 2
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    with Progress(TextColumn("replaying"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[errors]} errors"),
+    with Progress(TextColumn("replaying"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[errors]} errors"),
                   TimeElapsedColumn(), transient=True) as bar:
         task = bar.add_task("replay", total=len(trace), errors=0)
         errors = [0]

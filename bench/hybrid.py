@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from computron.colocate.arbiter import Arbiter, ArbiterConfig
+from computron.colocate.arbiter import MODES, Arbiter, ArbiterConfig
 from computron.colocate.protocol import ArbiterServer
 from computron.memory.host import host_buffer
 
@@ -211,37 +211,64 @@ def run_one(args, mode: str | None, with_train: bool, with_infer: bool, ckpt: st
     return out
 
 
-def summarize(runs: list[dict]) -> dict:
-    solo = float(np.median([x for x in runs[0]["latencies"] if np.isfinite(x)]))
-    train_alone = next(r for r in runs if r["mode"] == "training-alone")["train_samples_per_s"]
+REFERENCES = ("inference-alone", "training-alone")
+
+
+def phase_row(r: dict, solo: float | None, train_alone: float | None) -> dict:
+    """One run's figures: latency percentiles, SLO attainment at k x solo latency, training rate, handovers."""
+    row = {"failures": r["failures"]}
+    if r["latencies"]:
+        lat = np.array(r["latencies"])
+        row.update(p50_s=float(np.percentile(lat, 50)), p99_s=float(np.percentile(lat, 99)))
+        if solo:
+            row["slo"] = {k: float(np.mean(lat <= k * solo)) for k in range(1, 9)}
+    if r["train_samples_per_s"] is not None:
+        row["train_samples_per_s"] = r["train_samples_per_s"]
+        if train_alone:
+            row["train_relative"] = r["train_samples_per_s"] / train_alone
+    waits = [h for h in r["handovers"] if h.get("signal_s") is not None]
+    if waits:
+        for key in ("wait_s", "signal_s", "release_s", "ack_s", "alloc_s", "swap_s"):
+            vals = [h[key] for h in waits]
+            row[f"handover_{key[:-2]}_p50_ms"] = 1e3 * float(np.percentile(vals, 50))
+            row[f"handover_{key[:-2]}_p99_ms"] = 1e3 * float(np.percentile(vals, 99))
+        row["handovers"] = len(waits)
+    return row
+
+
+def _median(rows: list[dict]):
+    """The median of each figure over repeats (nested dicts figure by figure)."""
+    out = {}
+    for k in rows[0]:
+        vals = [r[k] for r in rows if k in r]
+        out[k] = _median(vals) if isinstance(vals[0], dict) else float(np.median(vals))
+    return out
+
+
+def summarize(runs: dict[str, list[dict]]) -> dict:
+    """``runs``: phase -> its repeats. Solo latency and training-alone rate are medians over their
+    repeats; each phase's figures are the median over its repeats of each run's figures."""
+    solos = [float(np.median([x for x in r["latencies"] if np.isfinite(x)])) for r in runs.get("inference-alone", [])]
+    rates = [r["train_samples_per_s"] for r in runs.get("training-alone", [])]
+    solo = float(np.median(solos)) if solos else None
+    train_alone = float(np.median(rates)) if rates else None
     rows = []
-    for r in runs:
-        lat = np.array(r["latencies"]) if r["latencies"] else None
-        row = {"mode": r["mode"], "failures": r["failures"]}
-        if lat is not None:
-            row.update(p50_s=float(np.percentile(lat, 50)), p99_s=float(np.percentile(lat, 99)),
-                       slo={k: float(np.mean(lat <= k * solo)) for k in range(1, 9)})
-        if r["train_samples_per_s"] is not None:
-            row.update(train_samples_per_s=r["train_samples_per_s"],
-                       train_relative=r["train_samples_per_s"] / train_alone if train_alone else None)
-        waits = [h for h in r["handovers"] if h.get("signal_s") is not None]
-        if waits:
-            for key in ("wait_s", "signal_s", "release_s", "ack_s", "alloc_s", "swap_s"):
-                vals = [h[key] for h in waits]
-                row[f"handover_{key[:-2]}_p50_ms"] = 1e3 * float(np.percentile(vals, 50))
-                row[f"handover_{key[:-2]}_p99_ms"] = 1e3 * float(np.percentile(vals, 99))
-            row["handovers"] = len(waits)
-        rows.append(row)
+    for phase in [*REFERENCES, *MODES]:
+        if runs.get(phase):
+            row = _median([phase_row(r, solo, train_alone) for r in runs[phase]])
+            rows.append({"mode": phase, "repeats": len(runs[phase]), **row})
     return {"solo_latency_s": solo, "train_alone_samples_per_s": train_alone, "rows": rows}
 
 
-def plot(runs, path: Path) -> None:
+def plot(runs: dict[str, list[dict]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shown = [r for r in runs if r["timeline"] and r["mode"] not in ("inference-alone", "training-alone")]
+    shown = [rs[0] for m, rs in runs.items() if m in MODES and rs and rs[0]["timeline"]]  # each mode's first run
+    if not shown:
+        return
     fig, axes = plt.subplots(len(shown), 1, figsize=(10, 2.2 * len(shown)), sharex=True, squeeze=False)
     for ax, r in zip(axes[:, 0], shown):
         t, inf, train, res = (np.array(c) for c in zip(*r["timeline"]))
@@ -272,18 +299,42 @@ def main() -> int:
     p.add_argument("--global-batch", type=int, default=32)
     p.add_argument("--micro-batch", type=int, default=16)
     p.add_argument("--warmup-steps", type=int, default=3)
-    p.add_argument("--modes", default="normal,static,task-switch,colocate")
+    p.add_argument("--modes", default=",".join((*REFERENCES, *MODES)),
+                   help="phases to run now, of inference-alone, training-alone and the modes; runs are kept in "
+                        "bench/results/hybrid_<tag>_runs.json, so a long comparison can be split over several "
+                        "invocations (same settings, same trace) and the summary covers every phase stored")
+    p.add_argument("--repeats", type=int, default=1, help="runs per phase; figures are medians over them")
+    p.add_argument("--fresh", action="store_true", help="drop the runs stored under this tag first")
     p.add_argument("--device", default="cuda")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tag", default="h100")
     args = p.parse_args()
+    phases = args.modes.split(",")
+    unknown = [m for m in phases if m not in (*REFERENCES, *MODES)]
+    if unknown or args.repeats < 1:
+        p.error(f"unknown phase(s) {unknown}; known: {', '.join((*REFERENCES, *MODES))}" if unknown
+                else "--repeats must be at least 1")
+    settings = {k: v for k, v in vars(args).items() if k not in ("modes", "repeats", "fresh", "tag")}
+    RESULTS.mkdir(exist_ok=True)
+    store = RESULTS / f"hybrid_{args.tag}_runs.json"
+    runs: dict[str, list[dict]] = {}
+    if store.is_file() and not args.fresh:
+        saved = json.loads(store.read_text())
+        if saved["settings"] != settings:
+            p.error(f"{store} holds runs with other settings ({saved['settings']}); use --fresh or another --tag")
+        runs = saved["runs"]
     ckpt = args.train_model or gpt2_medium_checkpoint(Path(tempfile.gettempdir()) / "computron-gpt2-medium")
     arrivals = trace(args)
-    runs = [run_one(args, None, False, True, ckpt, arrivals), run_one(args, None, True, False, ckpt, arrivals)]
-    for mode in args.modes.split(","):
-        runs.append(run_one(args, mode, True, True, ckpt, arrivals))
-        print(json.dumps(summarize(runs)["rows"][-1]), flush=True)
-    RESULTS.mkdir(exist_ok=True)
+    for phase in phases:
+        runs[phase] = []
+        for _ in range(args.repeats):
+            with_train, with_infer = phase != "inference-alone", phase != "training-alone"
+            r = run_one(args, phase if phase in MODES else None, with_train, with_infer, ckpt, arrivals)
+            if runs[phase]:
+                r["timeline"] = []  # one timeline per phase is plotted; the file stays small
+            runs[phase].append(r)
+        store.write_text(json.dumps({"settings": settings, "runs": runs}))  # after each phase: nothing is lost
+        print(json.dumps(summarize(runs)["rows"]), flush=True)
     out = RESULTS / f"hybrid_{args.tag}.json"
     summary = summarize(runs)
     out.write_text(json.dumps({"args": vars(args), "requests": len(arrivals), **summary,

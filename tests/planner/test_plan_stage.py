@@ -43,3 +43,22 @@ def test_stage_time_is_compute_plus_tp_allreduces_by_hand():
 
     ce = 3 * (2 * (t - 1) / t * (4 * tok) / (node.intra_bw * a.intra_eff) + 2 * (t - 1) * a.intra_latency_s)
     assert r.breakdown["tp"] == pytest.approx(r.micro_batches * (L * layer_tp + allreduce + ce), rel=1e-12)
+
+
+def test_max_layers_is_the_last_count_that_fits():
+    """The linear start and the steps land on the largest n <= L whose stage memory fits, for
+    random terms, interleaving (ceil(n/v)), ZeRO-1 and budgets from nothing to everything."""
+    import random
+
+    from computron.planner.estimate import MemoryTerms, max_layers, stage_memory
+
+    rng = random.Random(3)
+    a = Assumptions()
+    for _ in range(400):
+        t = MemoryTerms(rng.uniform(1e6, 1e9), rng.uniform(0, 1e9), rng.uniform(0, 5e8), rng.uniform(0, 1e9),
+                        rng.uniform(0, 1e8), rng.uniform(0, 2e9))
+        L, v, mb, dp = rng.randint(1, 100), rng.choice([1, 2, 3]), rng.randint(1, 64), rng.choice([1, 2, 8])
+        inflight, zero1 = rng.randint(1, 40), rng.random() < 0.5
+        usable = rng.uniform(0, 2) * stage_memory(t, L, inflight, mb, v, dp, zero1, a)
+        fit = [n for n in range(L + 1) if stage_memory(t, n, inflight, mb, v, dp, zero1, a) <= usable]
+        assert max_layers(t, usable, L, inflight, mb, v, dp, zero1, a) == (max(fit) if fit else 0)

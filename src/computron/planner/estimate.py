@@ -124,15 +124,20 @@ def stage_memory(t: MemoryTerms, n: int, inflight: int, mb: int, v: int, dp: int
 
 def max_layers(t: MemoryTerms, usable: float, L: int, inflight: int, mb: int, v: int, dp: int, zero1: bool,
                a: Assumptions) -> int:
-    """Most layers (<= L) a stage can hold within ``usable`` bytes; 0 when not even one fits."""
-    lo, hi = 0, L
-    while lo < hi:  # memory grows with n: binary search the last n that fits
-        mid = (lo + hi + 1) // 2
-        if stage_memory(t, mid, inflight, mb, v, dp, zero1, a) <= usable:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    """Most layers (<= L) a stage can hold within ``usable`` bytes; 0 when not even one fits.
+    Memory is (nearly, through ceil(n/v)) linear in n: start from the linear solution and step to
+    the exact last n that fits (memory grows with n)."""
+    def fits(n: int) -> bool:
+        return stage_memory(t, n, inflight, mb, v, dp, zero1, a) <= usable
+
+    slope = costs.state_bytes(t.layer_params, dp, zero1, a) + inflight * t.act_layer / v
+    room = usable - stage_memory(t, 0, inflight, mb, v, dp, zero1, a)
+    n = min(L, max(0, math.floor(room / slope))) if slope > 0 else (L if room >= 0 else 0)
+    while n < L and fits(n + 1):
+        n += 1
+    while n > 0 and not fits(n):
+        n -= 1
+    return n
 
 
 @dataclass

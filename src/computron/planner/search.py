@@ -421,7 +421,7 @@ def search(m: TransformerShape, cluster: Cluster, opts: SearchOptions = SearchOp
             group, tabs, members, b, checked, by_last = item
             comp, nts, dims, sizes, price = group
             cut = cutoff(price)
-            if cut < checked and opts.virtual_stages == (1,):  # the fill and drain, whatever the stage order
+            if cut < checked and len(members) > 1 and opts.virtual_stages == (1,):  # the fill and drain, whatever the order
                 by_last = _family_fill_bound(m, members[0][0], b, opts, tabs, cut)
                 lb = min(by_last.values())
                 if lb >= cut:

@@ -35,7 +35,7 @@ from .errors import PlannerError
 from . import schedule
 from .estimate import METHODS, CostModel, PlanConfig, PlanContext, PlanResult, max_layers, memory_terms
 from .hardware import Cluster
-from .partition import capped_min_max, pipeline_min_max
+from .partition import pipeline_min_max
 from .layout import check_dims, compositions, distinct_orderings, stage_envs, stage_node_names
 from .model import TransformerShape
 
@@ -218,23 +218,21 @@ def _free_bound(m: TransformerShape, dims: ParallelDims, stage_nodes, b: int, cm
     return m.global_batch / dims.dp * m.layers / rate
 
 
-def _capped_bound(m: TransformerShape, sig: tuple[int, ...], b: int, v: int, opts: SearchOptions,
-                  tabs: _StageTables) -> tuple[float, bool]:
-    """(bound, recompute) for plans whose stage s falls on node set ``sig[s]``, at micro-batch b and
-    v: the capped fractional min-max times the micro-batches, without recomputation when the caps
-    allow it (``recompute`` auto/none), else with it (auto/full); (inf, _) when nothing fits."""
+def _recompute_choice(m: TransformerShape, sig: tuple[int, ...], b: int, v: int, opts: SearchOptions,
+                      tabs: _StageTables) -> bool | None:
+    """Whether plans whose stage s falls on node set ``sig[s]`` (micro-batch b, v chunks) recompute:
+    not when the memory caps of every stage allow the layers without (``recompute`` auto/none),
+    else yes (auto/full); None when nothing fits (or v does not divide the schedule)."""
     dims = tabs.dims
     mb = m.global_batch // (dims.dp * b)
     if v > 1 and (dims.pp == 1 or mb % dims.pp or m.layers < dims.pp * v):
-        return math.inf, False
+        return None
     for rec in _recompute_options(opts):
         lists = {k: tabs.caps(k, b, v, rec) for k in set(sig)}
         caps = [lists[k][s] for s, k in enumerate(sig)]
-        if min(caps) < v or sum(caps) < m.layers:
-            continue
-        ws = {k: tabs.w(k, b, rec) for k in lists}
-        return mb * capped_min_max(m.layers, [ws[k] for k in sig], caps, v), rec
-    return math.inf, False
+        if min(caps) >= v and sum(caps) >= m.layers:
+            return rec
+    return None
 
 
 def _fill_bound(m: TransformerShape, sig: tuple[int, ...], b: int, v: int, rec: bool, tabs: _StageTables,
@@ -350,11 +348,14 @@ def search(m: TransformerShape, cluster: Cluster, opts: SearchOptions = SearchOp
     bound on the time of every plan below it, refined level by level:
 
     - group: composition + tp/pp/dp (:func:`_group_bound`) -> families of gatherings;
-    - family: gatherings whose stages fall on the same multiset of node types (:func:`_free_bound`)
-      -> its gatherings;
-    - gathering: placements with the same node types per stage, per micro-batch size and v
-      (:func:`_capped_bound`, memory caps included; on first pop tightened by :func:`_fill_bound`,
-      the pipeline's fill and drain, and queued again) -> one lazy configuration per stage view;
+    - family: gatherings whose stages fall on the same multiset of node types, per micro-batch
+      size (:func:`_free_bound`; on first pop, with v = 1 and several orderings, tightened by
+      :func:`_family_fill_bound`, per node set that comes last, and queued again) -> its gatherings;
+    - gathering: placements with the same node types per stage, per micro-batch size and v (the
+      recomputation choice from the memory caps, :func:`_recompute_choice`; on pop checked against
+      the cutoff by :func:`_fill_bound`, the pipeline's busy time, fill and drain, and queued
+      again when that bound rose; checked again if the cutoff falls) -> one lazy configuration
+      per stage view;
     - lazy: built into a PlanContext on pop, re-pushed with PlanContext.quick_bound;
     - config: partitioned; each partition gets PlanContext.lower_bound and is simulated.
 
@@ -435,9 +436,9 @@ def search(m: TransformerShape, cluster: Cluster, opts: SearchOptions = SearchOp
                 if last >= cut:
                     continue
                 for v in opts.virtual_stages:
-                    lb, rec = _capped_bound(m, sig, b, v, opts, tabs)
-                    if lb < math.inf:
-                        push(max(lb, lb0, last), price, "gathering", (group, tabs, sig, orders, b, v, rec, math.inf))
+                    rec = _recompute_choice(m, sig, b, v, opts, tabs)
+                    if rec is not None:
+                        push(max(lb0, last), price, "gathering", (group, tabs, sig, orders, b, v, rec, math.inf))
             continue
         if kind == "gathering":
             group, tabs, sig, orders, b, v, rec, checked = item

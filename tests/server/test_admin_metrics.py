@@ -12,6 +12,7 @@ import pytest
 from computron.memory.host import HostImage
 from computron.memory.layout import layout_for
 from computron.models import get_preset, save_checkpoint
+from computron.models.preset_tokenizer import write_tokenizer
 
 from .conftest import running
 from .test_errors import assert_error
@@ -34,7 +35,9 @@ def admin(tmp_path_factory):
     (root / "models").mkdir()
     tiny_checkpoint(root / "models" / "opt-ckpt")
     chat = tiny_checkpoint(root / "models" / "opt-chat")
-    (chat / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
+    write_tokenizer(get_preset("tiny-opt"), chat)  # the preset's tokenizer, with a chat template added
+    tok_config = json.loads((chat / "tokenizer_config.json").read_text())
+    (chat / "tokenizer_config.json").write_text(json.dumps({**tok_config, "chat_template": TEMPLATE}))
     tiny_checkpoint(root / "outside" / "secret-ckpt")
     os.symlink(root / "outside" / "secret-ckpt", root / "models" / "link-out")
     with running(models=("tiny-opt",), model_dirs=[str(root / "models")], admin_key=ADMIN_KEY) as live:
@@ -112,7 +115,8 @@ def test_chat_template_from_tokenizer_config(admin, reference):
     assert r.status_code == 200, r.text
     prompt = "[system|be brief][user|hi]=>"  # the checkpoint's template, not the plain default
     ref = reference("tiny-opt", prompt, 6)
-    assert r.json()["usage"]["prompt_tokens"] == len(ref.prompt_ids) == len(prompt) + 1  # + BOS
+    assert r.json()["usage"]["prompt_tokens"] == len(ref.prompt_ids)
+    assert ref.prompt_ids[0] == 256 and ref.prompt_ids.count(256) == 1  # BOS once
     assert r.json()["choices"][0]["message"]["content"] == ref.text
     # A preset has no template: the plain default "role: content" lines, then "assistant:".
     r = api(admin, "POST", "/v1/chat/completions", json={"model": "tiny-opt", "messages": messages, "max_tokens": 6,

@@ -156,7 +156,7 @@ def test_search_speed_target():
 def test_family_fill_bound_holds_for_every_stage_order():
     """The bound a family of gatherings gets per node set that comes last (the order of the others
     unknown) never exceeds the bound of any ordering of its stages that ends on that set, for every
-    micro-batch size and both recomputation choices."""
+    micro-batch size, 1F1B and interleaved, and both recomputation choices."""
     from computron.planner.search import _StageTables, _family_fill_bound, _fill_bound, _recompute_choice
 
     m = replace(SMALL, layers=12, global_batch=64)
@@ -166,14 +166,16 @@ def test_family_fill_bound_holds_for_every_stage_order():
     opts = SearchOptions()
     tabs = _StageTables(m, dims, opts, CostModel(m))
     ids = [tabs.set_id((n,), (nts[n],)) for n in ("a100-80gb", "a100-40gb", "a10")]
-    checked = 0
+    checked = {1: 0, 2: 0}
     for family in ([ids[0], ids[1], ids[2], ids[2]], [ids[2]] * 3 + [ids[0]], [ids[1], ids[1], ids[2], ids[2]]):
         for b in divisors(m.global_batch):
-            fam = _family_fill_bound(m, tuple(family), b, opts, tabs, math.inf)
-            for sig in set(itertools.permutations(family)):
-                rec = _recompute_choice(m, sig, b, 1, opts, tabs)
-                if rec is None:
-                    continue
-                assert fam[sig[-1]] <= _fill_bound(m, sig, b, 1, rec, tabs, rel_tol=1e-9) * (1 + 1e-9)  # least T, to 1e-9
-                checked += 1
-    assert checked > 100
+            for v in (1, 2):
+                fam = _family_fill_bound(m, tuple(family), b, v, opts, tabs, math.inf)
+                for sig in set(itertools.permutations(family)):
+                    rec = _recompute_choice(m, sig, b, v, opts, tabs)
+                    if rec is None:
+                        continue
+                    least = _fill_bound(m, sig, b, v, rec, tabs, rel_tol=1e-9)  # the least T, to 1e-9
+                    assert fam[sig[-1]] <= least * (1 + 1e-9)
+                    checked[v] += 1
+    assert checked[1] > 100 and checked[2] > 50

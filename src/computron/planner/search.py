@@ -246,27 +246,33 @@ def _fill_bound(m: TransformerShape, sig: tuple[int, ...], b: int, v: int, rec: 
                             rel_tol=rel_tol, cutoff=cutoff)
 
 
-def _family_fill_bound(m: TransformerShape, sig: tuple[int, ...], b: int, opts: SearchOptions, tabs: _StageTables,
-                       cutoff: float) -> dict[int, float]:
+def _family_fill_bound(m: TransformerShape, sig: tuple[int, ...], b: int, v: int, opts: SearchOptions,
+                       tabs: _StageTables, cutoff: float) -> dict[int, float]:
     """Per node set that can come last, a bound for every ordering of the stages on node sets
-    ``sig`` that ends on it, at micro-batch b (v = 1): the pipeline bound where the last stage has its
-    own memory cap, the head and the full fill term, and every other stage its largest cap over
-    the other positions and the fill term of the position with the most forwards in flight; each
-    stage sends at least once, at the cheapest link to any set of the family."""
+    ``sig`` that ends on it, at micro-batch b and v chunks: the pipeline bound where the last stage
+    has its own memory cap, the head and its full fill term, and every other stage its largest
+    cap over the other positions and (v = 1) the fill term of the position with the most forwards
+    in flight; each stage sends at least 2v - 1 times, at the cheapest link to any set of the
+    family."""
     p, mb = tabs.dims.pp, m.global_batch // (tabs.dims.dp * b)
     kinds = set(sig)
-    send = {k: min(tabs._part("send", (k, j), b) for j in kinds) if p > 1 else 0.0 for k in kinds}
     out = dict.fromkeys(kinds, math.inf)
+    if v > 1 and (p == 1 or mb % p or m.layers < p * v):
+        return out
+    send = {k: (2 * v - 1) * min(tabs._part("send", (k, j), b) for j in kinds) if p > 1 else 0.0 for k in kinds}
     for rec in _recompute_options(opts):
-        lists = {k: tabs.caps(k, b, 1, rec) for k in kinds}
-        w = [tabs.w(k, b, rec) for k in sig]
-        fill = [(mb - 1) * x - (min(p, mb) - 1) * x / 2 for x in w]
-        caps = [max(lists[k][:-1] or lists[k]) for k in sig]
-        for last in kinds:
-            s = sig.index(last)
-            k, n, c = list(fill), list(caps), [send[x] for x in sig]
-            k[s], n[s], c[s] = (mb - 1) * w[s], lists[last][-1], c[s] + tabs._part("head", last, b)
-            out[last] = min(out[last], pipeline_min_max(m.layers, w, n, mb, 1, c=c, cutoff=cutoff, k=k))
+        lists = {k: tabs.caps(k, b, v, rec) for k in kinds}
+        for last in kinds:  # the stage that comes last is put at the end
+            order = list(sig)
+            order.remove(last)
+            w = [tabs.w(k, b, rec) for k in order] + [tabs.w(last, b, rec)]
+            n = [max(lists[k][:-1]) for k in order] + [lists[last][-1]]
+            c = [send[k] for k in order] + [send[last] + tabs._part("head", last, b)]
+            if v == 1:
+                k = [(mb - 1) * x - (min(p, mb) - 1) * x / 2 for x in w[:-1]] + [(mb - 1) * w[-1]]
+            else:
+                k = [0.0] * (p - 1) + [mb * w[-1] - w[-1] / v]
+            out[last] = min(out[last], pipeline_min_max(m.layers, w, n, mb, v, v, c, cutoff=cutoff, k=k))
     return out
 
 
@@ -422,9 +428,9 @@ def search(m: TransformerShape, cluster: Cluster, opts: SearchOptions = SearchOp
             group, tabs, members, b, checked, by_last = item
             comp, nts, dims, sizes, price = group
             cut = cutoff(price)
-            if cut < checked and len(members) > 1 and opts.virtual_stages == (1,):  # the fill and drain, whatever the order
-                by_last = _family_fill_bound(m, members[0][0], b, opts, tabs, cut)
-                lb = min(by_last.values())
+            if cut < checked and len(members) > 1:  # the fill and drain, whatever the order before the last
+                by_last = {v: _family_fill_bound(m, members[0][0], b, v, opts, tabs, cut) for v in opts.virtual_stages}
+                lb = min(x for d in by_last.values() for x in d.values())
                 if lb >= cut:
                     continue
                 if lb > lb0 and best:
@@ -432,10 +438,10 @@ def search(m: TransformerShape, cluster: Cluster, opts: SearchOptions = SearchOp
                     continue
                 lb0 = max(lb, lb0)
             for sig, orders in members:
-                last = by_last[sig[-1]] if by_last else lb0
-                if last >= cut:
-                    continue
                 for v in opts.virtual_stages:
+                    last = by_last[v][sig[-1]] if by_last else lb0
+                    if last >= cut:
+                        continue
                     rec = _recompute_choice(m, sig, b, v, opts, tabs)
                     if rec is not None:
                         push(max(lb0, last), price, "gathering", (group, tabs, sig, orders, b, v, rec, math.inf))

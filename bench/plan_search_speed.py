@@ -92,7 +92,7 @@ def main() -> int:
     out = {
         "benchmark": "planner search speed (top 1, one core)",
         "reference": args.reference_src,
-        "space": "all sub-clusters, all distinct node orderings, tp/pp/dp, mbs <= 64, v=1, partitions balanced/greedy/exact, recompute auto",
+        "space": "all sub-clusters, all distinct node orderings, tp/pp/dp, mbs <= 64, the default v (1,2,4 since interleaving is searched by default; 1 before), partitions balanced/greedy/exact, recompute auto",
         "target_s": TARGET_S, "cases": cases,
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "python": platform.python_version(), "cores_used": 1},

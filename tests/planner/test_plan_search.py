@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from computron.parallel.dims import ParallelDims
+from computron.planner.errors import PlannerError
 from computron.planner.estimate import CostModel, PlanConfig, PlanContext
 from computron.planner.hardware import parse_compact
 from computron.planner.layout import distinct_orderings, stage_envs
@@ -19,7 +20,7 @@ SMALL = TransformerShape("small", "gpt", layers=8, hidden=1024, heads=16, ffn=40
 
 
 def brute_force(m, cluster, opts):
-    """Simulate every plan the search could return (all placements, dims, mbs, methods), keeping
+    """Simulate every plan the search could return (all placements, dims, mbs, v, methods), keeping
     for each configuration the recomputation choice 'auto' makes; sorted times."""
     cm = CostModel(m)
     comp = {n.name: n.count for n in cluster.node_types}
@@ -29,9 +30,12 @@ def brute_force(m, cluster, opts):
     for order in distinct_orderings(comp):
         placement = tuple(nts[x] for x in order)
         for dims in _layouts(m, gpus, [n.gpus_per_node for n in cluster.node_types], opts):
-            for mbs in divisors(m.global_batch // dims.dp):
+            for mbs, v in itertools.product(divisors(m.global_batch // dims.dp), opts.virtual_stages):
                 for rec in (False, True):
-                    ctx = PlanContext(cm, stage_envs(placement, dims, cm.a), PlanConfig(dims, mbs, 1, rec))
+                    try:
+                        ctx = PlanContext(cm, stage_envs(placement, dims, cm.a), PlanConfig(dims, mbs, v, rec))
+                    except PlannerError:
+                        break  # v does not fit this schedule (micro-batches vs pp, layers vs chunks)
                     got = [(ctx.partition(x), x) for x in opts.methods]
                     got = [(c, x) for c, x in got if c]
                     for counts, method in got:
@@ -130,8 +134,8 @@ def test_recompute_only_when_needed():
     opts = SearchOptions(top=3, tp=(8,), pp=(8,), mbs=(1,), methods=("balanced",))
     res = search(m, parse_compact("a100-80gb:8x8"), opts)
     assert res.plans and all(r.config.recompute for r in res.plans)
-    # the exact partitioner unloads the early stages (more micro-batches in flight) and avoids it
-    res = search(m, parse_compact("a100-80gb:8x8"), SearchOptions(top=1, tp=(8,), pp=(8,), mbs=(1,)))
+    # under 1F1B the exact partitioner unloads the early stages (more micro-batches in flight) and avoids it
+    res = search(m, parse_compact("a100-80gb:8x8"), SearchOptions(top=1, tp=(8,), pp=(8,), mbs=(1,), virtual_stages=(1,)))
     best = res.plans[0]
     assert not best.config.recompute and best.partition[0] < best.partition[-1]
     res = search(SMALL, parse_compact("a100-80gb:8x1"), SearchOptions(top=3))

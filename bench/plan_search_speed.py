@@ -9,7 +9,7 @@ copy of the sources (e.g. ``git archive REV src | tar -x -C /tmp/ref``) in the s
 same core, and checks that it returns the same best plan.
 
     python bench/plan_search_speed.py [--case gpt2-1.5b@a100-80gb:8x2,v100:8x2 ...] [--runs 3]
-                                      [--reference-src /tmp/ref/src]
+                                      [--virtual-stages 1,2,4] [--reference-src /tmp/ref/src]
 """
 
 from __future__ import annotations
@@ -41,12 +41,12 @@ CASES = ["gpt2-1.5b@a100-80gb:8x2,v100:8x2", "gpt2-1.5b@a100-80gb:8x4,a100-40gb:
          "gpt3-13b@a100-80gb:8x4,a100-40gb:8x2,a10:4x4", "gpt3-175b@a100-80gb:8x128"]
 
 
-def run_case(model: str, spec: str, runs: int) -> dict:
+def run_case(model: str, spec: str, runs: int, v: tuple[int, ...]) -> dict:
     m, cluster = preset(model), parse_compact(spec)
     times, cpu, res = [], [], None
     for _ in range(runs):
         t0, c0 = time.perf_counter(), time.process_time()
-        res = search(m, cluster, SearchOptions(top=1))
+        res = search(m, cluster, SearchOptions(top=1, virtual_stages=v))
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
     best = res.plans[0]
@@ -67,18 +67,20 @@ def main() -> int:
     ap.add_argument("--case", action="append", help="MODEL@CLUSTER (repeatable); default: the four target cases")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "plan_search_speed.json"))
+    ap.add_argument("--virtual-stages", default="1", help="model chunks per stage to search, e.g. 1,2,4")
     ap.add_argument("--reference-src", help="another copy of src/ to time in the same run (the reference)")
     ap.add_argument("--src", help=argparse.SUPPRESS)  # used by the reference run
     args = ap.parse_args()
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})  # one core
     case_args = args.case or CASES
-    cases = [run_case(*c.split("@", 1), args.runs) for c in case_args]
+    v = tuple(int(x) for x in args.virtual_stages.split(","))
+    cases = [run_case(*c.split("@", 1), args.runs, v) for c in case_args]
     if args.reference_src:
         with tempfile.TemporaryDirectory() as tmp:
             ref_out = os.path.join(tmp, "ref.json")
             cmd = [sys.executable, os.path.abspath(__file__), "--src", args.reference_src, "--runs", str(args.runs),
-                   "--out", ref_out] + [x for c in case_args for x in ("--case", c)]
+                   "--out", ref_out, "--virtual-stages", args.virtual_stages] + [x for c in case_args for x in ("--case", c)]
             print("reference:", flush=True)
             subprocess.run(cmd, check=False)
             with open(ref_out) as f:
@@ -92,7 +94,7 @@ def main() -> int:
     out = {
         "benchmark": "planner search speed (top 1, one core)",
         "reference": args.reference_src,
-        "space": "all sub-clusters, all distinct node orderings, tp/pp/dp, mbs <= 64, the default v (1,2,4 since interleaving is searched by default; 1 before), partitions balanced/greedy/exact, recompute auto",
+        "space": f"all sub-clusters, all distinct node orderings, tp/pp/dp, mbs <= 64, v in {list(v)}, partitions balanced/greedy/exact, recompute auto",
         "target_s": TARGET_S, "cases": cases,
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "python": platform.python_version(), "cores_used": 1},

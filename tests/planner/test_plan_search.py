@@ -48,17 +48,20 @@ def brute_force(m, cluster, opts):
 
 @pytest.mark.parametrize("model,spec", [
     (SMALL, "a100-80gb:4x1,a10:4x1"),
+    # interleaved schedules win here (the best plan has v = 2)
+    (replace(SMALL, layers=16, global_batch=8), "a100-80gb:4x1,a10:4x1"),
     # memory binds: 13B-class layers on 24 GB A10s next to 80 GB A100s
     (TransformerShape("mid", "llama", layers=16, hidden=5120, heads=40, ffn=13824, vocab=32000, seq_len=2048,
                global_batch=16, dtype="bfloat16"), "a100-80gb:4x1,a10:4x2"),
 ])
 def test_branch_and_bound_finds_the_brute_force_optimum(model, spec):
     cluster = parse_compact(spec)
-    opts = SearchOptions(all_nodes=True, top=3)
-    res = search(model, cluster, opts)
-    expect = brute_force(model, cluster, opts)[:3]
-    assert [r.iteration_s for r in res.plans] == pytest.approx(expect)
-    assert res.stats["simulated"] <= res.stats["candidates"]
+    for v in ((1,), (1, 2, 4)):  # plain 1F1B, and interleaved schedules searched too
+        opts = SearchOptions(all_nodes=True, top=3, virtual_stages=v)
+        res = search(model, cluster, opts)
+        expect = brute_force(model, cluster, opts)[:3]
+        assert [r.iteration_s for r in res.plans] == pytest.approx(expect)
+        assert res.stats["simulated"] <= res.stats["candidates"]
 
 
 def test_capped_min_max_by_hand():

@@ -51,8 +51,8 @@ def _cost_args(p: argparse.ArgumentParser) -> None:
 
 def _search_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--partition", default=",".join(METHODS), help="partition methods to try (balanced,greedy,exact)")
-    p.add_argument("--virtual-stages", type=_ints, default=(1, 2, 4),
-                   help="virtual stages per pipeline stage to try (default 1,2,4; 1 = plain 1F1B only)")
+    p.add_argument("--virtual-stages", type=_ints, default=(1,),
+                   help="model chunks per stage to try, e.g. 1,2,4 (default 1: plain 1F1B only)")
     p.add_argument("--recompute", choices=("auto", "none", "full"), default="auto",
                    help="full activation recomputation: auto = only when a plan does not fit without")
     p.add_argument("--tp", type=_ints, help="restrict tensor-parallel degrees, e.g. 1,2,4")

@@ -52,7 +52,7 @@ class SearchOptions:
     time_limit: float | None = None  # seconds per iteration (objective "cost")
     cost_limit: float | None = None  # USD per hour of the nodes used (objective "throughput")
     methods: tuple[str, ...] = METHODS
-    virtual_stages: tuple[int, ...] = (1, 2, 4)  # model chunks per stage (interleaved 1F1B when > 1)
+    virtual_stages: tuple[int, ...] = (1,)  # model chunks per stage to try (interleaved 1F1B when > 1)
     recompute: str = "auto"  # auto: only when a plan does not fit without; none; full
     zero1: bool = False
     all_nodes: bool = False  # only plans that use every available node

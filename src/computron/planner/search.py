@@ -235,6 +235,20 @@ def _recompute_choice(m: TransformerShape, sig: tuple[int, ...], b: int, v: int,
     return None
 
 
+def _shared_recompute_choice(m: TransformerShape, sig: tuple[int, ...], b: int, v: int, opts: SearchOptions,
+                             tabs: _StageTables) -> bool | None:
+    """The first recomputation option when every ordering of the stages on node sets ``sig`` fits
+    with it (each set at its least memory cap over the positions), so all make the same
+    :func:`_recompute_choice`; None when orderings must be decided one by one."""
+    dims = tabs.dims
+    if v > 1 and (dims.pp == 1 or m.global_batch // (dims.dp * b) % dims.pp or m.layers < dims.pp * v):
+        return None
+    rec = _recompute_options(opts)[0]
+    worst = {k: min(tabs.caps(k, b, v, rec)) for k in set(sig)}
+    caps = [worst[k] for k in sig]
+    return rec if min(caps) >= v and sum(caps) >= m.layers else None
+
+
 def _fill_bound(m: TransformerShape, sig: tuple[int, ...], b: int, v: int, rec: bool, tabs: _StageTables,
                 cutoff: float = math.inf, rel_tol: float = 1e-3) -> float:
     """:func:`pipeline_min_max` for plans whose stage s falls on node set ``sig[s]`` (micro-batch b,
@@ -437,12 +451,13 @@ def search(m: TransformerShape, cluster: Cluster, opts: SearchOptions = SearchOp
                     push(lb, price, "family", (group, tabs, members, b, cut, by_last))
                     continue
                 lb0 = max(lb, lb0)
+            shared = {v: _shared_recompute_choice(m, members[0][0], b, v, opts, tabs) for v in opts.virtual_stages}
             for sig, orders in members:
                 for v in opts.virtual_stages:
                     last = by_last[v][sig[-1]] if by_last else lb0
                     if last >= cut:
                         continue
-                    rec = _recompute_choice(m, sig, b, v, opts, tabs)
+                    rec = shared[v] if shared[v] is not None else _recompute_choice(m, sig, b, v, opts, tabs)
                     if rec is not None:
                         push(max(lb0, last), price, "gathering", (group, tabs, sig, orders, b, v, rec, math.inf))
             continue

@@ -1,0 +1,223 @@
+"""The scheduler's memory side: bytes per device, which models may be evicted to make room, and
+switching a device to a model whose request has waited too long (the ``preempt`` policy).
+
+A mixin of ``Scheduler`` (its state lives there): pure, no torch.
+"""
+
+from __future__ import annotations
+
+from .state import LOADING, OFFLOADED, ModelState, SchedRequest, StepPlan
+
+
+class Memory:
+    def free_bytes(self, device: int) -> int:
+        used = self.kv_used[device] + (self.weights_used[device] if self.counts_bytes else 0)
+        return self.shares[device] - used
+
+    def set_budget(self, device: int, nbytes: int) -> StepPlan:
+        """From now on inference may use ``nbytes`` of ``device`` (capped at its configured budget,
+        which stays the ceiling requests are checked against). The plan evicts models with nothing
+        running, least recently used first, until what is booked fits; running requests keep their
+        memory until they end, and nothing new is admitted meanwhile."""
+        if nbytes < 0:
+            raise ValueError(f"a budget must be >= 0 bytes, got {nbytes}")
+        self.shares[device] = min(nbytes, self.config.budgets[device])
+        self._epoch += 1
+        plan = StepPlan()
+        idle = sorted((c for c in self.on_device[device].values() if not c.running and not c.pinned),
+                      key=lambda c: c.last_used)
+        for c in idle:
+            if self.free_bytes(device) >= 0:
+                break
+            self._set_offloaded(c)
+            plan.evictions.append(c.name)
+        return plan
+
+    def need_bytes(self, device: int) -> int:
+        """Bytes the work on ``device`` needs (at most its configured budget): the weights of every
+        model with requests, and each request's KV cache at its full length (waiting requests: up
+        to a batch per model), so that what it asks for is enough to finish."""
+        total = 0
+        for m in self.models.values():
+            if device not in m.devices or not m.has_work:
+                continue
+            i = m.devices.index(device)
+            reqs = list(m.running.values()) + list(m.waiting)[:self.config.max_batch_size]
+            total += (m.weights[i] if self.counts_bytes else 0) + m.block_bytes[i] * sum(
+                self._blocks(r.prompt_len + r.max_tokens) for r in reqs)
+        return min(total, self.config.budgets[device])
+
+    def _set_on_device(self, m: ModelState, now: float) -> None:
+        self._epoch += 1
+        m.state = LOADING
+        if self._yielded:  # those that stopped for m may run again
+            for name in [k for k, v in self._yielded.items() if v == m.name]:
+                del self._yielded[name]
+        bw = self.config.load_bandwidth
+        m.ready_at = now + max(m.weights) / bw if bw else None
+        for d, w in zip(m.devices, m.weights):
+            self.weights_used[d] += w
+            self.on_device[d][m.name] = m
+
+    def _set_offloaded(self, m: ModelState) -> None:
+        self._epoch += 1
+        m.state, m.ready_at = OFFLOADED, None
+        for d, w in zip(m.devices, m.weights):
+            self.weights_used[d] -= w
+            del self.on_device[d][m.name]
+
+    def _victims(self, m: ModelState, need: dict[int, int], keep: set[str], evict_waiting: bool
+                 ) -> list[ModelState] | None:
+        """Models to evict (least recently used first) so ``need[d]`` more bytes fit on each device d,
+        or None when it cannot be done. Only models with nothing running are candidates."""
+        short = {d: n - self.free_bytes(d) for d, n in need.items() if n > self.free_bytes(d)}
+        if not short:
+            return []
+        cands = {c.name: c for d in short for c in self.on_device[d].values()
+                 if not c.running and not c.pinned and c.name not in keep and c.name not in self._fresh
+                 and (evict_waiting or not c.waiting)}
+        victims = []
+        for c in sorted(cands.values(), key=lambda c: c.last_used):
+            if not short:
+                break
+            touches = [d for d in c.devices if d in short]
+            if not touches:
+                continue
+            victims.append(c)
+            for d, w in zip(c.devices, c.weights):
+                if d in short:
+                    short[d] -= w
+                    if short[d] <= 0:
+                        del short[d]
+        return None if short else victims
+
+    def _make_room(self, m: ModelState, need: dict[int, int], keep: set[str], plan: StepPlan,
+                   evict_waiting: bool) -> bool:
+        victims = self._victims(m, need, keep, evict_waiting)
+        if victims is None:
+            return False
+        for v in victims:
+            self._set_offloaded(v)
+            plan.evictions.append(v.name)
+        return True
+
+    def _make_slot(self, m: ModelState, keep: set[str], plan: StepPlan) -> bool:
+        """Computron policy: a free slot under ``max_loaded`` on each of the model's devices."""
+        for d in m.devices:
+            if len(self.on_device[d]) < self.config.max_loaded:
+                continue
+            idle = [c for c in self.on_device[d].values()
+                    if not c.running and not c.pinned and c.name not in keep and c.name not in self._fresh]
+            if not idle:
+                return False
+            v = min(idle, key=lambda c: c.last_used)
+            self._set_offloaded(v)
+            plan.evictions.append(v.name)
+        return True
+
+    def _make_resident(self, m: ModelState, keep: set[str], plan: StepPlan, into: list[str], now: float,
+                       evict_waiting: bool) -> bool:
+        if m.on_device:
+            return True
+        keep = keep | {m.name}
+        if self.counts_bytes:
+            ok = self._make_room(m, dict(zip(m.devices, m.weights)), keep, plan, evict_waiting)
+        else:
+            ok = self._make_slot(m, keep, plan)
+        if ok:
+            self._set_on_device(m, now)
+            self._fresh.add(m.name)
+            into.append(m.name)
+        return ok
+
+    def _switch_to(self, m: ModelState, plan: StepPlan) -> bool:
+        """Preempt policy: stop the running requests of the models that keep ``m`` from starting
+        (those that lose the fewest tokens first; they recompute later, and ``plan.preempted``
+        says so), until ``m`` can start. False (nothing stopped) when even all of them would not do."""
+        blockers = {c.name: c for d in m.devices for c in self.on_device[d].values()
+                    if c is not m and c.running and not c.pinned}
+        order = sorted(blockers.values(), key=lambda c: sum(c.steps - r.joined for r in c.running.values()))
+        need = self._kv_need(m, self._blocks_at_start(m.waiting[0]))
+        for d, w in zip(m.devices, m.weights):
+            need[d] += w if not m.on_device else 0
+        freed = {d: self.free_bytes(d) for d in need}
+        for c in order:  # would stopping them all make room? (evicting them, and idle models, too)
+            for d, w, bb in zip(c.devices, c.weights, c.block_bytes):
+                if d in freed:
+                    freed[d] += w + bb * sum(r.blocks for r in c.running.values())
+        idle = {d: sum(i.weights[i.devices.index(d)] for i in self.on_device[d].values()
+                       if i is not m and not i.running and not i.pinned) for d in need}
+        if any(freed[d] + idle[d] < n for d, n in need.items()):
+            return False
+        self._yielded.pop(m.name, None)  # m waits for no one now (no cycle of models holding back)
+        for c in order:
+            for req in reversed(list(c.running.values())):
+                self._preempt(c, req, plan)
+            self._yielded[c.name] = m.name
+            self._epoch += 1
+            self.switches += 1
+            if self._can_start_now(m):
+                break
+        return True
+
+    def _yielding(self, m: ModelState) -> bool:
+        """Does ``m`` hold back for the model it was preempted for (still not on its devices)?"""
+        other = self._yielded.get(m.name)
+        if other is None:
+            return False
+        o = self.models.get(other)
+        if o is not None and o.has_work:
+            return True
+        del self._yielded[m.name]  # it was removed, or its work ended before it got in
+        return False
+
+    def _can_start(self, m: ModelState) -> bool:
+        """Could m's head request start now, evicting only models with nothing running?"""
+        if self._stuck.get((m.name, "start")) == self._epoch:
+            return False
+        ok = self._can_start_now(m)
+        if not ok:
+            self._stuck[(m.name, "start")] = self._epoch
+        return ok
+
+    def _can_start_now(self, m: ModelState) -> bool:
+        need = self._kv_need(m, self._blocks_at_start(m.waiting[0]))
+        if not m.on_device:
+            for d, w in zip(m.devices, m.weights):
+                need[d] += w if self.counts_bytes else 0
+        if not self.counts_bytes and not m.on_device and not self._slot_possible(m):
+            return False
+        return self._victims(m, need, set(), evict_waiting=True) is not None
+
+    def _slot_possible(self, m: ModelState) -> bool:
+        return all(len(self.on_device[d]) < self.config.max_loaded or
+                   any(not c.running and not c.pinned for c in self.on_device[d].values()) for d in m.devices)
+
+    def _busy_near(self, m: ModelState) -> bool:
+        """Does any other model on m's devices have running requests (memory that will be freed)?"""
+        return any(c.running for d in m.devices for c in self.on_device[d].values() if c is not m)
+
+    def _cannot_load_reason(self, m: ModelState) -> str:
+        pinned = sorted({c.name for d in m.devices for c in self.on_device[d].values() if c.pinned})
+        return (f"model {m.name!r} ({sum(m.weights)} bytes on devices {list(m.devices)}) cannot be loaded: "
+                f"the budget is {list(self.config.budgets[d] for d in m.devices)} bytes and pinned models "
+                f"({', '.join(pinned) or 'none'}) hold the rest")
+
+    def _blocks(self, tokens: int) -> int:
+        return -(-tokens // self.config.block_tokens)
+
+    def _blocks_at_start(self, req: SchedRequest) -> int:
+        """Blocks a waiting request needs to start: its prompt, and what it made before a preemption."""
+        return self._blocks(req.prompt_len + req.done)
+
+    def _kv_need(self, m: ModelState, blocks: int) -> dict[int, int]:
+        return {d: blocks * bb for d, bb in zip(m.devices, m.block_bytes)}
+
+    def _fits(self, need: dict[int, int]) -> bool:
+        return all(n <= self.free_bytes(d) for d, n in need.items())
+
+    def _take_blocks(self, m: ModelState, blocks: int) -> None:
+        if blocks < 0:  # memory freed: what could not start may start now (taking it changes nothing)
+            self._epoch += 1
+        for d, bb in zip(m.devices, m.block_bytes):
+            self.kv_used[d] += blocks * bb

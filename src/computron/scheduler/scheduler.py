@@ -293,14 +293,22 @@ class Scheduler(Memory):
             if left < steps:
                 steps = left
         growth, last = m.growth, m.steps + steps - 1
+        same_step: list = []  # entries granted for the step of the last one: undone if that step is cut
         while growth and growth[0][0] <= last:
             due, tie, req = growth[0]
             if req.state != "running" or req.due != tie:
                 heapq.heappop(growth)
                 continue
+            if same_step and same_step[0][0] != due:
+                same_step.clear()
             if not self._fits(self._kv_need(m, 1)):
+                for entry in same_step:  # the run ends before step ``due``: its blocks are not needed yet
+                    entry[2].blocks -= 1
+                    entry[2].due = entry[1]  # the entry is live again (the newer one pushed is stale)
+                    heapq.heappush(growth, entry)
+                self._take_blocks(m, -len(same_step))
                 return due - m.steps  # the run ends before the token that needs it
-            heapq.heappop(growth)
+            same_step.append(heapq.heappop(growth))
             req.blocks += 1
             self._take_blocks(m, 1)
             self._schedule_growth(m, req)

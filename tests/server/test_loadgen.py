@@ -8,10 +8,6 @@ from computron.workload import Request, Trace
 from .conftest import running
 
 
-def s_server(res):
-    return res["summary"]["server"]
-
-
 def test_loadgen_replays_a_trace_and_reports_every_error(tmp_path, capsys):
     reqs = [Request(0.02 * i, ("tiny-opt", "tiny-llama", "tiny-gpt2")[i % 3], 4 + i, 3 + i % 4) for i in range(12)]
     reqs.append(Request(0.05, "no-such-model", 4, 2))
@@ -31,7 +27,7 @@ def test_loadgen_replays_a_trace_and_reports_every_error(tmp_path, capsys):
     # nothing lost: the server made exactly the tokens asked for, and said so in its usage
     assert [r["completion_tokens"] for r in good] == [r.output_tokens for r in reqs if r.model != "no-such-model"]
     assert all(r["arrival"] < r["first_token"] < r["finish"] for r in good)  # a chunk per token, text or not
-    assert s_server(res)["computron_model_swaps_total"] >= 3  # the budget holds one model: they swapped
+    assert res["summary"]["server"]["computron_model_swaps_total"] >= 3  # the budget holds one model: they swapped
     s = res["summary"]
     assert s["all"]["completed"] == 12 and s["all"]["failed"] == 1
     assert s["models"]["tiny-opt"]["completed"] == 4 and s["models"]["no-such-model"]["completed"] == 0
@@ -41,3 +37,15 @@ def test_loadgen_replays_a_trace_and_reports_every_error(tmp_path, capsys):
     assert (plots / "latency_cdf.png").stat().st_size > 1000 and (plots / "slo_attainment.png").stat().st_size > 1000
     err = capsys.readouterr().err
     assert "no solo latency for 'no-such-model'" in err and "HTTP 404" in err
+
+
+def test_loadgen_refuses_an_unreachable_server_at_once(tmp_path, capsys):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "lg.json"
+    assert main(["loadgen", "--url", f"http://127.0.0.1:{port}", "--models", "a", "--rate", "2", "--duration", "1",
+                 "--out", str(out)]) == 2
+    assert f"no server answers at http://127.0.0.1:{port}" in capsys.readouterr().err and not out.exists()

@@ -29,3 +29,15 @@ def test_per_byte_fixed_terms_and_old_files():
     assert batch_time(cal, 2 * 10**9, 0, 8) == pytest.approx(1e-3 + 2e-3)
     old = {k: v for k, v in H200_ROUGH.to_dict().items() if not k.endswith("fixed_s_per_byte")}
     assert Calibration.from_dict(old).decode_fixed_s_per_byte == 0.0
+
+
+def test_bad_input_is_refused_with_its_reason(capsys):
+    pytest.importorskip("torch")
+    from computron.cli import main
+
+    assert main(["bench", "calibrate", "no-such-model", "--device", "cpu", "--out", "/nonexistent/x.json"]) == 2
+    assert "unknown model 'no-such-model'" in capsys.readouterr().err
+    assert main(["sim", "--models", "tiny-opt", "--rate", "1", "--sweep", "rate", "--values", "2,x"]) == 2
+    assert "--values for --sweep rate: cannot read 'x' as a number" in capsys.readouterr().err
+    assert main(["sim", "--models", "tiny-opt", "--rate", "1", "--sweep", "budget", "--values", "1GiB,lots"]) == 2
+    assert "cannot read 'lots' as a size" in capsys.readouterr().err

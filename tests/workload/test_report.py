@@ -15,7 +15,7 @@ def _r(model, arrival, first, finish, out=5, ok=True):
 
 def test_attainment_and_tpot_by_hand():
     recs = [_r("a", 0.0, 0.1, 0.5), _r("a", 1.0, 1.2, 2.0), _r("b", 0.0, 0.3, 3.0),
-            _r("b", 0.0, None, None, ok=False)]
+            _r("b", 0.0, 0.1, 0.2, ok=False)]  # failed quickly (an error mid-stream): a miss all the same
     slo = attainment(recs, {"a": 0.5, "b": 1.0}, scales=[1, 2, 4])
     assert slo["models"]["a"] == [0.5, 1.0, 1.0]  # latencies 1x and 2x the base
     assert slo["models"]["b"] == [0.0, 0.0, 0.5]  # 3x the base; the failed one never counts

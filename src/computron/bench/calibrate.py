@@ -131,8 +131,14 @@ def main(args) -> int:
 
         gpu = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
         args.model = ["opt-125m", "opt-350m", "opt-1.3b"] if gpu else ["tiny-gpt2", "tiny-opt", "tiny-llama"]
-    res = run(args.model, args.device, args.batch, args.prompt, args.new_tokens, args.repeats,
-              args.gpu_memory_budget, args.executor)
+    import sys
+
+    try:
+        res = run(args.model, args.device, args.batch, args.prompt, args.new_tokens, args.repeats,
+                  args.gpu_memory_budget, args.executor)
+    except (ValueError, FileNotFoundError, MemoryError) as e:  # EngineError is a ValueError
+        print(f"computron bench calibrate: {e.args[0] if e.args else e}", file=sys.stderr)
+        return 2
     cal = res.pop("calibration")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

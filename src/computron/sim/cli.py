@@ -131,6 +131,12 @@ def _sweep(args, specs, cfg_kw, cal) -> int:
     if not args.values:
         raise ValueError("--sweep needs --values, e.g. --values 1,2,4,8")
     values = [v.strip() for v in args.values.split(",") if v.strip()]
+    for v in values:  # numbers for rate and cv, sizes for budget: refuse before any run
+        try:
+            parse_bytes(v) if args.sweep == "budget" else float(v)
+        except ValueError:
+            raise ValueError(f"--values for --sweep {args.sweep}: cannot read {v!r} as "
+                             f"{'a size' if args.sweep == 'budget' else 'a number'}") from None
     base_rates = [float(x) for x in args.rates.split(",")] if args.rates else None
     runs, curves, rows = [], {}, []
     for policy in args.policies.split(","):

@@ -111,6 +111,16 @@ async def replay(url: str, trace, api_key: str | None = None, timeout: float = 6
     return records
 
 
+def _check_reachable(url: str) -> None:
+    """Refuse at once when nothing answers at ``url`` (else every request would fail in turn)."""
+    import httpx
+
+    try:
+        httpx.get(f"{url.rstrip('/')}/health", timeout=10)
+    except httpx.HTTPError as e:
+        raise RuntimeError(f"no server answers at {url}: {type(e).__name__}: {e}") from None
+
+
 def server_counters(url: str, api_key: str | None = None) -> dict[str, float]:
     """The server's swap counters (``computron_model_swaps_total`` and its seconds and bytes, summed
     over models), to report what the server did during a replay; {} when /metrics cannot be read."""
@@ -182,6 +192,7 @@ def main(args) -> int:
         trace = workload_from_args(args, names)
         if not len(trace):
             raise ValueError("the workload has no request")
+        _check_reachable(args.url)
         base = args.slo_ms / 1e3 if args.slo_ms else solo_latency(args.url, trace, args.api_key)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"computron loadgen: {e.args[0] if e.args else e}", file=sys.stderr)

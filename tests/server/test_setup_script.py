@@ -1,5 +1,6 @@
-"""scripts/setup.sh on a machine without an NVIDIA GPU: torch from PyTorch's CPU-only index (never
-the default index's CUDA build), and the default index only when that one cannot be reached.
+"""scripts/setup.sh on a machine without an NVIDIA GPU: a pinned torch with PyTorch's CPU-only index
+beside the default one (a plain ``torch`` from the default index is a CUDA build of several GB),
+and the pinned version from the configured indexes alone when that index cannot be used.
 Run against a stand-in ``.venv/bin/python`` that records its pip calls."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 FAKE_PYTHON = """#!/bin/sh
 if [ "$1" = "-c" ]; then exit 1; fi             # import torch: not installed yet
 echo "$*" >> "$(dirname "$0")/calls"
-case "$*" in *--index-url*) exit "${CPU_INDEX_RC:-0}";; esac
+case "$*" in *--extra-index-url*) exit "${CPU_INDEX_RC:-0}";; esac
 exit 0
 """
 
@@ -34,16 +35,20 @@ def run_setup(tmp_path: Path, cpu_index_rc: int) -> list[str]:
     return (bin_dir / "calls").read_text().splitlines()
 
 
-@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="the script takes the GPU branch here")
-def test_cpu_machine_uses_the_cpu_index(tmp_path):
-    calls = run_setup(tmp_path, 0)
-    torch = [c for c in calls if c.endswith(" torch")]
-    assert len(torch) == 1 and "--index-url https://download.pytorch.org/whl/cpu" in torch[0], calls
-    assert "torch==" not in " ".join(calls)
+def torch_calls(calls: list[str]) -> list[str]:
+    return [c for c in calls if " torch" in c and "-e " not in c]
 
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="the script takes the GPU branch here")
-def test_unreachable_cpu_index_falls_back_to_the_default(tmp_path):
-    calls = run_setup(tmp_path, 1)
-    torch = [c for c in calls if c.endswith(" torch")]
-    assert len(torch) == 2 and "--timeout 10" in torch[0] and "--index-url" not in torch[1], calls
+def test_cpu_machine_pins_torch_beside_the_cpu_index(tmp_path):
+    calls = torch_calls(run_setup(tmp_path, 0))
+    assert len(calls) == 1, calls
+    assert calls[0].endswith(" torch==2.13.0"), calls
+    assert "--extra-index-url https://download.pytorch.org/whl/cpu" in calls[0], calls
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="the script takes the GPU branch here")
+def test_unusable_cpu_index_falls_back_to_the_pinned_version(tmp_path):
+    calls = torch_calls(run_setup(tmp_path, 1))
+    assert len(calls) == 2 and "--timeout 10" in calls[0], calls
+    assert calls[1].endswith(" torch==2.13.0") and "index-url" not in calls[1], calls

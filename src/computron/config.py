@@ -102,8 +102,13 @@ class EngineConfig:
     cuda_graphs: bool = True  # replay each model's decode step as a CUDA graph (GPU only)
     prefetch: bool = True
     max_wait_s: float = 1.0  # preempt policy: a request kept waiting this long by others' running requests preempts them
+    # A steady decode batch runs up to this many steps per call, each step's tokens fed to the next on
+    # the device (one wait for the device per run); a request arriving meanwhile waits for the run's end.
+    decode_steps: int = 1
 
     def __post_init__(self) -> None:
+        if not isinstance(self.decode_steps, int) or not 1 <= self.decode_steps <= 64:
+            raise ValueError(f"decode_steps must be an integer from 1 to 64, got {self.decode_steps!r}")
         self.gpu_memory_budget = parse_bytes(self.gpu_memory_budget)
         self.workspace_bytes = parse_bytes(self.workspace_bytes)
 

@@ -12,9 +12,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 
-def _engine(graphs: bool, models=("tiny-opt", "tiny-llama"), budget=2**30):
+def _engine(graphs: bool, models=("tiny-opt", "tiny-llama"), budget=2**30, decode_steps=1):
     eng = Engine(EngineConfig(device="cuda", gpu_memory_budget=budget, workspace_bytes=256 * 2**20,
-                              cuda_graphs=graphs))
+                              cuda_graphs=graphs, decode_steps=decode_steps))
     for m in models:
         eng.register_model(m)
     return eng
@@ -38,6 +38,23 @@ def test_batch_32_equals_batch_1_in_fp32_and_graph_replay_equals_eager(model):
     assert [r.output_ids for r in five] == alone[:5]
     seeded = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=3, ignore_eos=True)
     assert graphed.generate(model, prompts[0], seeded).output_ids == eager.generate(model, prompts[0], seeded).output_ids
+
+
+@pytest.mark.parametrize("model", ["tiny-opt", "tiny-llama"])
+def test_runs_of_graph_replays_fed_on_the_device_equal_single_eager_steps(model):
+    """decode_steps=8: each run stages its inputs once and feeds each step's tokens to the next
+    replay on the device; tokens equal single eager steps, greedy and seeded, in padded buckets,
+    across KV-block boundaries."""
+    eager, runs = _engine(False), _engine(True, decode_steps=8)
+    prompts = _prompts(12)
+    params = [SamplingParams(max_tokens=20 + 3 * i, temperature=0.0 if i % 2 else 0.9, top_k=0 if i % 3 else 20,
+                             top_p=0.9, seed=i, ignore_eos=True) for i in range(12)]
+    want = [eager.submit(model, p, sp) for p, sp in zip(prompts, params)]
+    eager.run_until_done(want)
+    got = [runs.submit(model, p, sp) for p, sp in zip(prompts, params)]
+    runs.run_until_done(got)
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]
+    assert runs.executor.status().stats["graph_captures"] >= 1
 
 
 def test_graphs_survive_swaps_and_match_transformers(tmp_path):

@@ -62,6 +62,9 @@ def test_flags_override_file_override_defaults(tmp_path, monkeypatch):
         "0.0.0.0", 9002, "flag", 3, ["/b"])
     with pytest.raises(ValueError, match="twice"):
         build_config(parse("serve", "--model", "tiny-opt", "--model", "tiny-opt"))
+    assert build_config(parse("serve", "--config", str(path), "--decode-steps", "8")).engine.decode_steps == 8
+    with pytest.raises(ValueError, match="decode_steps must be an integer from 1 to 64, got 0"):
+        build_config(parse("serve", "--decode-steps", "0"))
 
 
 def test_serve_errors_exit_2(capsys):

@@ -71,6 +71,8 @@ def add_decode_parser(sub) -> None:
     p.add_argument("--prompt-len", type=positive_int, default=128)
     p.add_argument("--new-tokens", type=positive_int, default=128)
     p.add_argument("--repeats", type=positive_int, default=3)
+    p.add_argument("--decode-steps", type=positive_int, nargs="+", default=[1], metavar="K",
+                   help="decode steps per engine call (each value measured, alternating, in the same run)")
     p.add_argument("--no-reference", action="store_true", help="skip transformers' generate")
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default=None)

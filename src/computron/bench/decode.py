@@ -3,7 +3,9 @@
 For each batch size, ``B`` requests of ``--prompt-len`` random prompt tokens and
 ``--new-tokens`` greedy tokens are submitted at once (all prefilled in the first step), and the
 decode steps that follow are timed: step time = (last token − first token) / (new tokens − 1),
-tokens/s = B / step time; the median of ``--repeats`` runs. Measured in the same run:
+tokens/s = B / step time; the median of ``--repeats`` runs. With several ``--decode-steps``
+values (steps per engine call, each step's tokens fed to the next on the device), each is
+measured on the same engine, alternating within every repeat. Measured in the same run:
 
 - the weight-read floor: one pass reading as many bytes as the model's weights on the same
   device (a reduction over a buffer of that size): no decode step can be faster;
@@ -91,7 +93,7 @@ def _hf_step_s(model, batch: int, prompts: list[list[int]], new: int, device) ->
 
 
 def run(model: str, device: str, batches: list[int], prompt_len: int, new: int, repeats: int,
-        reference: bool) -> dict:
+        reference: bool, decode_steps: list[int] = (1,)) -> dict:
     cfg, _ = resolve_model(model)
     nbytes = layout_for(cfg).nbytes
     dev = torch.device(device)
@@ -106,11 +108,20 @@ def run(model: str, device: str, batches: list[int], prompt_len: int, new: int, 
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, cfg.vocab_size, (top, prompt_len), generator=g).tolist()
     _engine_step_s(eng, model, min(batches), prompts, min(new, 8))  # warm-up
-    rows = {}
+    rows, runs = {}, {k: {} for k in decode_steps}
     for b in batches:
-        steps = [_engine_step_s(eng, model, b, prompts, new) for _ in range(repeats)]
-        rows[b] = {"step_s": steps, "step_s_median": statistics.median(steps),
-                   "tokens_per_s": b / statistics.median(steps)}
+        times = {k: [] for k in decode_steps}
+        for k in decode_steps:  # warm-up: this batch's graph bucket is captured outside the timing
+            eng.config.decode_steps = k
+            _engine_step_s(eng, model, b, prompts, min(new, 2 * k + 2))
+        for _ in range(repeats):
+            for k in decode_steps:  # alternate: a drift of the machine hits every setting alike
+                eng.config.decode_steps = k
+                times[k].append(_engine_step_s(eng, model, b, prompts, new))
+        for k in decode_steps:
+            runs[k][b] = {"step_s": times[k], "step_s_median": statistics.median(times[k]),
+                          "tokens_per_s": b / statistics.median(times[k])}
+        rows[b] = runs[decode_steps[0]][b]
     floor = _floor_s(nbytes, dev)
     hf = _hf_model(cfg, dev) if reference else None
     if hf is not None:
@@ -121,30 +132,39 @@ def run(model: str, device: str, batches: list[int], prompt_len: int, new: int, 
             rows[b]["transformers_tokens_per_s"] = b / statistics.median(steps)
             rows[b]["speedup_over_transformers"] = rows[b]["transformers_step_s_median"] / rows[b]["step_s_median"]
         del hf
-    b1 = rows[min(batches)]["step_s_median"]
-    for b in batches:
-        rows[b]["step_over_floor"] = rows[b]["step_s_median"] / floor
-        rows[b]["step_over_smallest_batch"] = rows[b]["step_s_median"] / b1
-    return {"model": model, "weight_bytes": nbytes, "executor_stats": eng.executor.status().stats, "dtype": cfg.dtype, "prompt_len": prompt_len, "new_tokens": new,
-            "weight_read_floor_s": floor, "weight_read_gbps": nbytes / floor / 1e9, "batches": rows}
+    for k in decode_steps:
+        b1 = runs[k][min(batches)]["step_s_median"]
+        for b in batches:
+            row = runs[k][b]
+            row["step_over_floor"] = row["step_s_median"] / floor
+            row["step_over_smallest_batch"] = row["step_s_median"] / b1
+            if "transformers_step_s_median" in rows[b]:
+                row["speedup_over_transformers"] = rows[b]["transformers_step_s_median"] / row["step_s_median"]
+    return {"model": model, "weight_bytes": nbytes, "executor_stats": eng.executor.status().stats, "dtype": cfg.dtype,
+            "prompt_len": prompt_len, "new_tokens": new, "weight_read_floor_s": floor,
+            "weight_read_gbps": nbytes / floor / 1e9, "batches": rows,
+            "by_decode_steps": {str(k): runs[k] for k in decode_steps}}
 
 
 def main(args) -> int:
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     results = {"machine": machine(), "settings": {k: getattr(args, k) for k in
-               ("model", "batch", "prompt_len", "new_tokens", "repeats", "device")}, "models": {}}
+               ("model", "batch", "prompt_len", "new_tokens", "repeats", "device", "decode_steps")}, "models": {}}
     table = []
     for model in args.model:
+        steps = list(dict.fromkeys(args.decode_steps))
         r = run(model, device, sorted(set(args.batch)), args.prompt_len, args.new_tokens, args.repeats,
-                not args.no_reference)
+                not args.no_reference, steps)
         results["models"][model] = r
-        for b, row in r["batches"].items():
-            table.append([model, b, row["step_s_median"] * 1e3, row["tokens_per_s"], row["step_over_floor"],
-                          row["step_over_smallest_batch"], row.get("transformers_step_s_median", 0) * 1e3 or "-",
-                          row.get("speedup_over_transformers", "-")])
+        for k in steps:
+            for b, row in r["by_decode_steps"][str(k)].items():
+                hf = r["batches"][b].get("transformers_step_s_median")
+                table.append([model, b, k, row["step_s_median"] * 1e3, row["tokens_per_s"], row["step_over_floor"],
+                              row["step_over_smallest_batch"], hf * 1e3 if hf else "-",
+                              row.get("speedup_over_transformers", "-")])
     out = args.out or f"bench/results/decode_{'_'.join(args.model)}.json"
     write_json(out, results)
-    print_table("decode (medians)", ["model", "batch", "step ms", "tok/s", "step/floor", "step/step(b=min)",
+    print_table("decode (medians)", ["model", "batch", "steps/call", "step ms", "tok/s", "step/floor", "step/step(b=min)",
                                      "HF step ms", "HF step / ours"], table)
     print(f"wrote {out}")
     return 0

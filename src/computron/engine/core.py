@@ -266,7 +266,7 @@ class EngineCore:
                 if type(tokens) is int:
                     self._append(r, tokens, result.logprobs.get(rid))
                 else:
-                    self._extend(r, tokens)
+                    self._extend(r, tokens, result.logprobs.get(rid))
 
     def _append(self, r: CoreRequest, token: int, logprob=None) -> None:
         eos = self.models[r.model].config.eos_token_id
@@ -281,16 +281,18 @@ class EngineCore:
         if not r.done and len(r.output_ids) >= r.params.max_tokens:
             self.finish(r, "length")
 
-    def _extend(self, r: CoreRequest, tokens: list[int]) -> None:
-        """The tokens of a run of several steps; those after the request ended are dropped."""
-        if self.on_token is None and (r.params.ignore_eos or self.models[r.model].config.eos_token_id not in tokens):
+    def _extend(self, r: CoreRequest, tokens: list[int], logprobs: list | None = None) -> None:
+        """The tokens of a run of several steps (with their log-probabilities, when asked); those
+        after the request ended are dropped."""
+        if logprobs is None and self.on_token is None and \
+                (r.params.ignore_eos or self.models[r.model].config.eos_token_id not in tokens):
             room = r.params.max_tokens - len(r.output_ids)
             r.output_ids.extend(tokens[:room] if room < len(tokens) else tokens)
             if room <= len(tokens):
                 self.finish(r, "length")
             return
-        for t in tokens:
-            self._append(r, t)
+        for i, t in enumerate(tokens):
+            self._append(r, t, logprobs[i] if logprobs is not None else None)
             if r.done:
                 return
 

@@ -159,7 +159,8 @@ class Engine:
         return self.core.has_work()
 
     def step(self) -> None:
-        self.core.step()
+        """One scheduling step; a steady decode batch may run ``config.decode_steps`` steps in it."""
+        self.core.step(self.config.decode_steps)
 
     # ---- text ----------------------------------------------------------------------------------
     def _on_token(self, r: Request, token: int) -> None:

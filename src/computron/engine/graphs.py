@@ -53,22 +53,57 @@ class DecodeGraph:
         torch.cuda.synchronize(device)
         self.capture_s = time.perf_counter() - t0
 
+    def _fill(self, h, ids, pos, slots, lens) -> None:
+        n, b = self.bucket, len(ids)
+        fields = h.reshape(4, n)
+        for row, values, fill in zip(fields, (ids, pos, slots, lens), (0, 0, -1, 0)):
+            row[:b] = values
+            row[b:] = fill
+
+    def _tables(self, h, tables: list[list[int]]) -> None:
+        t = h.reshape(self.bucket, self.width)
+        for i, blocks in enumerate(tables):
+            t[i, : len(blocks)] = blocks
+
     def run(self, ids: list[int], pos: list[int], slots: list[int], lens: list[int],
             tables: list[list[int]]) -> torch.Tensor:
         """Logits [len(ids), vocab] of one decode step of these sequences. Table entries past a
         sequence's blocks are left as they were: the kernels never read past its length."""
-        b, n = len(ids), self.bucket
         h = self.host.numpy()
-        fields = h[: 4 * n].reshape(4, n)
-        for row, values, fill in zip(fields, (ids, pos, slots, lens), (0, 0, -1, 0)):
-            row[:b] = values
-            row[b:] = fill
-        t = h[4 * n:].reshape(n, self.width)
-        for i, blocks in enumerate(tables):
-            t[i, : len(blocks)] = blocks
+        self._fill(h[: 4 * self.bucket], ids, pos, slots, lens)
+        self._tables(h[4 * self.bucket:], tables)
         self.inputs.copy_(self.host, non_blocking=True)  # the step's sampling syncs before the next refill
         self.graph.replay()
-        return self.logits[:b]
+        return self.logits[: len(ids)]
+
+    def plan_run(self, first: list[int], pos: list[list[int]], slots: list[list[int]], lens: list[list[int]],
+                 tables: list[list[int]]) -> None:
+        """Stage a run of ``len(pos)`` decode steps on the device in one copy: each step's positions,
+        cache slots and lengths, the block tables (holding every block of the run), the first
+        step's tokens. ``run_planned`` then needs no host data but the tokens, which stay on the device."""
+        n, k = 4 * self.bucket, len(pos)
+        size = k * n + self.bucket * self.width
+        if getattr(self, "run_host", None) is None or self.run_host.numel() < size:
+            # the last run's copy was waited for (its tokens were read back) before this one is refilled
+            self.run_host = torch.zeros(size, dtype=torch.int64, pin_memory=True)
+            self.run_dev = torch.zeros(size, dtype=torch.int64, device=self.inputs.device)
+        h = self.run_host.numpy()
+        for j in range(k):
+            self._fill(h[j * n:(j + 1) * n], first if j == 0 else [0] * len(first), pos[j], slots[j], lens[j])
+        self._tables(h[k * n: size], tables)
+        self.run_dev[:size].copy_(self.run_host[:size], non_blocking=True)
+        self.inputs[n:].copy_(self.run_dev[k * n: size])
+        self.run_b = len(first)
+
+    def run_planned(self, step: int, tokens: torch.Tensor | None) -> torch.Tensor:
+        """Logits of step ``step`` of the planned run; ``tokens`` (on the device): the previous step's
+        tokens, fed as this step's input (None: the first step's, staged by ``plan_run``)."""
+        n = 4 * self.bucket
+        self.inputs[:n].copy_(self.run_dev[step * n:(step + 1) * n])
+        if tokens is not None:
+            self.inputs[: tokens.shape[0]].copy_(tokens)
+        self.graph.replay()
+        return self.logits[: self.run_b]
 
 
 class DecodeGraphs:

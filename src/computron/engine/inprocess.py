@@ -31,7 +31,7 @@ from ..models.config import ModelConfig
 from ..models.kvcache import KVPool, paged_batch
 from .graphs import DecodeGraphs
 from .runner import ModelRunner
-from .sampling import History, logprobs, process, sample
+from .sampling import History, Sampler, logprobs, process, sample
 
 CPU_DEFAULT_BUDGET = 2 * 2**30
 
@@ -246,8 +246,9 @@ class InProcessExecutor:
             self.arena.release(region)
         seq.blocks, seq.ids = [], None
 
-    def _seq(self, model: _Model, s) -> _Seq:
-        """The request's state, with blocks for every token it will hold after this step."""
+    def _seq(self, model: _Model, s, ahead: int = 0) -> _Seq:
+        """The request's state, with blocks for every token it will hold after this step (and
+        ``ahead`` more steps of one token each)."""
         seq = self.seqs.get(s.req_id)
         if seq is None:
             gen = None
@@ -259,7 +260,7 @@ class InProcessExecutor:
                 seq.history = History(s.tokens, model.runner.cfg.vocab_size, self.device, s.params.penalized)
         if s.past == 0 and seq.blocks:
             self._release(seq)  # a recompute starts from an empty cache
-        need = -(-(s.past + len(s.tokens)) // self.block_tokens)
+        need = -(-(s.past + len(s.tokens) + ahead) // self.block_tokens)
         while len(seq.blocks) < need:
             seq.blocks.append(self.arena.allocate(model.pool.block_bytes, "kv", s.req_id))
         return seq
@@ -335,18 +336,62 @@ class InProcessExecutor:
             res.swap = None  # loaded: later steps need not wait on its events
 
     def _run_steps(self, batch: ExecuteBatch, result: StepResult) -> None:
-        """Decode steps back to back, each sequence's token fed to its next step."""
-        if not self.models[batch.model].answers:
-            raise ValueError(f"model {batch.model!r}: this rank does not sample, so it cannot feed a run of "
+        """Decode steps back to back, each sequence's token fed to its next step on the device:
+        the host waits for the device once, for the whole run's tokens. Rows whose sampling needs
+        the host between steps (penalties, min_tokens, logprobs), a trace or a copy still in
+        flight take one step at a time instead."""
+        name = batch.model
+        model = self.models[name]
+        if not model.answers:
+            raise ValueError(f"model {name!r}: this rank does not sample, so it cannot feed a run of "
                              f"{batch.steps} decode steps")
+        if batch.trace or self.resident[name].swap is not None or \
+                any(History.needed(s.params) or s.params.logprobs is not None for s in batch.seqs):
+            return self._run_steps_hosted(batch, result)
+        k, bt = batch.steps, self.block_tokens
+        seqs = [self._seq(model, s, ahead=k - 1) for s in batch.seqs]  # every block of the run, before binding
+        self._bind(name)
+        ids = [self._ids(q) for q in seqs]
+        res, runner = self.resident[name], model.runner
+        past = [s.past for s in batch.seqs]
+        draw = Sampler([s.params for s in batch.seqs], runner.cfg.vocab_size, self.device)
+        gens = [q.generator for q in seqs]
+        t0 = time.perf_counter()
+        graph = None if model.graphs is None else \
+            model.graphs.get(runner, model.pool, len(seqs), res.region.tensor.data_ptr())
+        first = [s.tokens[0] for s in batch.seqs]
+        if graph is not None:
+            graph.plan_run(first, [[p + j for p in past] for j in range(k)],
+                           [[b[(p + j) // bt] * bt + (p + j) % bt for b, p in zip(ids, past)] for j in range(k)],
+                           [[p + j + 1 for p in past] for j in range(k)], ids)
+        tokens = torch.tensor(first, dtype=torch.long).to(self.device, non_blocking=True)
+        out = []
+        for j in range(k):
+            if graph is not None:
+                logits = graph.run_planned(j, tokens if j else None)
+            else:
+                attn = paged_batch(model.pool, [(b, p + j, 1) for b, p in zip(ids, past)], self.device)
+                pos = torch.tensor([p + j for p in past], dtype=torch.long).to(self.device, non_blocking=True)
+                logits = runner.forward(tokens, pos, attn)
+            tokens = draw(logits, gens)
+            out.append(tokens)
+        runs = torch.stack(out, dim=1).tolist()  # the run's one wait for the device
+        result.tokens.update((s.req_id, t) for s, t in zip(batch.seqs, runs))
+        result.compute_s[name] = time.perf_counter() - t0
+
+    def _run_steps_hosted(self, batch: ExecuteBatch, result: StepResult) -> None:
+        """Decode steps one call each, each sequence's token fed to its next step from the host."""
         seqs, runs, compute = batch.seqs, {s.req_id: [] for s in batch.seqs}, 0.0
         for _ in range(batch.steps):
             one = StepResult()
-            self._run(ExecuteBatch(batch.model, seqs), one)
+            self._run(ExecuteBatch(batch.model, seqs, batch.trace), one)
             compute += one.compute_s[batch.model]
             result.loaded.update(one.loaded)
+            result.trace.update(one.trace)
             for rid, t in one.tokens.items():
                 runs[rid].append(t)
+            for rid, lp in one.logprobs.items():
+                result.logprobs.setdefault(rid, []).append(lp)
             seqs = [SeqInput(s.req_id, [one.tokens[s.req_id]], s.past + len(s.tokens), s.params) for s in seqs]
         result.tokens.update(runs)
         result.compute_s[batch.model] = compute

@@ -12,8 +12,9 @@ import torch
 from ..messages import SamplingParams
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> torch.Tensor:
-    """One token per row of ``logits`` [B, V]; returns int64 [B] on the logits' device.
+class Sampler:
+    """Draws one token per row of a batch's logits [B, V]; built once for a batch's parameters, so
+    a run of several decode steps sends its per-row knobs to the device once and never waits on it.
 
     Host: one [B, 4] table of per-row knobs (temperature, top_k, top_p, greedy), sent to the
     device in one transfer, and one exponential draw per seeded, non-greedy row. Device, for
@@ -25,35 +26,49 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list)
     row's token depends only on its logits and its own generator, never on the rest of the
     batch. Greedy rows take the argmax of their logits.
     """
-    if all(p.greedy for p in params):
-        return logits.argmax(dim=-1)
-    B, V = logits.shape
-    dev = logits.device
-    # top_k 0 is off (k = V); top_p 1 is off (2: a cumulative sum that rounds to 1 never reaches it).
-    knobs = torch.tensor(
-        [[1.0 if p.greedy else p.temperature, min(p.top_k or V, V), p.top_p if p.top_p < 1.0 else 2.0, p.greedy]
-         for p in params], dtype=torch.float32, device=dev)
-    temperature, top_k, top_p, greedy = knobs.unbind(dim=1)
-    logits = logits.float()
-    scaled = logits / temperature[:, None]
-    if any(p.top_k or p.top_p < 1.0 for p in params if not p.greedy):
-        srt, order = scaled.sort(dim=-1, descending=True)
-        rank = torch.arange(V, dtype=torch.float32, device=dev)
-        srt = srt.masked_fill(rank >= top_k[:, None], float("-inf"))  # top-k by rank
-        probs = srt.softmax(dim=-1)
-        drop = (probs.cumsum(dim=-1) - probs) >= top_p[:, None]  # mass before the token
-        drop[:, 0] = False
-        probs = torch.zeros_like(probs).scatter_(1, order, probs.masked_fill(drop, 0.0))  # un-sort
-    else:
-        probs = scaled.softmax(dim=-1)
-    noise = torch.empty_like(probs)
-    if any(g is None for g in generators):
-        noise.exponential_()  # unseeded rows share the default generator
-    for i, (p, g) in enumerate(zip(params, generators)):
-        if g is not None and not p.greedy:
-            noise[i].exponential_(generator=g)  # a seeded row draws only from its own generator
-    drawn = (probs / noise.clamp_min_(torch.finfo(torch.float32).tiny)).argmax(dim=-1)  # E = 0 would make 0/0
-    return torch.where(greedy > 0, logits.argmax(dim=-1), drawn)
+
+    def __init__(self, params: list[SamplingParams], vocab: int, device):
+        self.params, self.vocab = params, vocab
+        self.greedy = all(p.greedy for p in params)
+        if self.greedy:
+            return
+        # top_k 0 is off (k = V); top_p 1 is off (2: a cumulative sum that rounds to 1 never reaches it).
+        knobs = torch.tensor(
+            [[1.0 if p.greedy else p.temperature, min(p.top_k or vocab, vocab), p.top_p if p.top_p < 1.0 else 2.0,
+              p.greedy] for p in params], dtype=torch.float32).to(device, non_blocking=True)
+        self.temperature, self.top_k, self.top_p, self.rows_greedy = knobs.unbind(dim=1)
+        self.masks = any(p.top_k or p.top_p < 1.0 for p in params if not p.greedy)
+
+    def __call__(self, logits: torch.Tensor, generators: list) -> torch.Tensor:
+        """int64 [B] on the logits' device."""
+        if self.greedy:
+            return logits.argmax(dim=-1)
+        V, dev = self.vocab, logits.device
+        logits = logits.float()
+        scaled = logits / self.temperature[:, None]
+        if self.masks:
+            srt, order = scaled.sort(dim=-1, descending=True)
+            rank = torch.arange(V, dtype=torch.float32, device=dev)
+            srt = srt.masked_fill(rank >= self.top_k[:, None], float("-inf"))  # top-k by rank
+            probs = srt.softmax(dim=-1)
+            drop = (probs.cumsum(dim=-1) - probs) >= self.top_p[:, None]  # mass before the token
+            drop[:, 0] = False
+            probs = torch.zeros_like(probs).scatter_(1, order, probs.masked_fill(drop, 0.0))  # un-sort
+        else:
+            probs = scaled.softmax(dim=-1)
+        noise = torch.empty_like(probs)
+        if any(g is None for g in generators):
+            noise.exponential_()  # unseeded rows share the default generator
+        for i, (p, g) in enumerate(zip(self.params, generators)):
+            if g is not None and not p.greedy:
+                noise[i].exponential_(generator=g)  # a seeded row draws only from its own generator
+        drawn = (probs / noise.clamp_min_(torch.finfo(torch.float32).tiny)).argmax(dim=-1)  # E = 0 would make 0/0
+        return torch.where(self.rows_greedy > 0, logits.argmax(dim=-1), drawn)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> torch.Tensor:
+    """One token per row of ``logits`` [B, V] (see ``Sampler``); int64 [B] on the logits' device."""
+    return Sampler(params, logits.shape[-1], logits.device)(logits, generators)
 
 
 class History:

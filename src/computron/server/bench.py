@@ -49,6 +49,7 @@ def add_parser(bench_subparsers) -> None:
     p.add_argument("--gpu-memory-budget", default=None, help="e.g. 40GiB (default: 90%% of the device)")
     p.add_argument("--workspace", default=None)
     p.add_argument("--policy", default="default", choices=("default", "computron"))
+    p.add_argument("--decode-steps", type=int, default=1, metavar="K", help="decode steps per engine call (default 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="JSON output (default bench/results/serve_<model>.json)")
     p.set_defaults(func=bench_main)
@@ -185,7 +186,8 @@ def run_bench(args) -> dict:
     from .background import ServerThread
 
     engine = Engine(EngineConfig(device=args.device, gpu_memory_budget=args.gpu_memory_budget,
-                                 workspace_bytes=args.workspace, policy=args.policy))
+                                 workspace_bytes=args.workspace, policy=args.policy,
+                                 decode_steps=args.decode_steps))
     base = Path(args.model).name
     names = [f"{base}-{i}" for i in range(args.copies)]
     for i, name in enumerate(names):

@@ -41,6 +41,9 @@ def add_parsers(subparsers) -> None:
                    help="scheduling and swap policy (preempt: a request kept waiting --max-wait seconds by "
                         "other models' running requests preempts them)")
     p.add_argument("--max-wait", type=float, metavar="SECONDS", help="preempt policy's bound on waiting (default 1)")
+    p.add_argument("--decode-steps", type=int, metavar="K",
+                   help="decode steps a steady batch runs per engine call, fed on the device (default 1); "
+                        "tokens stream K at a time and a new request waits for the run to end")
     p.add_argument("--devices", type=int, metavar="N", help="devices to serve on, one worker process each "
                                                              "(executor workers; default: what the layouts need)")
     p.add_argument("--executor", choices=("inprocess", "legacy", "workers"),
@@ -119,6 +122,8 @@ def build_config(args) -> ComputronConfig:
         eng.max_wait_s = args.max_wait
     if getattr(args, "executor", None) is not None:
         eng.executor = args.executor
+    if getattr(args, "decode_steps", None) is not None:
+        eng.decode_steps = args.decode_steps
     if getattr(args, "devices", None) is not None:
         eng.devices = args.devices
     if args.gpu_memory_budget is not None:
@@ -145,6 +150,7 @@ def build_config(args) -> ComputronConfig:
         srv.model_dirs = list(args.model_dir)
     if srv.max_queue < 1:
         raise ValueError(f"max_queue must be at least 1, got {srv.max_queue}")
+    eng.__post_init__()  # flags are checked as the file's values are
     if not cfg.models:  # the embedded default
         cfg.models = [ModelSpec(m) for m in DEFAULT_MODELS]
         if eng.gpu_memory_budget is None:

@@ -188,6 +188,7 @@ class DeviceStatus:
     kv: int = 0
     compactions: int = 0
     budget: int = 0  # the whole device budget: the arena plus the workspace for activations
+    held: int = -1  # bytes the arena spans now (colocation shrinks it below capacity); -1: capacity
 
 
 @dataclass

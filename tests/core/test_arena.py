@@ -138,3 +138,24 @@ def test_random_allocations_and_releases_keep_every_region_intact(seed):
             assert torch.equal(r.tensor, data[r.owner]), f"step {step}: {r.owner} corrupted"
         check_layout(arena)
     assert compactions >= 10 and refused >= 10  # the workload did exercise both
+
+
+def test_resize_moves_the_end_compacting_what_lies_past_it_and_never_below_what_is_used():
+    arena = Arena(64 * ALIGN, "cpu")
+    regions = [arena.allocate(8 * ALIGN, "kv", f"r{i}") for i in range(6)]  # 48 of 64 units used
+    data = {r.owner: fill(r, i) for i, r in enumerate(regions)}
+    for r in regions[:4:2]:  # holes at the bottom: the last regions sit past 32 units
+        arena.release(r)
+        del data[r.owner]
+    moved_before = {r.owner: r.version for r in arena.regions()}
+    assert arena.resize(32 * ALIGN) == 32 * ALIGN and arena.nbytes == 32 * ALIGN
+    check_layout(arena)
+    assert all(r.offset + r.nbytes <= 32 * ALIGN for r in arena.regions())
+    assert any(r.version > moved_before[r.owner] for r in arena.regions())  # compaction really moved some
+    for r in arena.regions():
+        assert torch.equal(r.tensor, data[r.owner]), f"{r.owner} corrupted by the shrink"
+    with pytest.raises(OutOfMemory, match="do not fit"):
+        arena.allocate(1, "kv", "past the end")
+    assert arena.resize(0) == 32 * ALIGN  # four regions of 8 units are still in use
+    assert arena.resize(1000 * ALIGN) == 64 * ALIGN  # at most what it was made with
+    assert arena.allocate(32 * ALIGN, "kv", "fits again").offset == 32 * ALIGN

@@ -17,8 +17,9 @@ The scheduler stays pure: it only gets budgets. Shares from the arbiter's thread
 mailbox and the engine thread is woken (``wake``, e.g. ``AsyncEngine.call``) to apply them.
 In ``normal`` mode the engine keeps its whole budget and only the training job is told its limit.
 
-On a GPU the share is the scheduler's accounting: the executor's arena still holds its whole
-budget, so the bytes training gets back must stay outside the arena (``--gpu-memory-budget``).
+The executor's arena follows the share (``EngineCore.set_budget`` / ``fit_memory``): on a GPU its
+memory past the share is returned to the driver (``memory/vmm.py``) before training is told it may
+grow, and mapped again before inference uses a larger share.
 """
 
 from __future__ import annotations
@@ -110,6 +111,7 @@ class EngineLink:
         for d in sorted(self._unconfirmed):
             if self.core.scheduler.free_bytes(d) >= 0:  # evicted down to it: training may grow now
                 self._unconfirmed.discard(d)
+                self.core.fit_memory(d)  # the arena gives the bytes back to the device first
                 self.server.released(d)
 
     def _set(self, device: int, nbytes: int) -> None:

@@ -337,8 +337,20 @@ class EngineCore:
         return sum(evicted.values())
 
     def set_budget(self, device: int, nbytes: int) -> None:
-        """Colocation: inference may use ``nbytes`` of ``device`` from now on; idle models beyond it are evicted."""
+        """Colocation: inference may use ``nbytes`` of ``device`` from now on; idle models beyond it
+        are evicted and the executor's arena follows (``fit_memory``)."""
+        grow = nbytes > self.scheduler.shares[device]
+        if grow:  # the memory is there before the scheduler books it
+            self.executor.resize(device, min(nbytes, self.scheduler.config.budgets[device]))
         self._apply(self.scheduler.set_budget(device, nbytes))
+        if not grow:
+            self.fit_memory(device)
+
+    def fit_memory(self, device: int) -> int:
+        """Shrink the executor's arena on ``device`` to inference's share (or to what running requests
+        still hold, until they end), returning the rest to the device; the arena's new size."""
+        self._flush_frees()
+        return self.executor.resize(device, self.scheduler.shares[device])
 
     def _evict(self, names: list[str]) -> None:
         self._flush_frees()
@@ -360,6 +372,7 @@ class EngineCore:
         st = self.executor.status()
         return {"devices": [{"device": d.name, "budget": d.budget, "capacity": d.capacity,
                              "share": self.scheduler.shares[d.index], "weights": d.weights, "kv": d.kv,
+                             "held": d.capacity if d.held < 0 else d.held,
                              "scheduled": d.capacity - self.scheduler.free_bytes(d.index),
                              "compactions": d.compactions} for d in st.devices],
                 "weights": sum(d.weights for d in st.devices), "kv": sum(d.kv for d in st.devices),

@@ -44,6 +44,11 @@ class Executor(Protocol):
     def status(self) -> ExecutorStatus:
         """Devices (capacity and what is in use) and which models are resident or still loading."""
 
+    def resize(self, device: int, nbytes: int) -> int:
+        """Let the arena of ``device`` hold ``nbytes`` from now on (weights and KV cache), returning
+        the memory past it to the device where it can (colocation); never below what is in use
+        (compacted). Returns the arena's new size."""
+
     def probe_link(self, name: str, repeats: int) -> list[float]:
         """Seconds of a raw pinned host-to-device copy of ``name``'s image bytes on every rank at once,
         into free device memory (the reference a swap is measured against)."""

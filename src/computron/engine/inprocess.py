@@ -149,11 +149,11 @@ class InProcessExecutor:
         return ModelInfo(desc.name, cfg, ckpt, pl, (self._weight_bytes(model),), (model.cfg.kv_bytes_per_token(),))
 
     def _check_fits(self, name: str, nbytes: int) -> None:
-        if nbytes > self.arena.nbytes:
+        if nbytes > self.arena.max_bytes:
             raise ValueError(
                 f"model {name!r} needs {format_bytes(nbytes)} of weights"
                 f"{f' on device {self.index}' if self.world > 1 else ''}, more than the "
-                f"{format_bytes(self.arena.nbytes)} the memory budget leaves for weights and KV cache "
+                f"{format_bytes(self.arena.max_bytes)} the memory budget leaves for weights and KV cache "
                 f"(budget {format_bytes(self.budget)})")
 
     def _build_whole(self, desc: ModelDescription, cfg: ModelConfig, ckpt, progress) -> _Model:
@@ -419,13 +419,19 @@ class InProcessExecutor:
     # ---- status --------------------------------------------------------------------------------
     def status(self) -> ExecutorStatus:
         a = self.arena
-        dev = DeviceStatus(self.index, str(self.device), a.nbytes, a.used("weights"), a.used("kv"), a.compactions,
-                           self.budget)
+        dev = DeviceStatus(self.index, str(self.device), a.max_bytes, a.used("weights"), a.used("kv"), a.compactions,
+                           self.budget, a.nbytes)
         models = {n: "loading" if r.swap is not None and not r.swap.done() else "resident"
                   for n, r in self.resident.items()}
         graphs = [m.graphs for m in self.models.values() if m.graphs is not None]
-        stats = {"graph_captures": sum(g.captures for g in graphs), "graph_capture_s": sum(g.capture_s for g in graphs)}
+        stats = {"graph_captures": sum(g.captures for g in graphs), "graph_capture_s": sum(g.capture_s for g in graphs),
+                 "arena_backed_bytes": a.backed}
         return ExecutorStatus([dev], models, self.block_tokens, stats)
+
+    def resize(self, device: int, nbytes: int) -> int:
+        if device != self.index:
+            raise ValueError(f"this executor holds device {self.index}, not {device}")
+        return self.arena.resize(nbytes)  # regions that move are re-bound (versions) before their next use
 
     def probe_link(self, name: str, repeats: int) -> list[float]:
         src = self.models[name].image.buffer

@@ -6,6 +6,12 @@ are placed first-fit at aligned offsets. When the free bytes suffice but no hole
 enough, the arena compacts: live regions slide down (device-to-device copies, in stream order)
 and their owners see a new ``version`` and re-take their views. So an allocation fails only when
 the bytes do not fit, never for fragmentation.
+
+The arena can shrink and grow at run time (``resize``: colocation hands memory to a training job
+and takes it back). On a GPU its buffer is a fixed virtual range (``memory/vmm.py``) whose
+physical memory past the arena's end is returned to the driver, so what is released is really
+free for others; shrinking below a live region first compacts. On the CPU, or where the driver
+offers no virtual memory management, the buffer keeps its whole size and only the accounting moves.
 """
 
 from __future__ import annotations
@@ -39,11 +45,39 @@ class Region:
 
 class Arena:
     def __init__(self, nbytes: int, device: torch.device | str):
+        """``nbytes``: the most it will ever hold (``resize`` moves its end below that)."""
         self.device = torch.device(device)
-        self.nbytes = nbytes
-        self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self.nbytes = self.max_bytes = nbytes
+        self._vmm = None
+        if self.device.type == "cuda":
+            from .vmm import reserve
+
+            self._vmm = reserve(self.device, nbytes)
+        if self._vmm is not None:
+            self._vmm.map_to(nbytes)
+            self.buffer = self._vmm.tensor
+        else:
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         self._regions: list[Region] = []  # sorted by offset
         self.compactions = 0
+
+    @property
+    def backed(self) -> int:
+        """Bytes of device memory the arena holds now (its end, rounded up to the driver's chunks;
+        the whole buffer where memory cannot be returned)."""
+        return self._vmm.mapped if self._vmm is not None else self.buffer.numel()
+
+    def resize(self, nbytes: int) -> int:
+        """Move the arena's end to ``nbytes`` (at most the size it was made with; at least what its
+        regions hold, compacted) and return the new end. Shrinking returns the memory past the end
+        to the device; regions beyond it move down first (compaction: owners see a new version)."""
+        end = min(max(nbytes, self.used()), self.max_bytes)
+        if self._regions and self._regions[-1].offset + self._regions[-1].nbytes > end:
+            self._compact()
+        self.nbytes = end
+        if self._vmm is not None:
+            self._vmm.map_to(end)
+        return end
 
     def used(self, tag: str | None = None) -> int:
         return sum(r.nbytes for r in self._regions if tag is None or r.tag == tag)

@@ -242,6 +242,10 @@ class SimExecutor:
         return out
 
     # ---- status --------------------------------------------------------------------------------
+    def resize(self, device: int, nbytes: int) -> int:
+        """Accounting only: the simulated arena keeps its size (budgets are the scheduler's)."""
+        return min(max(nbytes, self.weights[device] + self.kv[device]), self.capacity)
+
     def status(self) -> ExecutorStatus:
         t = self.clock.t
         devs = [DeviceStatus(d, f"sim:{d}", self.capacity, self.weights[d], self.kv[d], 0, self.budget)

@@ -1,18 +1,13 @@
-"""WorkerExecutor: the executor protocol served by one worker process per device.
+"""WorkerExecutor: the executor protocol served by one worker process per device (parent side).
 
-Each worker process (``spawn`` context) builds an ``InProcessExecutor`` from the engine's config
-and answers the protocol's calls from a ``multiprocessing`` pipe. The parent side is a thin
-proxy: every call is one message ``(id, call, args)`` sent to every rank of the model's
-placement; rank 0 answers with the value (for ``execute``: the tokens). Only the dataclasses of
-``computron.messages`` and plain values cross (pickled between our own processes; nothing a user
-sent is ever unpickled). Today there is one worker (device 0, tp=1); the message loop already
-addresses ranks by device so more workers can be added (see ``_ranks``).
-
-Messages, parent -> worker: ``(id, call, args)``; ``id`` None means no reply is wanted (``free``).
-Worker -> parent: ``(id, "ok", value)``, ``(id, "err", type name, base name, message)`` or an
-interim ``(id, "progress", text)`` (a registration's progress strings: the ``progress`` callback
-is called with them on this executor's receiver thread). Id 0 is the worker's start-up reply.
-``register`` runs on a thread of the worker, so steps keep being served while a model is built.
+The worker processes (``spawn`` context) run ``worker_loop.worker_main``: each builds an
+``InProcessExecutor`` from the engine's config and answers the protocol's calls from a
+``multiprocessing`` pipe. This side is a thin proxy: every call is one message ``(id, call, args)``
+sent to every rank of the model's placement; the rank that samples answers with the value (for
+``execute``: the tokens). Only the dataclasses of ``computron.messages`` and plain values cross
+(pickled between our own processes; nothing a user sent is ever unpickled). The message format is
+described in ``worker_loop``; a registration's progress strings come back as interim messages,
+given to the ``progress`` callback on this executor's receiver thread.
 
 Failure: one receiver thread per worker waits on the pipe and the process sentinel together
 (``multiprocessing.connection.wait``, 0.5 s timeout), so a worker that dies is noticed at once.
@@ -33,8 +28,6 @@ import dataclasses
 import itertools
 import logging
 import multiprocessing as mp
-import os
-import signal
 import threading
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -42,11 +35,11 @@ from multiprocessing.connection import wait as mp_wait
 from typing import Callable
 
 from ..messages import ExecuteBatch, ExecutorStatus, ModelDescription, ModelInfo, Residency, StepResult
+from .worker_loop import BASES, worker_main
 
 log = logging.getLogger("computron.workers")
 
 POLL_S = 0.5  # the receiver's wait on pipe + sentinel; a death is noticed within this (usually at once)
-_BASES = (KeyError, FileNotFoundError, ValueError, MemoryError, TimeoutError, RuntimeError)
 _remote_types: dict[tuple[str, str], type] = {}
 
 
@@ -64,103 +57,6 @@ class WorkerDied(RuntimeError):
         super().__init__(f"worker for device {device} died (exit code {exitcode})")
 
 
-# ---- the worker process --------------------------------------------------------------------------
-def _error_reply(rid, e: BaseException) -> tuple:
-    base = next((b for b in _BASES if isinstance(e, b)), RuntimeError)
-    msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
-    return (rid, "err", type(e).__name__, base.__name__, msg)
-
-
-def _worker_main(conn, config, device: int, world: int = 1, port: int = 0, steps=None) -> None:
-    """A worker's loop: answer protocol calls from the pipe until ``shutdown`` or the parent goes away.
-    With several devices the workers first join one torch.distributed world (rank = device; NCCL on
-    GPUs, gloo on the CPU), in which each model's process groups are made when it is registered."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it shuts us down
-    send_lock = threading.Lock()
-
-    def send(msg) -> None:
-        with send_lock:
-            conn.send(msg)
-
-    try:
-        if world > 1:
-            import datetime
-
-            import torch
-            import torch.distributed as dist
-
-            # NVLink multicast (NVLS) buys nothing here and can take a shared host's GPUs down: off.
-            for var, off in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")):
-                os.environ.setdefault(var, off)
-            backend = "nccl" if config.device != "cpu" and torch.cuda.is_available() else "gloo"
-            if backend == "nccl":
-                torch.cuda.set_device(device)
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=device, world_size=world,
-                                    timeout=datetime.timedelta(seconds=120))
-        if config.executor == "legacy":  # the original Computron's mechanics, a rank per worker
-            from .legacy import LegacyExecutor as kind
-        else:
-            from .inprocess import InProcessExecutor as kind
-        ex = kind(config, index=device, world=world)
-    except BaseException as e:
-        send(_error_reply(0, e))
-        return
-    send((0, "ok", None))
-
-    def step(args: tuple) -> None:
-        """A step answers on its own pipe, read by the engine's thread itself (no hop through the
-        parent's receiver thread: the step is the hot path)."""
-        try:
-            reply = ("ok", ex.execute(*args).result())
-        except BaseException as e:
-            reply = _error_reply(None, e)[1:]
-        steps.send(reply)
-
-    def serve(rid, name: str, args: tuple) -> None:
-        try:
-            if name == "register":
-                value = ex.register(args[0], (lambda text: send((rid, "progress", text))) if args[1] else None)
-            elif name == "execute":
-                value = ex.execute(*args).result()
-            else:
-                value = getattr(ex, name)(*args)
-            if rid is not None:
-                send((rid, "ok", value))
-        except BaseException as e:
-            if rid is not None:
-                send(_error_reply(rid, e))
-            else:
-                log.exception("worker for device %d: %s failed", device, name)
-
-    def leave() -> None:
-        """Tear the process group down before exiting (else NCCL's watchdog reports the store gone)."""
-        if world > 1:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                try:
-                    dist.destroy_process_group()
-                except Exception:  # noqa: BLE001 -- exiting anyway
-                    pass
-
-    while True:
-        try:
-            rid, name, args = conn.recv()
-        except (EOFError, OSError):  # the parent died or closed the pipe: nothing more to serve
-            ex.shutdown()
-            leave()
-            return
-        if name == "register":  # slow: build the host image while steps go on
-            threading.Thread(target=serve, args=(rid, name, args), daemon=True).start()
-        elif name == "step":
-            step(args)
-        else:
-            serve(rid, name, args)
-            if name == "shutdown":
-                leave()
-                return
-
-
 # ---- the parent's side of one worker -------------------------------------------------------------
 def _remote_error(tname: str, bname: str, msg: str) -> BaseException:
     """The worker's exception again: the project's own error types as themselves, others as a
@@ -170,7 +66,7 @@ def _remote_error(tname: str, bname: str, msg: str) -> BaseException:
     known = {"CheckpointError": CheckpointError}
     if tname in known:
         return known[tname](msg)
-    base = next((b for b in _BASES if b.__name__ == bname), RuntimeError)
+    base = next((b for b in BASES if b.__name__ == bname), RuntimeError)
     if tname == base.__name__:
         return base(msg)
     key = (tname, bname)
@@ -187,7 +83,7 @@ class _Worker:
         self.device, self.on_death = device, on_death
         parent, child = ctx.Pipe()
         self.steps, steps_child = ctx.Pipe(duplex=False)
-        self.proc = ctx.Process(target=_worker_main, args=(child, config, device, world, port, steps_child),
+        self.proc = ctx.Process(target=worker_main, args=(child, config, device, world, port, steps_child),
                                 name=f"computron-worker-{device}", daemon=True)
         self.proc.start()
         child.close()  # only the worker holds that end: its death reads as EOF here

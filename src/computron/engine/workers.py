@@ -34,7 +34,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from multiprocessing.connection import wait as mp_wait
 from typing import Callable
 
-from ..messages import ExecuteBatch, ExecutorStatus, ModelDescription, ModelInfo, Residency, StepResult
+from ..messages import (ExecuteBatch, ExecutorStatus, ModelDescription, ModelInfo, Residency, SeqInput,
+                        StepResult)
 from .worker_loop import BASES, worker_main
 
 log = logging.getLogger("computron.workers")
@@ -398,10 +399,59 @@ class WorkerExecutor:
         return evicted
 
     def execute(self, batches: list[ExecuteBatch]) -> Future:
+        """One step of each batch. A run of several decode steps (``steps`` > 1) of a model on one
+        device goes to its worker as it is (the worker feeds each step's tokens to the next); a
+        sharded model's run is driven from here, a step at a time, since its ranks must meet in
+        every step's collectives."""
         out: Future = Future()
-        if any(b.steps != 1 for b in batches):
-            out.set_exception(ValueError("the worker executor runs one decode step per call"))
-            return out
+        try:
+            runs = [b for b in batches if b.steps > 1 and len(self._model_devices(b.model)) > 1]
+            out.set_result(self._run_steps(batches, runs) if runs else self._step(batches))
+        except Exception as e:
+            out.set_exception(e)
+        return out
+
+    def _run_steps(self, batches: list[ExecuteBatch], runs: list[ExecuteBatch]) -> StepResult:
+        """The first step of every batch (the others' whole runs, sent as they are), then the next
+        steps of the sharded runs, each sequence's token fed to its next step. Their tokens come
+        back as lists, as a worker's own run gives them; a device lost midway ends the run, failing
+        its requests."""
+        sharded = {id(b) for b in runs}
+        first = [dataclasses.replace(b, steps=1) if id(b) in sharded else b for b in batches]
+        result = self._step(first)
+        if result.lost_devices:
+            return result
+        # Requests that failed in a step are not carried on; a run returns no log-probabilities (as a
+        # worker's own run does not).
+        seqs = {b.model: [s for s in b.seqs if s.req_id in result.tokens] for b in runs}
+        tokens = {s.req_id: [result.tokens[s.req_id]] for ss in seqs.values() for s in ss}
+        for rid in tokens:
+            result.logprobs.pop(rid, None)
+        for i in range(1, max(b.steps for b in runs)):
+            step = []
+            for b in runs:
+                if i < b.steps:
+                    seqs[b.model] = [SeqInput(s.req_id, [tokens[s.req_id][-1]], s.past + len(s.tokens), s.params)
+                                     for s in seqs[b.model] if s.req_id in tokens]
+                    step.append(ExecuteBatch(b.model, seqs[b.model]))
+            one = self._step(step)
+            result.failed.update(one.failed)
+            for rid in one.failed:
+                tokens.pop(rid, None)
+                result.tokens.pop(rid, None)
+            if one.lost_devices:
+                result.lost_devices = sorted(set(result.lost_devices) | set(one.lost_devices))
+                break
+            result.loaded.update(one.loaded)
+            for name, sec in one.compute_s.items():
+                result.compute_s[name] = result.compute_s.get(name, 0.0) + sec
+            for rid, t in one.tokens.items():
+                tokens[rid].append(t)
+        result.tokens.update(tokens)
+        return result
+
+    def _step(self, batches: list[ExecuteBatch]) -> StepResult:
+        """One call to the workers of the batches' devices; raises what a worker raised."""
         with self._lock:
             lost, self._lost = self._lost, set()
         if lost:  # a worker died since the last step: its models are gone; say so before running anything
@@ -411,8 +461,7 @@ class WorkerExecutor:
                 except Exception:
                     pass
             why = "; ".join(f"worker for device {d} died" for d in sorted(lost))
-            out.set_result(self._lost_result(batches, why, lost))
-            return out
+            return self._lost_result(batches, why, lost)
         try:
             # Every rank of a batch's placement takes part; the last stage's first rank answers its tokens.
             devices = sorted({d for b in batches for d in self._model_devices(b.model)})
@@ -422,11 +471,7 @@ class WorkerExecutor:
         except WorkerDied as e:  # died since the check above: this step reports it
             with self._lock:
                 self._lost.discard(e.device)
-            out.set_result(self._lost_result(batches, str(e), {e.device}))
-            return out
-        except Exception as e:
-            out.set_exception(e)
-            return out
+            return self._lost_result(batches, str(e), {e.device})
         answers = {self._answerer(b.model) for b in batches}
         result, lost, error = StepResult(), set(), None
         for w in workers:  # read on this thread: the step's answers never wait for another thread
@@ -446,13 +491,11 @@ class WorkerExecutor:
                     getattr(result, field).update(getattr(part, field))
                 result.lost_devices.extend(part.lost_devices)
         if lost:
-            out.set_result(self._lost_result(batches, str(error) if len(lost) == 1 else
-                                             "; ".join(f"worker for device {d} died" for d in sorted(lost)), lost))
-        elif error is not None:
-            out.set_exception(error)
-        else:
-            out.set_result(result)
-        return out
+            return self._lost_result(batches, str(error) if len(lost) == 1 else
+                                     "; ".join(f"worker for device {d} died" for d in sorted(lost)), lost)
+        if error is not None:
+            raise error
+        return result
 
     def wait_loads(self) -> dict[str, float]:
         """Seconds of each load that ended: its slowest rank's."""

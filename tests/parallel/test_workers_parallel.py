@@ -2,12 +2,26 @@
 Models sharded with tp=2 and pp=2 beside an unsharded one on the second device give the tokens
 of a single-device engine, through swaps and through runs of several decode steps."""
 
+import os
+import signal
+import time
+
 from computron.config import EngineConfig, ModelSpec
 from computron.engine import Engine, SamplingParams
 from computron.messages import ExecuteBatch, Residency, SeqInput
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=6, temperature=1.0, top_k=40, seed=11, ignore_eos=True)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 PROMPTS = ["hello", "the quick brown fox", "swap me in", "1 2 3", "Ünïcödé ✓", "abc"]
 
 
@@ -99,5 +113,41 @@ def test_runs_of_several_steps_give_the_tokens_of_single_steps():
         assert longest > 1  # runs of several steps went through the sharded model's workers
         assert [r.error for r in reqs] == [None] * len(reqs)
         assert [r.output_ids for r in reqs] == want
+    finally:
+        eng.executor.shutdown()
+
+
+def test_killed_worker_restarts_the_world_and_its_models_work_again():
+    """SIGKILL of one of two workers while a tp=2 model decodes: its requests fail at once with the
+    reason, every worker is restarted in a new process group, and afterwards the tp=2 model and a
+    model on the other device give the tokens of a single-device engine."""
+    ref = Engine(EngineConfig(device="cpu", gpu_memory_budget=64 * 2**20, workspace_bytes=50_000))
+    for m in ("tiny-opt", "tiny-gpt2"):
+        ref.register_model(m)
+    want = {m: ref.generate(m, "after the crash", GREEDY).output_ids for m in ("tiny-opt", "tiny-gpt2")}
+    eng = Engine(EngineConfig(device="cpu", executor="workers", devices=2, gpu_memory_budget=64 * 2**20,
+                              workspace_bytes=50_000))
+    old = []
+    try:
+        eng.register_model(ModelSpec("tiny-opt", tp=2))
+        eng.register_model(ModelSpec("tiny-gpt2", devices=[0]))
+        long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+        running = [eng.submit("tiny-opt", p, long) for p in PROMPTS[:3]]
+        eng.step(), eng.step()
+        old = list(eng.executor.worker_pids().values())
+        os.kill(old[1], signal.SIGKILL)
+        t0 = time.perf_counter()
+        eng.run_until_done(running, max_steps=50)
+        assert time.perf_counter() - t0 < 5.0
+        for r in running:
+            assert r.finish_reason == "error" and "worker for device 1 died (exit code -9)" in r.error, r.error
+        for m in ("tiny-opt", "tiny-gpt2"):
+            assert eng.model_state(m) == "offloaded"
+            got = eng.generate(m, "after the crash", GREEDY)
+            assert got.error is None and got.output_ids == want[m]
+        assert eng.executor.status().stats["restarts"] == 1
+        assert not any(alive(p) for p in old)
+        new = list(eng.executor.worker_pids().values())
+        assert len(new) == 2 and not set(new) & set(old)
     finally:
         eng.executor.shutdown()

@@ -14,7 +14,10 @@ Failure: one receiver thread per worker waits on the pipe and the process sentin
 Its calls in flight end: an ``execute`` with a ``StepResult`` whose ``lost_devices`` lists the
 worker's device and whose requests all failed ("worker for device 0 died (exit code -9)"), any
 other call with a ``WorkerDied`` (a RuntimeError). The worker is then restarted in the background
-and every model it knew is registered again (offloaded); calls wait for that. A death noticed
+and every model it knew is registered again (offloaded); calls wait for that. With several
+devices the whole world is restarted (``_restart_world``): the other workers are killed (they may
+wait in a collective on the dead one), a new process group starts on a new port, every model is
+registered again on all of them, and the step reports every device lost. A death noticed
 outside an ``execute`` is reported by the next ``execute`` (its batches fail, nothing of the
 fresh worker stays resident), so the engine core always learns that the models are offloaded.
 Exceptions raised in the worker come back with their type name and message, as subclasses of
@@ -204,8 +207,8 @@ class _Worker:
 
     def _died(self) -> None:
         self.proc.join(2.0)
-        with self._lock:
-            self.dead = WorkerDied(self.device, self.proc.exitcode)
+        with self._lock:  # a worker we killed keeps the reason it was killed for
+            self.dead = self.dead or WorkerDied(self.device, self.proc.exitcode)
             pending, self._pending = self._pending, {}
         if not self.closing:
             log.error("%s", self.dead)
@@ -228,8 +231,12 @@ class _Worker:
         self.kill()
         self._thread.join(timeout)
 
-    def kill(self) -> None:
+    def kill(self, cause: WorkerDied | None = None) -> None:
+        """End the process now; with a ``cause``, its calls and step in flight fail with that."""
         self.closing = True
+        if cause is not None:
+            with self._lock:
+                self.dead = self.dead or cause
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join(5.0)
@@ -237,7 +244,7 @@ class _Worker:
 
 # ---- the executor --------------------------------------------------------------------------------
 class WorkerExecutor:
-    """The executor protocol over worker processes, one per device (today: device 0 only)."""
+    """The executor protocol over worker processes, one per device."""
 
     def __init__(self, config, start_timeout: float = 120.0, call_timeout: float = 600.0):
         # What each worker runs: the in-process executor, or the legacy one for the computron policy.
@@ -246,7 +253,6 @@ class WorkerExecutor:
         self.devices = tuple(range(config.devices))
         if not self.devices:
             raise ValueError(f"devices must be at least 1, got {config.devices}")
-        self._port = _free_port() if len(self.devices) > 1 else 0
         self._ctx = mp.get_context("spawn")
         self._lock = threading.RLock()
         self._descs: dict[str, ModelDescription] = {}  # every model registered, kept to re-register
@@ -255,18 +261,30 @@ class WorkerExecutor:
         self._broken: dict[int, BaseException] = {}  # a restart that failed
         self._last_status: dict[int, ExecutorStatus] = {}
         self._restarts: list[threading.Thread] = []
+        self._rebuilding = False  # a new world is being started (several devices)
+        self._cause = ""  # why the workers were last restarted: the reason lost requests fail with
         self._closed = False
         self.restarts = 0
         self._workers: dict[int, _Worker] = {}
-        try:  # all start at once: with several devices each waits in the others' process group
+        self._workers = self._start_world()
+        for d in self.devices:
+            self._ready[d].set()
+
+    def _start_world(self) -> dict[int, _Worker]:
+        """A worker per device, all started at once: with several devices each waits for the others
+        in a new process group (on a new port)."""
+        port = _free_port() if len(self.devices) > 1 else 0
+        workers: dict[int, _Worker] = {}
+        try:
             for d in self.devices:
-                self._workers[d] = _Worker(self._ctx, self.config, d, self._on_death, len(self.devices), self._port)
-            for d in self.devices:
-                self._workers[d].wait_started(self.start_timeout)
-                self._ready[d].set()
+                workers[d] = _Worker(self._ctx, self.config, d, self._on_death, len(self.devices), port)
+            for w in workers.values():
+                w.wait_started(self.start_timeout)
         except BaseException:
-            self.shutdown()
+            for w in workers.values():
+                w.kill()
             raise
+        return workers
 
     def _start(self, device: int) -> _Worker:
         w = _Worker(self._ctx, self.config, device, self._on_death)
@@ -316,20 +334,76 @@ class WorkerExecutor:
         return desc.placement.devices[(dims.pp - 1) * dims.tp]
 
     # ---- failure -------------------------------------------------------------------------------
-    def _on_death(self, w: _Worker) -> None:
+    def _on_death(self, w: _Worker, cause: WorkerDied | None = None) -> None:
+        """Called by a worker's receiver thread (or a step) when it finds the worker dead: restart
+        it, or with several devices the whole world (the process groups it was in are broken)."""
+        cause = cause or w.dead or WorkerDied(w.device, w.proc.exitcode)
         with self._lock:
-            if self._closed or self._workers.get(w.device) is not w:
-                return
-            if len(self.devices) > 1:  # its process group is broken: a new world is needed (not yet done)
+            if self._closed or self._workers.get(w.device) is not w or self._rebuilding \
+                    or not self._ready[w.device].is_set():
+                return  # gone already, or a restart is under way
+            self._cause = str(cause)
+            if len(self.devices) > 1:
+                self._rebuilding = True
+                self._lost.update(self.devices)
+                for d in self.devices:
+                    self._ready[d].clear()
+                target, args, name = self._restart_world, (cause,), "computron-restart-world"
+            else:
                 self._lost.add(w.device)
-                self._broken[w.device] = w.dead
-                return
-            self._lost.add(w.device)
-            self._ready[w.device].clear()
-            t = threading.Thread(target=self._restart, args=(w.device,), name=f"computron-restart-{w.device}",
-                                 daemon=True)
+                self._ready[w.device].clear()
+                target, args, name = self._restart, (w.device,), f"computron-restart-{w.device}"
+            t = threading.Thread(target=target, args=args, name=name, daemon=True)
             self._restarts.append(t)
             t.start()
+
+    def _restart_world(self, cause: WorkerDied, attempts: int = 2) -> None:
+        """Every worker ends (those still alive may wait in a collective on the dead one: killed,
+        their calls in flight failing with ``cause``); a new world starts on a new port and every
+        model is registered again, one at a time on all workers (the order of process-group
+        creation must be the same everywhere), all offloaded."""
+        for w in list(self._workers.values()):
+            w.kill(cause)
+        error: BaseException | None = None
+        for _ in range(attempts):
+            workers: dict[int, _Worker] = {}
+            try:
+                workers = self._start_world()
+                for desc in list(self._descs.values()):
+                    futs = {d: w.call("register", desc, False) for d, w in workers.items()}
+                    for d, f in futs.items():
+                        try:
+                            self._wait(f, d, "register", timeout=max(self.call_timeout, 3600.0))
+                        except WorkerDied:
+                            raise
+                        except Exception as e:  # it stays known; its requests will fail with the reason
+                            log.error("re-registering %s on device %d after a restart failed: %s", desc.name, d, e)
+                with self._lock:
+                    if self._closed:
+                        raise RuntimeError("the executor was shut down")
+                    if any(w.dead is not None for w in workers.values()):
+                        raise next(w.dead for w in workers.values() if w.dead is not None)
+                    self._workers = workers
+                    self._broken.clear()
+                    self.restarts += 1
+                    self._rebuilding = False
+                    for d in self.devices:
+                        self._ready[d].set()
+                log.warning("%s: the workers of all %d devices were restarted; their %d model(s) are offloaded",
+                            cause, len(self.devices), len(self._descs))
+                return
+            except BaseException as e:  # noqa: BLE001 -- said below, to every call that waits
+                error = e
+                for w in workers.values():
+                    w.kill()
+                if self._closed:
+                    break
+        with self._lock:
+            for d in self.devices:
+                self._broken[d] = error
+            self._rebuilding = False
+            for d in self.devices:
+                self._ready[d].set()
 
     def _restart(self, device: int) -> None:
         """A fresh worker with every model registered again (all offloaded)."""
@@ -358,6 +432,16 @@ class WorkerExecutor:
 
     def _lost_result(self, batches: list[ExecuteBatch], why: str, devices) -> StepResult:
         return StepResult(failed={s.req_id: why for b in batches for s in b.seqs}, lost_devices=sorted(devices))
+
+    def _lost_step(self, batches: list[ExecuteBatch], died: WorkerDied, devices: set[int]) -> StepResult:
+        """A step during which a worker died: its requests fail with the death's reason, and it
+        reports every device whose models are gone (with several devices: all, as the world is
+        restarted), so the next step has nothing more to report."""
+        with self._lock:
+            devices = set(devices) | (self._lost if len(self.devices) > 1 else set())
+            self._lost -= devices
+            why = self._cause or str(died)
+        return self._lost_result(batches, why, devices)
 
     # ---- the protocol --------------------------------------------------------------------------
     def register(self, desc: ModelDescription, progress: Callable[[str], None] | None = None) -> ModelInfo:
@@ -460,7 +544,7 @@ class WorkerExecutor:
                     self._broadcast([d], "apply", Residency(evict=list(self._broadcast([d], "status").models)))
                 except Exception:
                     pass
-            why = "; ".join(f"worker for device {d} died" for d in sorted(lost))
+            why = self._cause or "; ".join(f"worker for device {d} died" for d in sorted(lost))
             return self._lost_result(batches, why, lost)
         try:
             # Every rank of a batch's placement takes part; the last stage's first rank answers its tokens.
@@ -469,19 +553,16 @@ class WorkerExecutor:
             for w in workers:
                 w.start_step([b for b in batches if w.device in self._model_devices(b.model)])
         except WorkerDied as e:  # died since the check above: this step reports it
-            with self._lock:
-                self._lost.discard(e.device)
-            return self._lost_result(batches, str(e), {e.device})
+            return self._lost_step(batches, e, {e.device})
         answers = {self._answerer(b.model) for b in batches}
-        result, lost, error = StepResult(), set(), None
+        result, lost, error, died = StepResult(), set(), None, None
         for w in workers:  # read on this thread: the step's answers never wait for another thread
             try:
                 part = w.finish_step(self.call_timeout)
             except WorkerDied as e:
                 lost.add(w.device)
-                error = error or e
-                with self._lock:
-                    self._lost.discard(w.device)  # reported by this step
+                died = died or e
+                self._on_death(w, e)  # at once (its receiver thread may not have seen it yet)
                 continue
             except Exception as e:
                 error = error or e
@@ -490,9 +571,8 @@ class WorkerExecutor:
                 for field in ("tokens", "logprobs", "loaded", "compute_s", "failed", "trace"):
                     getattr(result, field).update(getattr(part, field))
                 result.lost_devices.extend(part.lost_devices)
-        if lost:
-            return self._lost_result(batches, str(error) if len(lost) == 1 else
-                                     "; ".join(f"worker for device {d} died" for d in sorted(lost)), lost)
+        if died is not None:  # a rank of the step died (another's error is then most likely its echo)
+            return self._lost_step(batches, died, lost)
         if error is not None:
             raise error
         return result

@@ -33,10 +33,14 @@ def error_reply(rid, e: BaseException) -> tuple:
     return (rid, "err", type(e).__name__, base.__name__, msg)
 
 
-def worker_main(conn, config, device: int, world: int = 1, port: int = 0, steps=None) -> None:
+def worker_main(conn, config, device: int, world: int = 1, port: int = 0, steps=None, master: str = "127.0.0.1",
+                local: int | None = None) -> bool:
     """A worker's loop: answer protocol calls from the pipe until ``shutdown`` or the parent goes away.
     With several devices the workers first join one torch.distributed world (rank = device; NCCL on
-    GPUs, gloo on the CPU), in which each model's process groups are made when it is registered."""
+    GPUs, gloo on the CPU; its store at ``master``:``port``), in which each model's process groups
+    are made when it is registered. ``local``: the GPU of this node that ``device`` is (a worker of
+    another node); default: the same number. ``steps`` None: step answers go on ``conn`` too.
+    Returns True when told to shut down, False when the engine went away or it could not start."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it shuts us down
     send_lock = threading.Lock()
 
@@ -56,17 +60,21 @@ def worker_main(conn, config, device: int, world: int = 1, port: int = 0, steps=
                 os.environ.setdefault(var, off)
             backend = "nccl" if config.device != "cpu" and torch.cuda.is_available() else "gloo"
             if backend == "nccl":
-                torch.cuda.set_device(device)
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=device, world_size=world,
+                torch.cuda.set_device(device if local is None else local)
+            dist.init_process_group(backend, init_method=f"tcp://{master}:{port}", rank=device, world_size=world,
                                     timeout=datetime.timedelta(seconds=120))
         if config.executor == "legacy":  # the original Computron's mechanics, a rank per worker
             from .legacy import LegacyExecutor as kind
         else:
             from .inprocess import InProcessExecutor as kind
-        ex = kind(config, index=device, world=world)
+        if local is None or local == device or config.device == "cpu":
+            ex = kind(config, index=device, world=world)
+        else:  # built on this node's GPU ``local``; known to placements as ``device``
+            ex = kind(config, index=local, world=world)
+            ex.index = device
     except BaseException as e:
         send(error_reply(0, e))
-        return
+        return False
     send((0, "ok", None))
 
     def step(args: tuple) -> None:
@@ -76,7 +84,10 @@ def worker_main(conn, config, device: int, world: int = 1, port: int = 0, steps=
             reply = ("ok", ex.execute(*args).result())
         except BaseException as e:
             reply = error_reply(None, e)[1:]
-        steps.send(reply)
+        if steps is None:
+            send((None, "step", reply))
+        else:
+            steps.send(reply)
 
     def serve(rid, name: str, args: tuple) -> None:
         try:
@@ -111,7 +122,7 @@ def worker_main(conn, config, device: int, world: int = 1, port: int = 0, steps=
         except (EOFError, OSError):  # the parent died or closed the pipe: nothing more to serve
             ex.shutdown()
             leave()
-            return
+            return False
         if name == "register":  # slow: build the host image while steps go on
             threading.Thread(target=serve, args=(rid, name, args), daemon=True).start()
         elif name == "step":
@@ -120,4 +131,45 @@ def worker_main(conn, config, device: int, world: int = 1, port: int = 0, steps=
             serve(rid, name, args)
             if name == "shutdown":
                 leave()
-                return
+                return True
+
+
+def connect_main(address: tuple[str, int], authkey: bytes, device: int | None = None, local: int = 0,
+                 timeout: float = 300.0) -> int:
+    """A worker of another node: connect to the engine's control channel (``address``, authenticated
+    with ``authkey``: an HMAC challenge both ways before anything is unpickled), ask for ``device``
+    (None: the engine's choice), join its process group and serve. Returns the exit code: 0 after
+    the engine shut it down; 3 when the engine closed the connection (it is restarting its world:
+    a launcher such as ``torchrun --max-restarts`` starts the worker again) or refused it; 2 when
+    the engine could not be reached within ``timeout`` seconds."""
+    import socket
+    import time
+    from multiprocessing.connection import AuthenticationError, Client
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            conn = Client(address, authkey=authkey)
+            break
+        except AuthenticationError as e:
+            log.error("the engine at %s:%d refused this worker: %s (is COMPUTRON_WORKER_AUTHKEY the same on "
+                      "both sides?)", *address, e)
+            return 2
+        except OSError as e:
+            if time.monotonic() > deadline:
+                log.error("could not reach the engine at %s:%d within %.0f s: %s", *address, timeout, e)
+                return 2
+            time.sleep(0.2)
+    with conn:
+        conn.send(("hello", device, os.getpid(), socket.gethostname()))
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            log.error("the engine at %s:%d closed the connection before assigning a device", *address)
+            return 3
+        if msg[0] != "assign":
+            log.error("the engine at %s:%d refused this worker: %s", *address, msg[1])
+            return 3
+        _, config, device, world, master, port = msg
+        log.info("worker for device %d of %d (process group at %s:%d)", device, world, master, port)
+        return 0 if worker_main(conn, config, device, world, port, None, master, local) else 3

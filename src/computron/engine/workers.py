@@ -31,7 +31,11 @@ import dataclasses
 import itertools
 import logging
 import multiprocessing as mp
+import os
+import queue
+import socket
 import threading
+import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from multiprocessing.connection import wait as mp_wait
@@ -40,6 +44,7 @@ from typing import Callable
 from ..messages import (ExecuteBatch, ExecutorStatus, ModelDescription, ModelInfo, Residency, SeqInput,
                         StepResult)
 from .worker_loop import BASES, worker_main
+from .workers_remote import NodeListener, hang_up, parse_address
 
 log = logging.getLogger("computron.workers")
 
@@ -48,17 +53,16 @@ _remote_types: dict[tuple[str, str], type] = {}
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))
         return s.getsockname()[1]
 
 
 class WorkerDied(RuntimeError):
-    def __init__(self, device: int, exitcode: int | None):
+    def __init__(self, device: int, exitcode: int | None, where: str | None = None):
         self.device, self.exitcode = device, exitcode
-        super().__init__(f"worker for device {device} died (exit code {exitcode})")
+        super().__init__(f"worker for device {device} died (exit code {exitcode})" if where is None else
+                         f"worker for device {device} on {where} is gone (its connection to the engine closed)")
 
 
 # ---- the parent's side of one worker -------------------------------------------------------------
@@ -80,19 +84,18 @@ def _remote_error(tname: str, bname: str, msg: str) -> BaseException:
 
 
 class _Worker:
-    """One worker process, the parent's end of its pipe, and a receiver thread that resolves replies."""
+    """One worker, the parent's end of its connection, and a receiver thread that resolves replies.
 
-    def __init__(self, ctx, config, device: int, on_death: Callable[["_Worker"], None], world: int = 1,
-                 port: int = 0):
-        self.device, self.on_death = device, on_death
-        parent, child = ctx.Pipe()
-        self.steps, steps_child = ctx.Pipe(duplex=False)
-        self.proc = ctx.Process(target=worker_main, args=(child, config, device, world, port, steps_child),
-                                name=f"computron-worker-{device}", daemon=True)
-        self.proc.start()
-        child.close()  # only the worker holds that end: its death reads as EOF here
-        steps_child.close()
-        self.conn = parent
+    A worker of this node is a process of ours (``spawn``): its step answers come on a pipe of their
+    own and its death shows on its process sentinel. A worker of another node (``where``: its host)
+    is reached over one authenticated TCP connection, which also carries its step answers (handed
+    over by the receiver thread); its death shows as the connection closing."""
+
+    def __init__(self, device: int, on_death: Callable[["_Worker"], None], conn, steps=None, proc=None,
+                 pid: int | None = None, where: str | None = None):
+        self.device, self.on_death, self.conn, self.steps, self.proc = device, on_death, conn, steps, proc
+        self.pid, self.where = (proc.pid if proc is not None else pid), where
+        self._replies: queue.SimpleQueue | None = queue.SimpleQueue() if steps is None else None
         self.dead: WorkerDied | None = None
         self.closing = False
         self._ids = itertools.count(1)
@@ -102,6 +105,19 @@ class _Worker:
         self._thread = threading.Thread(target=self._receive, name=f"computron-worker-{device}-rx", daemon=True)
         self._thread.start()
 
+    @classmethod
+    def spawn(cls, ctx, config, device: int, on_death, world: int = 1, port: int = 0,
+              master: str = "127.0.0.1") -> "_Worker":
+        """A worker process of this node."""
+        parent, child = ctx.Pipe()
+        steps, steps_child = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=worker_main, args=(child, config, device, world, port, steps_child, master),
+                           name=f"computron-worker-{device}", daemon=True)
+        proc.start()
+        child.close()  # only the worker holds that end: its death reads as EOF here
+        steps_child.close()
+        return cls(device, on_death, parent, steps, proc)
+
     def wait_started(self, timeout: float) -> None:
         try:
             self._started.result(timeout)
@@ -110,7 +126,8 @@ class _Worker:
             raise RuntimeError(f"worker for device {self.device} did not start within {timeout:.0f} s") from None
         except BaseException:  # it said why and leaves; make sure it is gone
             self.closing = True
-            self.proc.join(5.0)
+            if self.proc is not None:
+                self.proc.join(5.0)
             self.kill()
             raise
 
@@ -139,27 +156,41 @@ class _Worker:
                 raise self._death() from None
 
     def finish_step(self, timeout: float) -> StepResult:
-        """The step's answer, read on the calling thread; WorkerDied if the worker died meanwhile."""
+        """The step's answer, read on the calling thread (for a worker of another node: handed over by
+        the receiver); WorkerDied if the worker died meanwhile."""
         waited = 0.0
         while True:
-            ready = mp_wait([self.steps, self.proc.sentinel], POLL_S)
-            if self.steps in ready:
+            if self._replies is not None:
                 try:
-                    reply = self.steps.recv()
-                except (EOFError, OSError):
-                    raise self._death() from None
+                    reply = self._replies.get(timeout=POLL_S)
+                except queue.Empty:
+                    reply = None
+                else:
+                    if reply is None:  # the receiver found the connection closed
+                        raise self._death()
+            else:
+                ready = mp_wait([self.steps, self.proc.sentinel], POLL_S)
+                reply = None
+                if self.steps in ready:
+                    try:
+                        reply = self.steps.recv()
+                    except (EOFError, OSError):
+                        raise self._death() from None
+                elif ready:
+                    raise self._death()
+            if reply is not None:
                 if reply[0] == "ok":
                     return reply[1]
                 raise _remote_error(*reply[1:4])
-            if ready:
-                raise self._death()
             waited += POLL_S
             if waited >= timeout:
                 raise RuntimeError(f"worker for device {self.device} did not answer a step within {timeout:.0f} s")
 
     def _death(self) -> WorkerDied:
-        self.proc.join(2.0)
-        return self.dead or WorkerDied(self.device, self.proc.exitcode)
+        if self.proc is not None:
+            self.proc.join(2.0)
+        return self.dead or WorkerDied(self.device, self.proc.exitcode if self.proc is not None else None,
+                                       self.where)
 
     def send(self, name: str, *args) -> bool:
         """A call without reply (its errors are logged by the worker); False if the worker is gone."""
@@ -173,15 +204,16 @@ class _Worker:
                 return False
 
     def _receive(self) -> None:
+        waitables = [self.conn] + ([self.proc.sentinel] if self.proc is not None else [])
         while True:
             try:
-                ready = mp_wait([self.conn, self.proc.sentinel], POLL_S)
-            except OSError:
-                ready = [self.proc.sentinel]
+                ready = mp_wait(waitables, POLL_S)
+            except (OSError, ValueError):  # the connection was closed under us (killed)
+                return self._died()
             if self.conn in ready:
                 try:
                     msg = self.conn.recv()
-                except (EOFError, OSError):
+                except (EOFError, OSError, ValueError):
                     return self._died()
                 self._deliver(msg)
             elif ready:  # the sentinel alone: the process ended and nothing is left to read
@@ -189,6 +221,9 @@ class _Worker:
 
     def _deliver(self, msg: tuple) -> None:
         rid, kind = msg[0], msg[1]
+        if kind == "step":  # a step's answer from a worker of another node
+            self._replies.put(msg[2])
+            return
         with self._lock:
             entry = self._pending.get(rid) if kind == "progress" else self._pending.pop(rid, None)
         if entry is None:
@@ -206,10 +241,12 @@ class _Worker:
             fut.set_exception(_remote_error(*msg[2:5]))
 
     def _died(self) -> None:
-        self.proc.join(2.0)
+        death = self._death()
         with self._lock:  # a worker we killed keeps the reason it was killed for
-            self.dead = self.dead or WorkerDied(self.device, self.proc.exitcode)
+            self.dead = self.dead or death
             pending, self._pending = self._pending, {}
+        if self._replies is not None:
+            self._replies.put(None)
         if not self.closing:
             log.error("%s", self.dead)
             self.on_death(self)  # before failing the calls: their callbacks see the restart under way
@@ -227,17 +264,21 @@ class _Worker:
             self.call("shutdown").result(timeout)
         except Exception:
             pass
-        self.proc.join(timeout)
+        if self.proc is not None:
+            self.proc.join(timeout)
         self.kill()
         self._thread.join(timeout)
 
     def kill(self, cause: WorkerDied | None = None) -> None:
-        """End the process now; with a ``cause``, its calls and step in flight fail with that."""
+        """End the worker now (a worker of another node: close its connection, which ends it); with a
+        ``cause``, its calls and step in flight fail with that."""
         self.closing = True
         if cause is not None:
             with self._lock:
                 self.dead = self.dead or cause
-        if self.proc.is_alive():
+        if self.proc is None:
+            hang_up(self.conn)
+        elif self.proc.is_alive():
             self.proc.kill()
             self.proc.join(5.0)
 
@@ -246,13 +287,32 @@ class _Worker:
 class WorkerExecutor:
     """The executor protocol over worker processes, one per device."""
 
-    def __init__(self, config, start_timeout: float = 120.0, call_timeout: float = 600.0):
+    def __init__(self, config, start_timeout: float = 120.0, call_timeout: float = 600.0, listen: str | None = None,
+                 authkey: str | None = None, local_devices: int | None = None):
+        """``listen`` (``HOST:PORT``; default ``$COMPUTRON_WORKERS_LISTEN``): also take workers of other
+        nodes there, authenticated with ``authkey`` (default ``$COMPUTRON_WORKER_AUTHKEY``); this node
+        then starts the workers of devices 0 .. ``local_devices`` - 1 (default
+        ``$COMPUTRON_LOCAL_DEVICES``) and waits for the others to connect (``computron worker``)."""
         # What each worker runs: the in-process executor, or the legacy one for the computron policy.
         self.config = dataclasses.replace(config, executor="legacy" if config.policy == "computron" else "inprocess")
         self.start_timeout, self.call_timeout = start_timeout, call_timeout
         self.devices = tuple(range(config.devices))
         if not self.devices:
             raise ValueError(f"devices must be at least 1, got {config.devices}")
+        listen = listen or os.environ.get("COMPUTRON_WORKERS_LISTEN") or None
+        self._nodes: NodeListener | None = None
+        self._master, self.local = "127.0.0.1", len(self.devices)
+        if listen:
+            host, port = parse_address(listen)
+            local = local_devices if local_devices is not None else os.environ.get("COMPUTRON_LOCAL_DEVICES")
+            if local is None or not str(local).isdigit() or not 1 <= int(local) <= len(self.devices):
+                raise ValueError(f"with workers of other nodes, say how many of the {len(self.devices)} devices are "
+                                 f"this node's (COMPUTRON_LOCAL_DEVICES, 1 to {len(self.devices)}; device 0 is "
+                                 f"always here), got {local!r}")
+            self.local = int(local)
+            self._master = host if host not in ("", "0.0.0.0") else socket.getfqdn()
+            key = authkey if authkey is not None else os.environ.get("COMPUTRON_WORKER_AUTHKEY", "")
+            self._nodes = NodeListener((host, port), key.encode())
         self._ctx = mp.get_context("spawn")
         self._lock = threading.RLock()
         self._descs: dict[str, ModelDescription] = {}  # every model registered, kept to re-register
@@ -266,7 +326,12 @@ class WorkerExecutor:
         self._closed = False
         self.restarts = 0
         self._workers: dict[int, _Worker] = {}
-        self._workers = self._start_world()
+        try:
+            self._workers = self._start_world()
+        except BaseException:
+            if self._nodes is not None:
+                self._nodes.close()
+            raise
         for d in self.devices:
             self._ready[d].set()
 
@@ -276,8 +341,11 @@ class WorkerExecutor:
         port = _free_port() if len(self.devices) > 1 else 0
         workers: dict[int, _Worker] = {}
         try:
-            for d in self.devices:
-                workers[d] = _Worker(self._ctx, self.config, d, self._on_death, len(self.devices), port)
+            for d in self.devices[:self.local]:
+                workers[d] = _Worker.spawn(self._ctx, self.config, d, self._on_death, len(self.devices), port,
+                                           self._master)
+            if self._nodes is not None:
+                self._join_remote(workers, port)
             for w in workers.values():
                 w.wait_started(self.start_timeout)
         except BaseException:
@@ -287,7 +355,7 @@ class WorkerExecutor:
         return workers
 
     def _start(self, device: int) -> _Worker:
-        w = _Worker(self._ctx, self.config, device, self._on_death)
+        w = _Worker.spawn(self._ctx, self.config, device, self._on_death)
         w.wait_started(self.start_timeout)
         return w
 
@@ -337,7 +405,7 @@ class WorkerExecutor:
     def _on_death(self, w: _Worker, cause: WorkerDied | None = None) -> None:
         """Called by a worker's receiver thread (or a step) when it finds the worker dead: restart
         it, or with several devices the whole world (the process groups it was in are broken)."""
-        cause = cause or w.dead or WorkerDied(w.device, w.proc.exitcode)
+        cause = cause or w.dead or w._death()
         with self._lock:
             if self._closed or self._workers.get(w.device) is not w or self._rebuilding \
                     or not self._ready[w.device].is_set():
@@ -356,6 +424,36 @@ class WorkerExecutor:
             t = threading.Thread(target=target, args=args, name=name, daemon=True)
             self._restarts.append(t)
             t.start()
+
+    def _join_remote(self, workers: dict[int, _Worker], port: int) -> None:
+        """Wait for a worker of another node for each device past this node's, assign it its device
+        (the one it asks for, if free) and the process group's address."""
+        free = list(self.devices[self.local:])
+        deadline = time.monotonic() + self.start_timeout
+        while free:
+            try:
+                conn, (_, want, pid, host) = self._nodes.take(deadline - time.monotonic())
+            except queue.Empty:
+                raise RuntimeError(
+                    f"device(s) {free} have no worker: none connected to {self._nodes.address[0]}:"
+                    f"{self._nodes.address[1]} within {self.start_timeout:.0f} s (start them on their node with "
+                    f"`computron worker --connect HOST:PORT`; see docs/engine.md)") from None
+            if want is not None and want not in free:
+                log.warning("a worker on %s asked for device %s, which is not waiting for one (free: %s)",
+                            host, want, free)
+                try:
+                    conn.send(("refuse", f"device {want} is not one the engine waits for (free: {free})"))
+                except OSError:
+                    pass
+                hang_up(conn)
+                continue
+            device = want if want is not None else free[0]
+            try:
+                conn.send(("assign", self.config, device, len(self.devices), self._master, port))
+            except OSError:  # it went away meanwhile: wait for another
+                continue
+            free.remove(device)
+            workers[device] = _Worker(device, self._on_death, conn, pid=pid, where=str(host))
 
     def _restart_world(self, cause: WorkerDied, attempts: int = 2) -> None:
         """Every worker ends (those still alive may wait in a collective on the dead one: killed,
@@ -626,7 +724,7 @@ class WorkerExecutor:
 
     def worker_pids(self) -> dict[int, int]:
         """The worker process of each device (for operators and tests)."""
-        return {d: self._worker(d).proc.pid for d in self.devices}
+        return {d: self._worker(d).pid for d in self.devices}
 
     def shutdown(self) -> None:
         with self._lock:
@@ -638,6 +736,8 @@ class WorkerExecutor:
             t.join(self.start_timeout)
         for w in list(self._workers.values()):
             w.stop()
+        if self._nodes is not None:
+            self._nodes.close()
 
 
 __all__ = ["WorkerExecutor", "WorkerDied"]

@@ -1,9 +1,12 @@
 """Workers of another node on one machine: a second group of processes, started by torchrun with
 ``computron worker``, joins the engine's process group (gloo, loopback) and its authenticated
-control channel; a tp=2 model whose ranks are on the two "nodes" gives the tokens of tp=1."""
+control channel; a tp=2 model whose ranks are on the two "nodes" gives the tokens of tp=1, and
+again after the worker of the other node was killed (torchrun starts it again; the engine restarts
+its world)."""
 
 import multiprocessing as mp
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -37,7 +40,7 @@ def test_tp2_across_two_nodes_gives_the_tokens_of_tp1(tmp_path):
     env = {**os.environ, "COMPUTRON_WORKER_AUTHKEY": key,
            "PYTHONPATH": os.pathsep.join([str(Path(computron.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
     log = open(tmp_path / "node-b.log", "w")
-    node_b = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+    node_b = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "--max-restarts=1",
                                "-m", "computron.cli", "worker", "--connect", f"127.0.0.1:{port}", "--first-device", "1",
                                "--connect-timeout", "60"], env=env, stdout=log, stderr=subprocess.STDOUT)
     ex = None
@@ -56,6 +59,17 @@ def test_tp2_across_two_nodes_gives_the_tokens_of_tp1(tmp_path):
         with pytest.raises(AuthenticationError):  # the channel takes our own processes only
             Client(("127.0.0.1", port), authkey=b"not the key")
         assert eng.generate("tiny-opt", PROMPTS[0], GREEDY).output_ids == want[0]
+
+        running = eng.submit("tiny-opt", PROMPTS[1], SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True))
+        eng.step(), eng.step()
+        os.kill(remote, signal.SIGKILL)
+        eng.run_until_done([running], max_steps=50)
+        assert running.finish_reason == "error"
+        assert "worker for device 1 on " in running.error and "is gone" in running.error, running.error
+        again = [eng.submit("tiny-opt", p, GREEDY) for p in PROMPTS]  # the new world, with a new node-B worker
+        eng.run_until_done(again)
+        assert [r.output_ids for r in again] == want
+        assert ex.status().stats["restarts"] == 1 and ex.worker_pids()[1] != remote
     finally:
         if ex is not None:
             ex.shutdown()

@@ -1,4 +1,4 @@
-"""The ``computron`` command: serve | ps | generate | bench | plan | sim | loadgen | train.
+"""The ``computron`` command: serve | ps | generate | worker | bench | plan | sim | loadgen | train.
 
 Each sub-command's parser lives next to the code it runs; this file only assembles them.
 """
@@ -38,6 +38,31 @@ def _generate(args) -> int:
     return 0
 
 
+def _worker(args) -> int:
+    """A worker of another node: joins the engine's process group and serves its control channel."""
+    import logging
+    import os
+
+    from .engine.worker_loop import connect_main
+    from .engine.workers_remote import parse_address
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    key = os.environ.get("COMPUTRON_WORKER_AUTHKEY", "")
+    if not key:
+        print("error: set COMPUTRON_WORKER_AUTHKEY to the engine's key", file=sys.stderr)
+        return 2
+    try:
+        address = parse_address(args.connect)
+    except ValueError as e:
+        print(f"error: --connect: {e}", file=sys.stderr)
+        return 2
+    local = int(os.environ.get("LOCAL_RANK", "0"))  # set by torchrun: this process's GPU on its node
+    device = args.device
+    if device is None and args.first_device is not None:
+        device = args.first_device + int(os.environ.get("RANK", "0"))
+    return connect_main(address, key.encode(), device, local, args.connect_timeout)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="computron", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -57,6 +82,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="auto")
     g.add_argument("--gpu-memory-budget", default=None)
     g.set_defaults(func=_generate)
+
+    w = sub.add_parser("worker", help="a worker of another node, joining a running engine (run it with torchrun)")
+    w.add_argument("--connect", required=True, metavar="HOST:PORT",
+                   help="the engine's worker channel (its COMPUTRON_WORKERS_LISTEN)")
+    w.add_argument("--first-device", type=int, default=None,
+                   help="device of this launch's rank 0; each process asks for it plus its RANK")
+    w.add_argument("--device", type=int, default=None, help="the device to serve (default: the engine's choice)")
+    w.add_argument("--connect-timeout", type=float, default=300.0, help="seconds to keep trying to reach the engine")
+    w.set_defaults(func=_worker)
 
     from .bench import cli as bench_cli
 

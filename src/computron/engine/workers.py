@@ -1,25 +1,25 @@
-"""WorkerExecutor: the executor protocol served by one worker process per device.
+"""WorkerExecutor: the executor protocol served by one worker process per device (parent side).
 
-Each worker process (``spawn`` context) builds an ``InProcessExecutor`` from the engine's config
-and answers the protocol's calls from a ``multiprocessing`` pipe. The parent side is a thin
-proxy: every call is one message ``(id, call, args)`` sent to every rank of the model's
-placement; rank 0 answers with the value (for ``execute``: the tokens). Only the dataclasses of
+The parent's end of each worker is a ``_Worker`` (``workers_proxy.py``); workers of other nodes
+connect through ``workers_remote.py``. The worker processes (``spawn`` context) run
+``worker_loop.worker_main``: each builds an ``InProcessExecutor`` from the engine's config and
+answers the protocol's calls from a ``multiprocessing`` pipe. This side is a thin proxy: every call
+is one message ``(id, call, args)`` sent to every rank of the model's placement; the rank that
+samples answers with the value (for ``execute``: the tokens). Only the dataclasses of
 ``computron.messages`` and plain values cross (pickled between our own processes; nothing a user
-sent is ever unpickled). Today there is one worker (device 0, tp=1); the message loop already
-addresses ranks by device so more workers can be added (see ``_ranks``).
-
-Messages, parent -> worker: ``(id, call, args)``; ``id`` None means no reply is wanted (``free``).
-Worker -> parent: ``(id, "ok", value)``, ``(id, "err", type name, base name, message)`` or an
-interim ``(id, "progress", text)`` (a registration's progress strings: the ``progress`` callback
-is called with them on this executor's receiver thread). Id 0 is the worker's start-up reply.
-``register`` runs on a thread of the worker, so steps keep being served while a model is built.
+sent is ever unpickled). The message format is described in ``worker_loop``; a registration's
+progress strings come back as interim messages, given to the ``progress`` callback on this
+executor's receiver thread.
 
 Failure: one receiver thread per worker waits on the pipe and the process sentinel together
 (``multiprocessing.connection.wait``, 0.5 s timeout), so a worker that dies is noticed at once.
 Its calls in flight end: an ``execute`` with a ``StepResult`` whose ``lost_devices`` lists the
 worker's device and whose requests all failed ("worker for device 0 died (exit code -9)"), any
 other call with a ``WorkerDied`` (a RuntimeError). The worker is then restarted in the background
-and every model it knew is registered again (offloaded); calls wait for that. A death noticed
+and every model it knew is registered again (offloaded); calls wait for that. With several
+devices the whole world is restarted (``_restart_world``): the other workers are killed (they may
+wait in a collective on the dead one), a new process group starts on a new port, every model is
+registered again on all of them, and the step reports every device lost. A death noticed
 outside an ``execute`` is reported by the next ``execute`` (its batches fail, nothing of the
 fresh worker stays resident), so the engine core always learns that the models are offloaded.
 Exceptions raised in the worker come back with their type name and message, as subclasses of
@@ -30,326 +30,55 @@ RuntimeError), so the engine maps bad input to user errors as with the in-proces
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import multiprocessing as mp
 import os
-import signal
+import queue
+import socket
 import threading
+import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from multiprocessing.connection import wait as mp_wait
 from typing import Callable
 
-from ..messages import ExecuteBatch, ExecutorStatus, ModelDescription, ModelInfo, Residency, StepResult
+from ..messages import (ExecuteBatch, ExecutorStatus, ModelDescription, ModelInfo, Residency, SeqInput,
+                        StepResult)
+from .workers_proxy import WorkerDied, _free_port, _Worker
+from .workers_remote import NodeListener, hang_up, parse_address
 
 log = logging.getLogger("computron.workers")
-
-POLL_S = 0.5  # the receiver's wait on pipe + sentinel; a death is noticed within this (usually at once)
-_BASES = (KeyError, FileNotFoundError, ValueError, MemoryError, TimeoutError, RuntimeError)
-_remote_types: dict[tuple[str, str], type] = {}
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class WorkerDied(RuntimeError):
-    def __init__(self, device: int, exitcode: int | None):
-        self.device, self.exitcode = device, exitcode
-        super().__init__(f"worker for device {device} died (exit code {exitcode})")
-
-
-# ---- the worker process --------------------------------------------------------------------------
-def _error_reply(rid, e: BaseException) -> tuple:
-    base = next((b for b in _BASES if isinstance(e, b)), RuntimeError)
-    msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
-    return (rid, "err", type(e).__name__, base.__name__, msg)
-
-
-def _worker_main(conn, config, device: int, world: int = 1, port: int = 0, steps=None) -> None:
-    """A worker's loop: answer protocol calls from the pipe until ``shutdown`` or the parent goes away.
-    With several devices the workers first join one torch.distributed world (rank = device; NCCL on
-    GPUs, gloo on the CPU), in which each model's process groups are made when it is registered."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it shuts us down
-    send_lock = threading.Lock()
-
-    def send(msg) -> None:
-        with send_lock:
-            conn.send(msg)
-
-    try:
-        if world > 1:
-            import datetime
-
-            import torch
-            import torch.distributed as dist
-
-            # NVLink multicast (NVLS) buys nothing here and can take a shared host's GPUs down: off.
-            for var, off in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")):
-                os.environ.setdefault(var, off)
-            backend = "nccl" if config.device != "cpu" and torch.cuda.is_available() else "gloo"
-            if backend == "nccl":
-                torch.cuda.set_device(device)
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=device, world_size=world,
-                                    timeout=datetime.timedelta(seconds=120))
-        if config.executor == "legacy":  # the original Computron's mechanics, a rank per worker
-            from .legacy import LegacyExecutor as kind
-        else:
-            from .inprocess import InProcessExecutor as kind
-        ex = kind(config, index=device, world=world)
-    except BaseException as e:
-        send(_error_reply(0, e))
-        return
-    send((0, "ok", None))
-
-    def step(args: tuple) -> None:
-        """A step answers on its own pipe, read by the engine's thread itself (no hop through the
-        parent's receiver thread: the step is the hot path)."""
-        try:
-            reply = ("ok", ex.execute(*args).result())
-        except BaseException as e:
-            reply = _error_reply(None, e)[1:]
-        steps.send(reply)
-
-    def serve(rid, name: str, args: tuple) -> None:
-        try:
-            if name == "register":
-                value = ex.register(args[0], (lambda text: send((rid, "progress", text))) if args[1] else None)
-            elif name == "execute":
-                value = ex.execute(*args).result()
-            else:
-                value = getattr(ex, name)(*args)
-            if rid is not None:
-                send((rid, "ok", value))
-        except BaseException as e:
-            if rid is not None:
-                send(_error_reply(rid, e))
-            else:
-                log.exception("worker for device %d: %s failed", device, name)
-
-    def leave() -> None:
-        """Tear the process group down before exiting (else NCCL's watchdog reports the store gone)."""
-        if world > 1:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                try:
-                    dist.destroy_process_group()
-                except Exception:  # noqa: BLE001 -- exiting anyway
-                    pass
-
-    while True:
-        try:
-            rid, name, args = conn.recv()
-        except (EOFError, OSError):  # the parent died or closed the pipe: nothing more to serve
-            ex.shutdown()
-            leave()
-            return
-        if name == "register":  # slow: build the host image while steps go on
-            threading.Thread(target=serve, args=(rid, name, args), daemon=True).start()
-        elif name == "step":
-            step(args)
-        else:
-            serve(rid, name, args)
-            if name == "shutdown":
-                leave()
-                return
-
-
-# ---- the parent's side of one worker -------------------------------------------------------------
-def _remote_error(tname: str, bname: str, msg: str) -> BaseException:
-    """The worker's exception again: the project's own error types as themselves, others as a
-    subclass of the nearest built-in base under their own name."""
-    from ..models.checkpoint import CheckpointError
-
-    known = {"CheckpointError": CheckpointError}
-    if tname in known:
-        return known[tname](msg)
-    base = next((b for b in _BASES if b.__name__ == bname), RuntimeError)
-    if tname == base.__name__:
-        return base(msg)
-    key = (tname, bname)
-    if key not in _remote_types:
-        _remote_types[key] = type(tname, (base,), {"__module__": __name__})
-    return _remote_types[key](msg)
-
-
-class _Worker:
-    """One worker process, the parent's end of its pipe, and a receiver thread that resolves replies."""
-
-    def __init__(self, ctx, config, device: int, on_death: Callable[["_Worker"], None], world: int = 1,
-                 port: int = 0):
-        self.device, self.on_death = device, on_death
-        parent, child = ctx.Pipe()
-        self.steps, steps_child = ctx.Pipe(duplex=False)
-        self.proc = ctx.Process(target=_worker_main, args=(child, config, device, world, port, steps_child),
-                                name=f"computron-worker-{device}", daemon=True)
-        self.proc.start()
-        child.close()  # only the worker holds that end: its death reads as EOF here
-        steps_child.close()
-        self.conn = parent
-        self.dead: WorkerDied | None = None
-        self.closing = False
-        self._ids = itertools.count(1)
-        self._lock = threading.Lock()  # sends and the table of calls in flight
-        self._pending: dict[int, tuple[Future, Callable | None]] = {0: (Future(), None)}
-        self._started = self._pending[0][0]
-        self._thread = threading.Thread(target=self._receive, name=f"computron-worker-{device}-rx", daemon=True)
-        self._thread.start()
-
-    def wait_started(self, timeout: float) -> None:
-        try:
-            self._started.result(timeout)
-        except FutureTimeout:
-            self.kill()
-            raise RuntimeError(f"worker for device {self.device} did not start within {timeout:.0f} s") from None
-        except BaseException:  # it said why and leaves; make sure it is gone
-            self.closing = True
-            self.proc.join(5.0)
-            self.kill()
-            raise
-
-    def call(self, name: str, *args, progress: Callable[[str], None] | None = None) -> Future:
-        fut: Future = Future()
-        with self._lock:
-            if self.dead is not None:
-                raise self.dead
-            rid = next(self._ids)
-            self._pending[rid] = (fut, progress)
-            try:
-                self.conn.send((rid, name, args))
-            except (OSError, ValueError) as e:  # broken pipe: the receiver will report the death
-                del self._pending[rid]
-                raise RuntimeError(f"worker for device {self.device} is gone: {e}") from None
-        return fut
-
-    def start_step(self, batches: list) -> None:
-        """Send a step; its answer comes on the steps pipe (``finish_step``)."""
-        with self._lock:
-            if self.dead is not None:
-                raise self.dead
-            try:
-                self.conn.send((None, "step", (batches,)))
-            except (OSError, ValueError):
-                raise self._death() from None
-
-    def finish_step(self, timeout: float) -> StepResult:
-        """The step's answer, read on the calling thread; WorkerDied if the worker died meanwhile."""
-        waited = 0.0
-        while True:
-            ready = mp_wait([self.steps, self.proc.sentinel], POLL_S)
-            if self.steps in ready:
-                try:
-                    reply = self.steps.recv()
-                except (EOFError, OSError):
-                    raise self._death() from None
-                if reply[0] == "ok":
-                    return reply[1]
-                raise _remote_error(*reply[1:4])
-            if ready:
-                raise self._death()
-            waited += POLL_S
-            if waited >= timeout:
-                raise RuntimeError(f"worker for device {self.device} did not answer a step within {timeout:.0f} s")
-
-    def _death(self) -> WorkerDied:
-        self.proc.join(2.0)
-        return self.dead or WorkerDied(self.device, self.proc.exitcode)
-
-    def send(self, name: str, *args) -> bool:
-        """A call without reply (its errors are logged by the worker); False if the worker is gone."""
-        with self._lock:
-            if self.dead is not None:
-                return False
-            try:
-                self.conn.send((None, name, args))
-                return True
-            except (OSError, ValueError):
-                return False
-
-    def _receive(self) -> None:
-        while True:
-            try:
-                ready = mp_wait([self.conn, self.proc.sentinel], POLL_S)
-            except OSError:
-                ready = [self.proc.sentinel]
-            if self.conn in ready:
-                try:
-                    msg = self.conn.recv()
-                except (EOFError, OSError):
-                    return self._died()
-                self._deliver(msg)
-            elif ready:  # the sentinel alone: the process ended and nothing is left to read
-                return self._died()
-
-    def _deliver(self, msg: tuple) -> None:
-        rid, kind = msg[0], msg[1]
-        with self._lock:
-            entry = self._pending.get(rid) if kind == "progress" else self._pending.pop(rid, None)
-        if entry is None:
-            return
-        fut, progress = entry
-        if kind == "progress":
-            if progress is not None:
-                try:
-                    progress(msg[2])
-                except Exception:  # a caller's callback must not stop the receiver
-                    log.exception("progress callback failed")
-        elif kind == "ok":
-            fut.set_result(msg[2])
-        else:
-            fut.set_exception(_remote_error(*msg[2:5]))
-
-    def _died(self) -> None:
-        self.proc.join(2.0)
-        with self._lock:
-            self.dead = WorkerDied(self.device, self.proc.exitcode)
-            pending, self._pending = self._pending, {}
-        if not self.closing:
-            log.error("%s", self.dead)
-            self.on_death(self)  # before failing the calls: their callbacks see the restart under way
-        for fut, _ in pending.values():
-            if not fut.done():
-                fut.set_exception(self.dead)
-        try:
-            self.conn.close()
-        except OSError:
-            pass
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self.closing = True
-        try:
-            self.call("shutdown").result(timeout)
-        except Exception:
-            pass
-        self.proc.join(timeout)
-        self.kill()
-        self._thread.join(timeout)
-
-    def kill(self) -> None:
-        self.closing = True
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5.0)
 
 
 # ---- the executor --------------------------------------------------------------------------------
 class WorkerExecutor:
-    """The executor protocol over worker processes, one per device (today: device 0 only)."""
+    """The executor protocol over worker processes, one per device."""
 
-    def __init__(self, config, start_timeout: float = 120.0, call_timeout: float = 600.0):
+    def __init__(self, config, start_timeout: float = 120.0, call_timeout: float = 600.0, listen: str | None = None,
+                 authkey: str | None = None, local_devices: int | None = None):
+        """``listen`` (``HOST:PORT``; default ``$COMPUTRON_WORKERS_LISTEN``): also take workers of other
+        nodes there, authenticated with ``authkey`` (default ``$COMPUTRON_WORKER_AUTHKEY``); this node
+        then starts the workers of devices 0 .. ``local_devices`` - 1 (default
+        ``$COMPUTRON_LOCAL_DEVICES``) and waits for the others to connect (``computron worker``)."""
         # What each worker runs: the in-process executor, or the legacy one for the computron policy.
         self.config = dataclasses.replace(config, executor="legacy" if config.policy == "computron" else "inprocess")
         self.start_timeout, self.call_timeout = start_timeout, call_timeout
         self.devices = tuple(range(config.devices))
         if not self.devices:
             raise ValueError(f"devices must be at least 1, got {config.devices}")
-        self._port = _free_port() if len(self.devices) > 1 else 0
+        listen = listen or os.environ.get("COMPUTRON_WORKERS_LISTEN") or None
+        self._nodes: NodeListener | None = None
+        self._master, self.local = "127.0.0.1", len(self.devices)
+        if listen:
+            host, port = parse_address(listen)
+            local = local_devices if local_devices is not None else os.environ.get("COMPUTRON_LOCAL_DEVICES")
+            if local is None or not str(local).isdigit() or not 1 <= int(local) <= len(self.devices):
+                raise ValueError(f"with workers of other nodes, say how many of the {len(self.devices)} devices are "
+                                 f"this node's (COMPUTRON_LOCAL_DEVICES, 1 to {len(self.devices)}; device 0 is "
+                                 f"always here), got {local!r}")
+            self.local = int(local)
+            self._master = host if host not in ("", "0.0.0.0") else socket.getfqdn()
+            key = authkey if authkey is not None else os.environ.get("COMPUTRON_WORKER_AUTHKEY", "")
+            self._nodes = NodeListener((host, port), key.encode())
         self._ctx = mp.get_context("spawn")
         self._lock = threading.RLock()
         self._descs: dict[str, ModelDescription] = {}  # every model registered, kept to re-register
@@ -358,21 +87,41 @@ class WorkerExecutor:
         self._broken: dict[int, BaseException] = {}  # a restart that failed
         self._last_status: dict[int, ExecutorStatus] = {}
         self._restarts: list[threading.Thread] = []
+        self._rebuilding = False  # a new world is being started (several devices)
+        self._cause = ""  # why the workers were last restarted: the reason lost requests fail with
         self._closed = False
         self.restarts = 0
         self._workers: dict[int, _Worker] = {}
-        try:  # all start at once: with several devices each waits in the others' process group
-            for d in self.devices:
-                self._workers[d] = _Worker(self._ctx, self.config, d, self._on_death, len(self.devices), self._port)
-            for d in self.devices:
-                self._workers[d].wait_started(self.start_timeout)
-                self._ready[d].set()
+        try:
+            self._workers = self._start_world()
         except BaseException:
-            self.shutdown()
+            if self._nodes is not None:
+                self._nodes.close()
             raise
+        for d in self.devices:
+            self._ready[d].set()
+
+    def _start_world(self) -> dict[int, _Worker]:
+        """A worker per device, all started at once: with several devices each waits for the others
+        in a new process group (on a new port)."""
+        port = _free_port() if len(self.devices) > 1 else 0
+        workers: dict[int, _Worker] = {}
+        try:
+            for d in self.devices[:self.local]:
+                workers[d] = _Worker.spawn(self._ctx, self.config, d, self._on_death, len(self.devices), port,
+                                           self._master)
+            if self._nodes is not None:
+                self._join_remote(workers, port)
+            for w in workers.values():
+                w.wait_started(self.start_timeout)
+        except BaseException:
+            for w in workers.values():
+                w.kill()
+            raise
+        return workers
 
     def _start(self, device: int) -> _Worker:
-        w = _Worker(self._ctx, self.config, device, self._on_death)
+        w = _Worker.spawn(self._ctx, self.config, device, self._on_death)
         w.wait_started(self.start_timeout)
         return w
 
@@ -419,20 +168,106 @@ class WorkerExecutor:
         return desc.placement.devices[(dims.pp - 1) * dims.tp]
 
     # ---- failure -------------------------------------------------------------------------------
-    def _on_death(self, w: _Worker) -> None:
+    def _on_death(self, w: _Worker, cause: WorkerDied | None = None) -> None:
+        """Called by a worker's receiver thread (or a step) when it finds the worker dead: restart
+        it, or with several devices the whole world (the process groups it was in are broken)."""
+        cause = cause or w.dead or w._death()
         with self._lock:
-            if self._closed or self._workers.get(w.device) is not w:
-                return
-            if len(self.devices) > 1:  # its process group is broken: a new world is needed (not yet done)
+            if self._closed or self._workers.get(w.device) is not w or self._rebuilding \
+                    or not self._ready[w.device].is_set():
+                return  # gone already, or a restart is under way
+            self._cause = str(cause)
+            if len(self.devices) > 1:
+                self._rebuilding = True
+                self._lost.update(self.devices)
+                for d in self.devices:
+                    self._ready[d].clear()
+                target, args, name = self._restart_world, (cause,), "computron-restart-world"
+            else:
                 self._lost.add(w.device)
-                self._broken[w.device] = w.dead
-                return
-            self._lost.add(w.device)
-            self._ready[w.device].clear()
-            t = threading.Thread(target=self._restart, args=(w.device,), name=f"computron-restart-{w.device}",
-                                 daemon=True)
+                self._ready[w.device].clear()
+                target, args, name = self._restart, (w.device,), f"computron-restart-{w.device}"
+            t = threading.Thread(target=target, args=args, name=name, daemon=True)
             self._restarts.append(t)
             t.start()
+
+    def _join_remote(self, workers: dict[int, _Worker], port: int) -> None:
+        """Wait for a worker of another node for each device past this node's, assign it its device
+        (the one it asks for, if free) and the process group's address."""
+        free = list(self.devices[self.local:])
+        deadline = time.monotonic() + self.start_timeout
+        while free:
+            try:
+                conn, (_, want, pid, host) = self._nodes.take(deadline - time.monotonic())
+            except queue.Empty:
+                raise RuntimeError(
+                    f"device(s) {free} have no worker: none connected to {self._nodes.address[0]}:"
+                    f"{self._nodes.address[1]} within {self.start_timeout:.0f} s (start them on their node with "
+                    f"`computron worker --connect HOST:PORT`; see docs/engine.md)") from None
+            if want is not None and want not in free:
+                log.warning("a worker on %s asked for device %s, which is not waiting for one (free: %s)",
+                            host, want, free)
+                try:
+                    conn.send(("refuse", f"device {want} is not one the engine waits for (free: {free})"))
+                except OSError:
+                    pass
+                hang_up(conn)
+                continue
+            device = want if want is not None else free[0]
+            try:
+                conn.send(("assign", self.config, device, len(self.devices), self._master, port))
+            except OSError:  # it went away meanwhile: wait for another
+                continue
+            free.remove(device)
+            workers[device] = _Worker(device, self._on_death, conn, pid=pid, where=str(host))
+
+    def _restart_world(self, cause: WorkerDied, attempts: int = 2) -> None:
+        """Every worker ends (those still alive may wait in a collective on the dead one: killed,
+        their calls in flight failing with ``cause``); a new world starts on a new port and every
+        model is registered again, one at a time on all workers (the order of process-group
+        creation must be the same everywhere), all offloaded."""
+        for w in list(self._workers.values()):
+            w.kill(cause)
+        error: BaseException | None = None
+        for _ in range(attempts):
+            workers: dict[int, _Worker] = {}
+            try:
+                workers = self._start_world()
+                for desc in list(self._descs.values()):
+                    futs = {d: w.call("register", desc, False) for d, w in workers.items()}
+                    for d, f in futs.items():
+                        try:
+                            self._wait(f, d, "register", timeout=max(self.call_timeout, 3600.0))
+                        except WorkerDied:
+                            raise
+                        except Exception as e:  # it stays known; its requests will fail with the reason
+                            log.error("re-registering %s on device %d after a restart failed: %s", desc.name, d, e)
+                with self._lock:
+                    if self._closed:
+                        raise RuntimeError("the executor was shut down")
+                    if any(w.dead is not None for w in workers.values()):
+                        raise next(w.dead for w in workers.values() if w.dead is not None)
+                    self._workers = workers
+                    self._broken.clear()
+                    self.restarts += 1
+                    self._rebuilding = False
+                    for d in self.devices:
+                        self._ready[d].set()
+                log.warning("%s: the workers of all %d devices were restarted; their %d model(s) are offloaded",
+                            cause, len(self.devices), len(self._descs))
+                return
+            except BaseException as e:  # noqa: BLE001 -- said below, to every call that waits
+                error = e
+                for w in workers.values():
+                    w.kill()
+                if self._closed:
+                    break
+        with self._lock:
+            for d in self.devices:
+                self._broken[d] = error
+            self._rebuilding = False
+            for d in self.devices:
+                self._ready[d].set()
 
     def _restart(self, device: int) -> None:
         """A fresh worker with every model registered again (all offloaded)."""
@@ -461,6 +296,16 @@ class WorkerExecutor:
 
     def _lost_result(self, batches: list[ExecuteBatch], why: str, devices) -> StepResult:
         return StepResult(failed={s.req_id: why for b in batches for s in b.seqs}, lost_devices=sorted(devices))
+
+    def _lost_step(self, batches: list[ExecuteBatch], died: WorkerDied, devices: set[int]) -> StepResult:
+        """A step during which a worker died: its requests fail with the death's reason, and it
+        reports every device whose models are gone (with several devices: all, as the world is
+        restarted), so the next step has nothing more to report."""
+        with self._lock:
+            devices = set(devices) | (self._lost if len(self.devices) > 1 else set())
+            self._lost -= devices
+            why = self._cause or str(died)
+        return self._lost_result(batches, why, devices)
 
     # ---- the protocol --------------------------------------------------------------------------
     def register(self, desc: ModelDescription, progress: Callable[[str], None] | None = None) -> ModelInfo:
@@ -502,10 +347,59 @@ class WorkerExecutor:
         return evicted
 
     def execute(self, batches: list[ExecuteBatch]) -> Future:
+        """One step of each batch. A run of several decode steps (``steps`` > 1) of a model on one
+        device goes to its worker as it is (the worker feeds each step's tokens to the next); a
+        sharded model's run is driven from here, a step at a time, since its ranks must meet in
+        every step's collectives."""
         out: Future = Future()
-        if any(b.steps != 1 for b in batches):
-            out.set_exception(ValueError("the worker executor runs one decode step per call"))
-            return out
+        try:
+            runs = [b for b in batches if b.steps > 1 and len(self._model_devices(b.model)) > 1]
+            out.set_result(self._run_steps(batches, runs) if runs else self._step(batches))
+        except Exception as e:
+            out.set_exception(e)
+        return out
+
+    def _run_steps(self, batches: list[ExecuteBatch], runs: list[ExecuteBatch]) -> StepResult:
+        """The first step of every batch (the others' whole runs, sent as they are), then the next
+        steps of the sharded runs, each sequence's token fed to its next step. Their tokens come
+        back as lists, as a worker's own run gives them; a device lost midway ends the run, failing
+        its requests."""
+        sharded = {id(b) for b in runs}
+        first = [dataclasses.replace(b, steps=1) if id(b) in sharded else b for b in batches]
+        result = self._step(first)
+        if result.lost_devices:
+            return result
+        # Requests that failed in a step are not carried on; a run returns no log-probabilities (as a
+        # worker's own run does not).
+        seqs = {b.model: [s for s in b.seqs if s.req_id in result.tokens] for b in runs}
+        tokens = {s.req_id: [result.tokens[s.req_id]] for ss in seqs.values() for s in ss}
+        for rid in tokens:
+            result.logprobs.pop(rid, None)
+        for i in range(1, max(b.steps for b in runs)):
+            step = []
+            for b in runs:
+                if i < b.steps:
+                    seqs[b.model] = [SeqInput(s.req_id, [tokens[s.req_id][-1]], s.past + len(s.tokens), s.params)
+                                     for s in seqs[b.model] if s.req_id in tokens]
+                    step.append(ExecuteBatch(b.model, seqs[b.model]))
+            one = self._step(step)
+            result.failed.update(one.failed)
+            for rid in one.failed:
+                tokens.pop(rid, None)
+                result.tokens.pop(rid, None)
+            if one.lost_devices:
+                result.lost_devices = sorted(set(result.lost_devices) | set(one.lost_devices))
+                break
+            result.loaded.update(one.loaded)
+            for name, sec in one.compute_s.items():
+                result.compute_s[name] = result.compute_s.get(name, 0.0) + sec
+            for rid, t in one.tokens.items():
+                tokens[rid].append(t)
+        result.tokens.update(tokens)
+        return result
+
+    def _step(self, batches: list[ExecuteBatch]) -> StepResult:
+        """One call to the workers of the batches' devices; raises what a worker raised."""
         with self._lock:
             lost, self._lost = self._lost, set()
         if lost:  # a worker died since the last step: its models are gone; say so before running anything
@@ -514,9 +408,8 @@ class WorkerExecutor:
                     self._broadcast([d], "apply", Residency(evict=list(self._broadcast([d], "status").models)))
                 except Exception:
                     pass
-            why = "; ".join(f"worker for device {d} died" for d in sorted(lost))
-            out.set_result(self._lost_result(batches, why, lost))
-            return out
+            why = self._cause or "; ".join(f"worker for device {d} died" for d in sorted(lost))
+            return self._lost_result(batches, why, lost)
         try:
             # Every rank of a batch's placement takes part; the last stage's first rank answers its tokens.
             devices = sorted({d for b in batches for d in self._model_devices(b.model)})
@@ -524,23 +417,16 @@ class WorkerExecutor:
             for w in workers:
                 w.start_step([b for b in batches if w.device in self._model_devices(b.model)])
         except WorkerDied as e:  # died since the check above: this step reports it
-            with self._lock:
-                self._lost.discard(e.device)
-            out.set_result(self._lost_result(batches, str(e), {e.device}))
-            return out
-        except Exception as e:
-            out.set_exception(e)
-            return out
+            return self._lost_step(batches, e, {e.device})
         answers = {self._answerer(b.model) for b in batches}
-        result, lost, error = StepResult(), set(), None
+        result, lost, error, died = StepResult(), set(), None, None
         for w in workers:  # read on this thread: the step's answers never wait for another thread
             try:
                 part = w.finish_step(self.call_timeout)
             except WorkerDied as e:
                 lost.add(w.device)
-                error = error or e
-                with self._lock:
-                    self._lost.discard(w.device)  # reported by this step
+                died = died or e
+                self._on_death(w, e)  # at once (its receiver thread may not have seen it yet)
                 continue
             except Exception as e:
                 error = error or e
@@ -549,14 +435,11 @@ class WorkerExecutor:
                 for field in ("tokens", "logprobs", "loaded", "compute_s", "failed", "trace"):
                     getattr(result, field).update(getattr(part, field))
                 result.lost_devices.extend(part.lost_devices)
-        if lost:
-            out.set_result(self._lost_result(batches, str(error) if len(lost) == 1 else
-                                             "; ".join(f"worker for device {d} died" for d in sorted(lost)), lost))
-        elif error is not None:
-            out.set_exception(error)
-        else:
-            out.set_result(result)
-        return out
+        if died is not None:  # a rank of the step died (another's error is then most likely its echo)
+            return self._lost_step(batches, died, lost)
+        if error is not None:
+            raise error
+        return result
 
     def wait_loads(self) -> dict[str, float]:
         """Seconds of each load that ended: its slowest rank's."""
@@ -607,7 +490,7 @@ class WorkerExecutor:
 
     def worker_pids(self) -> dict[int, int]:
         """The worker process of each device (for operators and tests)."""
-        return {d: self._worker(d).proc.pid for d in self.devices}
+        return {d: self._worker(d).pid for d in self.devices}
 
     def shutdown(self) -> None:
         with self._lock:
@@ -619,6 +502,8 @@ class WorkerExecutor:
             t.join(self.start_timeout)
         for w in list(self._workers.values()):
             w.stop()
+        if self._nodes is not None:
+            self._nodes.close()
 
 
 __all__ = ["WorkerExecutor", "WorkerDied"]

@@ -23,22 +23,28 @@ calibration = Narayanan 1.7B, 7.5B, 39.1B, 145.6B, 529.6B and Korthikanti 22B, 5
 variants); held-out = Narayanan 3.6B, 18.4B, 76.1B, 310.1B, 1008B and Korthikanti 175B, 1T (both
 variants). Only the calibration rows may be used to choose the cost model's fitted constants.
 
-    python bench/plan_validate_megatron.py   -> bench/results/plan_validate_megatron.json
+    python bench/plan_validate_megatron.py         -> bench/results/plan_validate_megatron.json
+    python bench/plan_validate_megatron.py --fit   (least-squares fit of the fitted constants
+                                                    of costs.Assumptions on the calibration rows)
 """
 
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
+import math
 import os
 import sys
+from dataclasses import replace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
 from computron.parallel.dims import ParallelDims  # noqa: E402
+from computron.planner.costs import DEFAULT, Assumptions  # noqa: E402
 from computron.planner.estimate import CostModel, PlanConfig, PlanContext  # noqa: E402
-from computron.planner.hardware import parse_compact  # noqa: E402
+from computron.planner.hardware import GPU_TYPES, parse_compact  # noqa: E402
 from computron.planner.layout import stage_envs  # noqa: E402
 from computron.planner.model import TransformerShape  # noqa: E402
 
@@ -73,16 +79,14 @@ def rows() -> list[dict]:
     out = []
     for name, a, h, L, tp, pp, gpus, B, tflops, mbs, lpv, torch_ddp, split in NARAYANAN:
         flops = 96 * B * 2048 * L * h * h * (1 + 2048 / (6 * h) + 51200 / (16 * L * h))
-        notes = []
-        if torch_ddp:
-            notes.append("torch DDP overlaps the gradient all-reduce with the last backward; modelled serially")
+        notes = ["torch DDP: gradient all-reduce overlapped with the last backward (dp_overlap)"] if torch_ddp else []
         out.append({"source": "Narayanan 2021 Table 1", "model": name, "layers": L, "hidden": h, "heads": a,
                     "tp": tp, "pp": pp, "dp": gpus // (tp * pp), "mbs": mbs, "v": L // (pp * lpv) if lpv else 1,
-                    "recompute": "full", "sequence_parallel": False, "global_batch": B,
+                    "recompute": "full", "sequence_parallel": False, "dp_overlap": torch_ddp, "global_batch": B,
                     "published_s": flops / (gpus * tflops * 1e12), "set": split, "notes": notes})
     for name, L, h, a, tp, pp, B, mbs, full_s, sel_s, split in KORTHIKANTI:
         base = {"model": name, "layers": L, "hidden": h, "heads": a, "tp": tp, "pp": pp, "dp": 1, "mbs": mbs, "v": 1,
-                "global_batch": B, "set": split}
+                "dp_overlap": False, "global_batch": B, "set": split}
         notes = ["interleaving not stated in the paper; v=1 assumed"] if pp > 1 else []
         out.append({"source": "Korthikanti 2022 Table 5, full recompute", **base, "recompute": "full",
                     "sequence_parallel": False, "published_s": full_s, "notes": list(notes)})
@@ -98,16 +102,20 @@ def expressible(r: dict) -> str | None:
     return None
 
 
-def predict(r: dict) -> dict:
+def predict(r: dict, a: Assumptions = DEFAULT, gemm_eff: float | None = None) -> dict:
+    """Estimate one row; ``gemm_eff`` overrides the A100's asymptotic GEMM efficiency (for the fit)."""
     m = TransformerShape(f"gpt-{r['model']}", "gpt", r["layers"], r["hidden"], r["heads"], 4 * r["hidden"], 51200,
                          2048, r["global_batch"])
     tp, pp, dp = r["tp"], r["pp"], r["dp"]
     nodes = tp * pp * dp // 8
     cluster = parse_compact(f"a100-80gb:8x{nodes}")
-    placement = (cluster.node_types[0],) * nodes
+    node = cluster.node_types[0]
+    if gemm_eff is not None:
+        node = replace(node, gpu=replace(node.gpu, gemm_eff=gemm_eff))
+    placement = (node,) * nodes
     dims = ParallelDims(dp=dp, tp=tp, pp=pp)
-    cm = CostModel(m)
-    cfg = PlanConfig(dims, r["mbs"], r["v"], recompute=r["recompute"] == "full")
+    cm = CostModel(m, a)
+    cfg = PlanConfig(dims, r["mbs"], r["v"], recompute=r["recompute"] == "full", dp_overlap=r["dp_overlap"])
     ctx = PlanContext(cm, stage_envs(placement, dims, cm.a), cfg)
     res = ctx.result(ctx.partition("balanced", respect_memory=False), "balanced", placement)
     return {"predicted_s": res.iteration_s, "fits": res.feasible,
@@ -124,7 +132,35 @@ def summary(rs: list[dict]) -> dict:
             "not_fitting": sum(1 for r in rs if r.get("fits") is False)}
 
 
+FITTED = ("chunk_overhead_s", "dp_jitter")  # with the A100's gemm_eff; gemm_half_dim is set, not fitted
+GRID = {"gemm_eff": [0.80, 0.82, 0.84, 0.85, 0.86, 0.87, 0.88, 0.90],  # the A100's asymptote (hardware.py)
+        "chunk_overhead_s": [0, 5e-4, 1e-3, 1.25e-3, 1.5e-3, 1.75e-3, 2e-3, 3e-3],
+        "dp_jitter": [0, 0.01, 0.02, 0.025, 0.03, 0.035, 0.04, 0.045, 0.05, 0.06]}
+
+
+def fit() -> Assumptions:
+    """Least squares over the calibration rows only, on the full grid of the fitted constants.
+    Prints the result; the defaults in costs.Assumptions are set from it by hand."""
+    cal = [r for r in rows() if r["set"] == CAL and expressible(r) is None]
+
+    def loss(a: Assumptions, eff: float) -> float:
+        return sum((predict(r, a, eff)["predicted_s"] / r["published_s"] - 1) ** 2 for r in cal) / len(cal)
+
+    a, eff, best = DEFAULT, None, math.inf
+    for e, *values in itertools.product(GRID["gemm_eff"], *(GRID[k] for k in FITTED)):
+        cand = replace(DEFAULT, **dict(zip(FITTED, values)))
+        got = loss(cand, e)
+        if got < best:
+            a, eff, best = cand, e, got
+    print("fitted on", len(cal), "calibration rows: a100 gemm_eff", eff, {k: getattr(a, k) for k in FITTED},
+          f"rms error {best ** 0.5:.2%}")
+    return a
+
+
 def main() -> int:
+    if "--fit" in sys.argv:
+        fit()
+        return 0
     rs = rows()
     for r in rs:
         why = expressible(r)
@@ -136,13 +172,16 @@ def main() -> int:
         r["error"] = r["predicted_s"] / r["published_s"] - 1
     for r in rs:
         pred = f"predicted {r['predicted_s']:7.2f} s ({r['error']:+6.1%})" if r["error"] is not None else "not expressible"
-        fit = "" if r["fits"] in (True, None) else "  DOES NOT FIT"
+        flag = "" if r["fits"] in (True, None) else "  DOES NOT FIT"
         print(f"{r['set'][:5]:5s} {r['source'][:30]:30s} {r['model']:>7s} tp={r['tp']} pp={r['pp']:2d} dp={r['dp']:3d} "
-              f"mbs={r['mbs']:2d} v={r['v']}: published {r['published_s']:7.2f} s, {pred}{fit}")
+              f"mbs={r['mbs']:2d} v={r['v']}: published {r['published_s']:7.2f} s, {pred}{flag}")
     sets = {name: summary([r for r in rs if r["set"] == name]) for name in (CAL, HELD)}
     out = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "split": {CAL: sorted({f"{r['source'].split(',')[0]} {r['model']}" for r in rs if r["set"] == CAL}),
                      HELD: sorted({f"{r['source'].split(',')[0]} {r['model']}" for r in rs if r["set"] == HELD})},
+           "fitted_constants": {"a100 gemm_eff": GPU_TYPES["a100-80gb"].gemm_eff,
+                                 **{k: getattr(DEFAULT, k) for k in FITTED}},
+           "set_constants": {"gemm_half_dim": DEFAULT.gemm_half_dim},
            "calibration": sets[CAL], "held_out": sets[HELD], "rows": rs}
     path = os.path.join(HERE, "results", "plan_validate_megatron.json")
     with open(path, "w") as f:

@@ -41,6 +41,7 @@ class PlanConfig:
     v: int = 1  # virtual stages (model chunks) per pipeline stage
     recompute: bool = False  # full activation recomputation
     zero1: bool = False  # optimizer state sharded over data-parallel ranks
+    dp_overlap: bool = False  # gradient all-reduce overlapped with the last micro-batch's backward (torch DDP)
 
     def micro_batches(self, m: TransformerShape) -> int:
         """m = global batch / (dp * mbs); raise when it does not divide or violates the schedule."""
@@ -193,12 +194,13 @@ class PlanResult:
 
     def key(self) -> tuple:
         c = self.config
-        return (self.placement, c.dims, c.mbs, c.v, c.recompute, c.zero1, self.partition)
+        return (self.placement, c.dims, c.mbs, c.v, c.recompute, c.zero1, c.dp_overlap, self.partition)
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["config"] = {"tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp, "mbs": self.config.mbs,
-                       "virtual_stages": self.config.v, "recompute": self.config.recompute, "zero1": self.config.zero1}
+                       "virtual_stages": self.config.v, "recompute": self.config.recompute, "zero1": self.config.zero1,
+                       "dp_overlap": self.config.dp_overlap}
         return d
 
 
@@ -251,8 +253,14 @@ class PlanContext:
         fractional partitions within the memory caps (every stage's m busy micro-batches, and the
         last stage's wait for the pipeline to fill and drain)."""
         t, c = self.linear_terms()
-        return partition.pipeline_min_max(self.m.layers, t, self.caps, self.mb, self.cfg.v, self.cfg.v, c,
-                                         cutoff=cutoff)
+        k = 1.0 + self.straggle
+        return k * partition.pipeline_min_max(self.m.layers, t, self.caps, self.mb, self.cfg.v, self.cfg.v, c,
+                                             cutoff=cutoff / k)
+
+    @property
+    def straggle(self) -> float:
+        """:func:`costs.straggler_factor` of this plan's dp (the slowest replica's extra fraction)."""
+        return costs.straggler_factor(self.cfg.dims.dp, self.cm.a)
 
     # ---- per stage costs
     def _stage(self, s: int) -> StageCost:
@@ -323,7 +331,7 @@ class PlanContext:
                 n_prev = v - (1 if s == 0 else 0)
                 sends = n_next * st.send_next + n_prev * st.send_prev
             t.append(st.lf + st.lb)
-            c.append(st.ef + st.eb + sends)
+            c.append(st.ef + st.eb + sends + (2 * v * self.cm.a.chunk_overhead_s if p > 1 else 0.0))
         return t, c
 
     def cost_table(self, respect_memory: bool = True) -> np.ndarray:
@@ -370,17 +378,19 @@ class PlanContext:
 
     # ---- schedule
     def durations(self, counts) -> tuple[list[float], list[float]]:
-        """Forward and backward op time of each global chunk (chunk j*p+s on stage s)."""
+        """Forward and backward op time of each global chunk (chunk j*p+s on stage s); with pp > 1
+        every chunk op also pays ``chunk_overhead_s`` (see costs.Assumptions)."""
         p, v = self.p, self.cfg.v
         C = p * v
+        ov = self.cm.a.chunk_overhead_s if p > 1 else 0.0
         fwd, bwd = [0.0] * C, [0.0] * C
         for s, st in enumerate(self.stages):
             q, r = divmod(counts[s], v)
             for j in range(v):
                 c = j * p + s
                 n = q + (1 if j < r else 0)
-                fwd[c] = n * st.lf + (st.send_next if c < C - 1 else 0.0)
-                bwd[c] = n * st.lb + (st.send_prev if c > 0 else 0.0)
+                fwd[c] = n * st.lf + (st.send_next if c < C - 1 else 0.0) + ov
+                bwd[c] = n * st.lb + (st.send_prev if c > 0 else 0.0) + ov
         s0, sl = self.stages[0], self.stages[-1]
         fwd[0] += s0.ef if p > 1 else 0.0
         bwd[0] += s0.eb if p > 1 else 0.0
@@ -389,7 +399,9 @@ class PlanContext:
         return fwd, bwd
 
     def tails(self, counts) -> tuple[list[float], list[float], list[float]]:
-        """Per stage: DP gradient all-reduce, tied-embedding sync, optimizer step (seconds)."""
+        """Per stage: DP gradient all-reduce, tied-embedding sync, optimizer step (seconds). With
+        ``dp_overlap`` the all-reduce runs during the last micro-batch's backward on the stage
+        (torch DDP's buckets): only what outlasts that backward is exposed."""
         cfg, m, a = self.cfg, self.m, self.cm.a
         dp_t, emb_t, opt_t = [], [], []
         sync = 0.0
@@ -399,7 +411,10 @@ class PlanContext:
         for s, st in enumerate(self.stages):
             params = counts[s] * st.mem.layer_params + st.mem.fixed_params
             env = self.envs[s]
-            dp_t.append(costs.dp_allreduce(params, cfg.dims.dp, env.dp_bw, env.dp_latency, a))
+            ar = costs.dp_allreduce(params, cfg.dims.dp, env.dp_bw, env.dp_latency, a)
+            if cfg.dp_overlap:
+                ar = max(ar - counts[s] * st.lb, 0.0)
+            dp_t.append(ar)
             emb_t.append(sync if s in (0, self.p - 1) else 0.0)
             opt_t.append(costs.optimizer_step(params, st.opt_gpu, cfg.dims.dp, cfg.zero1, a))
         return dp_t, emb_t, opt_t
@@ -408,7 +423,8 @@ class PlanContext:
         """A time no simulation of this partition can beat (for branch and bound)."""
         fwd, bwd = self.durations(counts)
         dp_t, emb_t, opt_t = self.tails(counts)
-        return schedule.lower_bound(self.p, self.cfg.v, self.mb, fwd, bwd) + dp_t[0] + emb_t[0] + max(opt_t)
+        pipe = schedule.lower_bound(self.p, self.cfg.v, self.mb, fwd, bwd) * (1.0 + self.straggle)
+        return pipe + dp_t[0] + emb_t[0] + max(opt_t)
 
     def result(self, counts, method: str, placement: tuple[NodeType, ...]) -> PlanResult:
         """Simulate the schedule and assemble the plan's time, breakdown, memory and cost."""
@@ -416,7 +432,8 @@ class PlanContext:
         fwd, bwd = self.durations(counts)
         tl = schedule.simulate(p, cfg.v, mb, fwd, bwd)
         dp_t, emb_t, opt_t = self.tails(counts)
-        ends = [tl.finish[s] + dp_t[s] + emb_t[s] for s in range(p)]
+        wait = [tl.finish[s] * self.straggle for s in range(p)]  # the slowest of dp replicas
+        ends = [tl.finish[s] + wait[s] + dp_t[s] + emb_t[s] for s in range(p)]
         crit = max(range(p), key=lambda s: ends[s])
         total = ends[crit] + max(opt_t)
         st = self.stages[crit]
@@ -431,7 +448,7 @@ class PlanContext:
         pp_part = mb * max(sends, 0.0)
         compute = tl.busy[crit] - tp_part - pp_part
         breakdown = {"compute": compute, "bubble": max(tl.finish[crit] - tl.busy[crit], 0.0), "tp": tp_part, "pp": pp_part,
-                     "dp": dp_t[crit], "other": emb_t[crit] + max(opt_t), "recompute": mb * n * st.lb_rec}
+                     "dp": dp_t[crit] + wait[crit], "other": emb_t[crit] + max(opt_t), "recompute": mb * n * st.lb_rec}
         mem = [self.memory(s, counts[s]) for s in range(p)]
         price = sum(nd.price for nd in placement)
         tokens = m.global_batch * m.seq_len

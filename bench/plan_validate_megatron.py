@@ -97,9 +97,7 @@ def rows() -> list[dict]:
 
 def expressible(r: dict) -> str | None:
     """Why the planner cannot express this run's configuration, or None."""
-    if r["sequence_parallel"] or r["recompute"] == "selective":
-        return "sequence parallelism and selective recomputation are not modelled"
-    return None
+    return None  # every row is expressible since sequence parallelism and selective recomputation
 
 
 def predict(r: dict, a: Assumptions = DEFAULT, gemm_eff: float | None = None) -> dict:
@@ -115,7 +113,8 @@ def predict(r: dict, a: Assumptions = DEFAULT, gemm_eff: float | None = None) ->
     placement = (node,) * nodes
     dims = ParallelDims(dp=dp, tp=tp, pp=pp)
     cm = CostModel(m, a)
-    cfg = PlanConfig(dims, r["mbs"], r["v"], recompute=r["recompute"] == "full", dp_overlap=r["dp_overlap"])
+    cfg = PlanConfig(dims, r["mbs"], r["v"], recompute=r["recompute"] == "full", dp_overlap=r["dp_overlap"],
+                     sp=r["sequence_parallel"], selective=r["recompute"] == "selective")
     ctx = PlanContext(cm, stage_envs(placement, dims, cm.a), cfg)
     res = ctx.result(ctx.partition("balanced", respect_memory=False), "balanced", placement)
     return {"predicted_s": res.iteration_s, "fits": res.feasible,

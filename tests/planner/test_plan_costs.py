@@ -205,3 +205,34 @@ def test_straggler_factor_is_expected_max_of_normals():
     xs = [costs.straggler_factor(2 ** k, a) for k in range(1, 10)]
     steps = [y - x for x, y in zip(xs, xs[1:])]
     assert all(d > 0 for d in steps) and steps == sorted(steps, reverse=True)  # grows per doubling, ever less
+
+
+@pytest.mark.parametrize("t", [2, 4, 8])
+def test_sequence_parallel_and_selective_memory_are_korthikanti(t):
+    """Korthikanti et al. 2022, Table 2: sbh(34/t + 5as/(ht)) with sequence parallelism,
+    sbh(10 + 24/t) with selective recomputation, sbh*34/t with both; 2sbh/t kept per layer with
+    full recomputation and sequence parallelism."""
+    b, s, h, a = 3, GPT.seq_len, GPT.hidden, GPT.heads
+    sbh = s * b * h
+    assert costs.activation_bytes(GPT, t, b, sp=True) == pytest.approx(sbh * (34 / t + 5 * a * s / (h * t)))
+    assert costs.activation_bytes(GPT, t, b, selective=True) == pytest.approx(sbh * (10 + 24 / t))
+    assert costs.activation_bytes(GPT, t, b, sp=True, selective=True) == pytest.approx(sbh * 34 / t)
+    assert costs.layer_input_bytes(GPT, b, t, sp=True) == pytest.approx(2 * sbh / t)
+
+
+def test_sequence_parallel_divides_the_replicated_elementwise_traffic():
+    M, h, e, t = 512, 1024, 2, 4
+    shard = 2 * e * M * 4096 / t + 4.5 * e * 16 / t * 512 * 512
+    assert costs.elementwise_bytes(GPT, t, 1, sp=True) == pytest.approx(15 * e * M * h / t + shard)
+    assert costs.elementwise_bytes(GPT, t, 1) == pytest.approx(15 * e * M * h + shard)
+
+
+def test_selective_recompute_time_is_the_attention_core_forward():
+    a = Assumptions(kernel_overhead_s=0.0, gemm_half_dim=64.0)
+    t, b, s, d, e = 2, 1, 512, 64, 2
+    heads = b * 16 / t
+    eff = 0.86 * d / (d + 64.0)
+    gemm = 2 * max(heads * 2 * s * s * d / (312e12 * eff), heads * e * (2 * s * d + s * s) / (2039e9 * a.hbm_eff))
+    soft = 4.5 * e * heads * s * s / (2039e9 * a.hbm_eff)
+    assert costs.attention_core_forward(GPT, A100, t, b, a) == pytest.approx(gemm + soft)
+    assert costs.attention_core_forward(replace(GPT, flash_attention=True), A100, t, b, a) == 0.0

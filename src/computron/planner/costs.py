@@ -118,17 +118,18 @@ def flash_attention_fwd(m: TransformerShape, t: int, b: int) -> tuple[float, flo
     return heads * 4.0 * s * s * d * 0.5, heads * m.bytes_per_elem * 4 * s * d
 
 
-def elementwise_bytes(m: TransformerShape, t: int, b: int) -> float:
+def elementwise_bytes(m: TransformerShape, t: int, b: int, sp: bool = False) -> float:
     """HBM traffic of one layer's non-GEMM forward kernels on one TP rank (bytes).
 
     Replicated over TP (no sequence parallelism): 2 norms (read+write, 4*Mh), 2 residual adds
     (6*Mh) and, with dropout, 2 dropouts (5*Mh incl. 1-byte masks) -> 15 (GPT) or 10 (Llama) x e*M*h.
     Sharded: the MLP activation (2*M*f/t r+w, 3 when gated), RoPE on Q and K (Llama), and the
-    score softmax + dropout without fusion (2 + 2.5 x b*(a/t)*s^2 elements).
+    score softmax + dropout without fusion (2 + 2.5 x b*(a/t)*s^2 elements). With sequence
+    parallelism (``sp``) the replicated part runs on s/t of the sequence on each rank: divided by t.
     """
     e, s, h = m.bytes_per_elem, m.seq_len, m.hidden
     M = b * s
-    rep = (15 if m.dropout else 10) * e * M * h
+    rep = (15 if m.dropout else 10) * e * M * h / (t if sp else 1)
     sh = (3 if m.gated else 2) * e * M * m.ffn / t
     if m.family == "llama":
         sh += 2 * e * M * (m.heads // t + m.kv_heads_per_rank(t)) * m.head_dim
@@ -140,7 +141,8 @@ def elementwise_bytes(m: TransformerShape, t: int, b: int) -> float:
 ELEMENTWISE_KERNELS = 8  # norms, residual adds, dropouts, activation, softmax: kernels per layer forward
 
 
-def layer_compute(m: TransformerShape, gpu: GpuType, t: int, b: int, a: Assumptions = DEFAULT) -> tuple[float, float]:
+def layer_compute(m: TransformerShape, gpu: GpuType, t: int, b: int, a: Assumptions = DEFAULT,
+                  sp: bool = False) -> tuple[float, float]:
     """(forward, backward) seconds of one layer's compute on one TP rank, communication excluded.
 
     forward = sum of roofline(GEMM, at its shape's :func:`gemm_efficiency`) + fused attention + elementwise bytes / (hbm_bw * hbm_eff);
@@ -155,8 +157,25 @@ def layer_compute(m: TransformerShape, gpu: GpuType, t: int, b: int, a: Assumpti
     if m.flash_attention:
         fl, by = flash_attention_fwd(m, t, b)
         attn = roofline(fl, by, gpu, m.dtype, a, eff=gpu.gemm_eff * a.flash_eff_ratio)
-    elem = elementwise_bytes(m, t, b) / (gpu.hbm_bw * a.hbm_eff) + ELEMENTWISE_KERNELS * a.kernel_overhead_s
+    elem = elementwise_bytes(m, t, b, sp) / (gpu.hbm_bw * a.hbm_eff) + ELEMENTWISE_KERNELS * a.kernel_overhead_s
     return gemm + attn + elem, 2 * gemm + 2.5 * attn + 2 * elem
+
+
+def attention_core_forward(m: TransformerShape, gpu: GpuType, t: int, b: int, a: Assumptions = DEFAULT) -> float:
+    """What selective recomputation (Korthikanti et al. 2022) runs again before the backward: the
+    attention core's forward, scores and context products plus the softmax (and its dropout),
+    ``(2 + 2.5) x e*b*(a/t)*s^2`` bytes with dropout, 2 without. Zero with fused attention, whose
+    backward already recomputes the scores (and which keeps no s x s activations to drop)."""
+    if m.flash_attention:
+        return 0.0
+    e, s = m.bytes_per_elem, m.seq_len
+    out = 0.0
+    for name, n, M, K, N in layer_gemm_shapes(m, t, b):
+        if name in ("scores", "context"):
+            fl, by = gemm_cost(n, M, K, N, e)
+            out += roofline(fl, by, gpu, m.dtype, a, eff=gemm_efficiency(gpu, M, K, N, a))
+    soft = (4.5 if m.dropout else 2.0) * e * b * m.heads / t * s * s
+    return out + soft / (gpu.hbm_bw * a.hbm_eff) + (2 if m.dropout else 1) * a.kernel_overhead_s
 
 
 def embedding_compute(m: TransformerShape, gpu: GpuType, t: int, b: int, a: Assumptions = DEFAULT) -> tuple[float, float]:
@@ -258,7 +277,7 @@ def optimizer_step(params_rank: float, gpu: GpuType, dp: int, zero1: bool, a: As
 
 
 # ---------------------------------------------------------------- memory
-def activation_bytes(m: TransformerShape, t: int, b: int) -> float:
+def activation_bytes(m: TransformerShape, t: int, b: int, sp: bool = False, selective: bool = False) -> float:
     """Activations one layer keeps for backward, per micro-batch, per TP rank (Korthikanti et al. 2022).
 
     GPT with dropout and standard attention gives ``s*b*h*(10 + 24/t + 5*a*s/(h*t))``. In general:
@@ -266,22 +285,29 @@ def activation_bytes(m: TransformerShape, t: int, b: int) -> float:
     ``e*M*(2h/t + 2kd)`` (Q, K, V, attention output) + ``e*M*f/t`` x 2 (GeLU in/out) or x 3 (gated);
     scores ``b*(a/t)*s^2*(2e+1)`` with dropout, ``e`` without, none with fused attention (it keeps
     a 4-byte log-sum-exp per row instead).
+
+    Sequence parallelism (``sp``) shards the replicated part over the t ranks along the sequence;
+    selective recomputation drops the scores (recomputed, :func:`attention_core_forward`). For GPT
+    these give Korthikanti's ``sbh(34/t + 5as/(ht))``, ``sbh(10 + 24/t)`` and ``sbh * 34/t``.
     """
     e, s, h = m.bytes_per_elem, m.seq_len, m.hidden
     M = b * s
-    rep = e * M * 4 * h + (2 * M * h if m.dropout else 0)
+    rep = (e * M * 4 * h + (2 * M * h if m.dropout else 0)) / (t if sp else 1)
     sh = e * M * (2 * h / t + 2 * m.kv_heads_per_rank(t) * m.head_dim) + e * M * m.ffn / t * (3 if m.gated else 2)
     heads = b * m.heads / t
     if m.flash_attention:
         sc = 4 * heads * s
+    elif selective:
+        sc = 0.0
     else:
         sc = heads * s * s * ((2 * e + 1) if m.dropout else e)
     return rep + sh + sc
 
 
-def layer_input_bytes(m: TransformerShape, b: int) -> float:
-    """With full recomputation a layer keeps only its input, ``e*b*s*h`` (replicated over TP)."""
-    return m.bytes_per_elem * b * m.seq_len * m.hidden
+def layer_input_bytes(m: TransformerShape, b: int, t: int = 1, sp: bool = False) -> float:
+    """With full recomputation a layer keeps only its input, ``e*b*s*h`` (replicated over TP; with
+    sequence parallelism each rank keeps s/t of it: divided by t)."""
+    return m.bytes_per_elem * b * m.seq_len * m.hidden / (t if sp else 1)
 
 
 def embedding_activation_bytes(m: TransformerShape, b: int) -> float:

@@ -42,6 +42,8 @@ class PlanConfig:
     recompute: bool = False  # full activation recomputation
     zero1: bool = False  # optimizer state sharded over data-parallel ranks
     dp_overlap: bool = False  # gradient all-reduce overlapped with the last micro-batch's backward (torch DDP)
+    sp: bool = False  # sequence parallelism (Korthikanti et al. 2022); only with tp > 1
+    selective: bool = False  # selective recomputation of the attention core (when not recompute)
 
     def micro_batches(self, m: TransformerShape) -> int:
         """m = global batch / (dp * mbs); raise when it does not divide or violates the schedule."""
@@ -69,19 +71,37 @@ class CostModel:
         self._cache: dict = {}
         self.cache: dict = {}  # shared by PlanContexts: stage costs, memory caps, partitions
 
-    def layer(self, gpu: GpuType, tp: int, mbs: int) -> tuple[float, float, float]:
-        """(fwd s, bwd s, activation bytes) of one layer on one TP rank, communication excluded."""
-        key = (gpu.name, tp, mbs)
+    def layer(self, gpu: GpuType, tp: int, mbs: int, sp: bool = False, selective: bool = False) -> tuple[float, float, float]:
+        """(fwd s, bwd s, activation bytes) of one layer on one TP rank, communication excluded;
+        ``sp``: sequence parallelism, ``selective``: the attention scores are not kept. A profile
+        measures the layer without either: the model's difference (elementwise traffic, kept bytes)
+        is taken off the measured figures."""
+        sp = sp and tp > 1
+        key = (gpu.name, tp, mbs, sp, selective)
         hit = self._cache.get(key)
         if hit is None:
-            act = costs.activation_bytes(self.model, tp, mbs)
+            m = self.model
+            act = costs.activation_bytes(m, tp, mbs, sp, selective)
             got = self.profile.lookup(gpu.name, tp, mbs) if self.profile else None
             if got is not None:
-                hit = (got[0], got[1], act if got[2] is None else got[2])
+                saved = 0.0
+                if sp:
+                    saved = (costs.elementwise_bytes(m, tp, mbs) - costs.elementwise_bytes(m, tp, mbs, True)) / (
+                        gpu.hbm_bw * self.a.hbm_eff)
+                kept = act if got[2] is None else got[2] - (costs.activation_bytes(m, tp, mbs) - act)
+                hit = (got[0] - saved, got[1] - 2 * saved, kept)
             else:
-                f, b = costs.layer_compute(self.model, gpu, tp, mbs, self.a)
+                f, b = costs.layer_compute(m, gpu, tp, mbs, self.a, sp)
                 hit = (f, b, act)
             self._cache[key] = hit
+        return hit
+
+    def core(self, gpu: GpuType, tp: int, mbs: int) -> float:
+        """Seconds selective recomputation adds to one layer's backward (costs.attention_core_forward)."""
+        key = ("core", gpu.name, tp, mbs)
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = costs.attention_core_forward(self.model, gpu, tp, mbs, self.a)
         return hit
 
     def source(self, gpu: GpuType, tp: int) -> str:
@@ -101,8 +121,10 @@ class MemoryTerms:
     act_fixed: float  # once (logits)
 
 
-def memory_terms(m: TransformerShape, tp: int, mbs: int, s: int, p: int, recompute: bool, act: float) -> MemoryTerms:
-    """The memory terms of stage s of p; ``act`` is one layer's activations per micro-batch."""
+def memory_terms(m: TransformerShape, tp: int, mbs: int, s: int, p: int, recompute: bool, act: float,
+                 sp: bool = False) -> MemoryTerms:
+    """The memory terms of stage s of p; ``act`` is one layer's activations per micro-batch (with
+    the plan's sequence parallelism and selective recomputation already applied)."""
     fixed = act_mb = act_fixed = 0.0
     if s == 0:
         fixed += m.embedding_params(tp)
@@ -110,7 +132,7 @@ def memory_terms(m: TransformerShape, tp: int, mbs: int, s: int, p: int, recompu
     if s == p - 1:
         fixed += m.head_params(tp, p)
         act_fixed = costs.head_activation_bytes(m, tp, mbs)
-    keep = costs.layer_input_bytes(m, mbs) if recompute else act
+    keep = costs.layer_input_bytes(m, mbs, tp, sp and tp > 1) if recompute else act
     return MemoryTerms(m.layer_params(tp), fixed, keep, act if recompute else 0.0, act_mb, act_fixed)
 
 
@@ -194,13 +216,15 @@ class PlanResult:
 
     def key(self) -> tuple:
         c = self.config
-        return (self.placement, c.dims, c.mbs, c.v, c.recompute, c.zero1, c.dp_overlap, self.partition)
+        return (self.placement, c.dims, c.mbs, c.v, c.recompute, c.zero1, c.dp_overlap, c.sp, c.selective,
+                self.partition)
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["config"] = {"tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp, "mbs": self.config.mbs,
                        "virtual_stages": self.config.v, "recompute": self.config.recompute, "zero1": self.config.zero1,
-                       "dp_overlap": self.config.dp_overlap}
+                       "dp_overlap": self.config.dp_overlap, "sequence_parallel": self.config.sp,
+                       "selective_recompute": self.config.selective}
         return d
 
 
@@ -219,7 +243,7 @@ class PlanContext:
         self.stages = []
         for s in range(p):  # stages seeing the same hardware share their costs across contexts
             key = ("stage", envs[s], envs[(s + 1) % p], envs[(s - 1) % p], s == 0, s == p - 1, p > 1,
-                   cfg.dims.tp, cfg.mbs, cfg.recompute)
+                   cfg.dims.tp, cfg.mbs, cfg.recompute, cfg.sp, cfg.selective)
             st = cache.get(key)
             if st is None:
                 st = cache[key] = self._stage(s)
@@ -268,11 +292,12 @@ class PlanContext:
         t, b = cfg.dims.tp, cfg.mbs
         env = self.envs[s]
         best = None
+        sel = cfg.selective and not cfg.recompute
         for node in env.nodes:
-            f, bw, act = self.cm.layer(node.gpu, t, b)
+            f, bw, act = self.cm.layer(node.gpu, t, b, cfg.sp, sel)
             ftp, btp = costs.layer_tp_comm(m, t, b, node.intra_bw, a)
             lf, lb = f + ftp, bw + btp
-            rec = f + ftp if cfg.recompute else 0.0
+            rec = f + ftp if cfg.recompute else (self.cm.core(node.gpu, t, b) if sel else 0.0)
             cand = (lf + lb + rec, node, lf, lb + rec, ftp, btp + (ftp if cfg.recompute else 0.0), rec, act)
             if best is None or cand[0] > best[0]:
                 best = cand
@@ -293,7 +318,7 @@ class PlanContext:
         usable = min(costs.usable_memory(n.gpu, a) for n in env.nodes)
         capacity = min(n.gpu.memory for n in env.nodes)
         opt_gpu = min((n.gpu for n in env.nodes), key=lambda g: g.hbm_bw)
-        mem = memory_terms(m, t, b, s, p, cfg.recompute, act)
+        mem = memory_terms(m, t, b, s, p, cfg.recompute, act, cfg.sp)
         return StageCost(node, lf, lb, ftp, btp, rec, ef, eb, e_tp, send_next, send_prev, mem, usable, capacity, opt_gpu)
 
     def _p2p(self, src: StageEnv, dst: StageEnv) -> float:

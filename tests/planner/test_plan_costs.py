@@ -16,8 +16,10 @@ GPT = TransformerShape("g", "gpt", layers=4, hidden=1024, heads=16, ffn=4096, vo
 
 def test_roofline_compute_and_memory_bound():
     a = Assumptions(kernel_overhead_s=0.0)
-    # 1e12 FLOPs on 312 TFLOP/s at 0.8 efficiency, few bytes: compute-bound
-    assert costs.roofline(1e12, 1e3, A100, "float16", a) == pytest.approx(1e12 / (312e12 * 0.8))
+    # 1e12 FLOPs on 312 TFLOP/s at the A100's 0.86 asymptote, few bytes: compute-bound
+    assert A100.gemm_eff == 0.86
+    assert costs.roofline(1e12, 1e3, A100, "float16", a) == pytest.approx(1e12 / (312e12 * 0.86))
+    assert costs.roofline(1e12, 1e3, A100, "float16", a, eff=0.5) == pytest.approx(1e12 / (312e12 * 0.5))
     # 1 GB moved, few FLOPs: memory-bound at 2039 GB/s * 0.8
     assert costs.roofline(1.0, 1e9, A100, "float16", a) == pytest.approx(1e9 / (2039e9 * 0.8))
     assert costs.roofline(0, 0, A100, "float16", Assumptions(kernel_overhead_s=5e-6)) == pytest.approx(5e-6)
@@ -147,3 +149,90 @@ def test_bf16_on_v100_is_refused():
     with pytest.raises(PlannerError, match="bfloat16"):
         GPU_TYPES["v100"].peak_flops("bfloat16")
     assert math.isclose(GPU_TYPES["v100"].peak_flops("float16"), 125e12)
+
+
+def test_gemm_efficiency_saturates_in_the_smallest_dimension():
+    a = Assumptions(gemm_half_dim=64.0)
+    # smallest dimension 64 -> half the asymptote; 192 -> 3/4; whichever of M, K, N is smallest
+    assert costs.gemm_efficiency(A100, 4096, 64, 4096, a) == pytest.approx(0.86 * 0.5)
+    assert costs.gemm_efficiency(A100, 192, 8192, 8192, a) == pytest.approx(0.86 * 0.75)
+    assert costs.gemm_efficiency(A100, 8192, 8192, 192, a) == pytest.approx(0.86 * 0.75)
+    assert costs.gemm_efficiency(A100, 1e9, 1e9, 1e9, a) == pytest.approx(0.86, rel=1e-6)
+    assert costs.gemm_efficiency(A100, 128, 128, 128, Assumptions(gemm_half_dim=0.0)) == pytest.approx(0.86)
+
+
+def test_layer_gemm_shapes_by_hand():
+    b, t, s, h, f, d = 2, 4, 512, 1024, 4096, 64
+    got = {name: (n, M, K, N) for name, n, M, K, N in costs.layer_gemm_shapes(GPT, t, b)}
+    assert got == {"qkv": (1, b * s, h, 3 * h / t), "proj": (1, b * s, h / t, h), "mlp_up": (1, b * s, h, f / t),
+                   "mlp_down": (1, b * s, f / t, h), "scores": (b * 16 / t, s, d, s), "context": (b * 16 / t, s, s, d)}
+
+
+def test_layer_compute_uses_each_shape_efficiency():
+    """Forward GEMM time by hand: each product at its own efficiency (attention's, limited by the
+    head size d=64, at half the asymptote), so a smaller micro-batch or a higher tp is less efficient."""
+    a = Assumptions(kernel_overhead_s=0.0, gemm_half_dim=64.0)
+    m = replace(GPT, dropout=False)
+    b, t, s, h, f, d, e = 1, 2, 512, 1024, 4096, 64, 2
+    peak, hbm = 312e12 * 0.86, 2039e9 * a.hbm_eff
+
+    def k(M, K, N, n=1):
+        eff = min(M, K, N) / (min(M, K, N) + 64.0)
+        return max(n * 2 * M * K * N / (peak * eff), n * e * (M * K + K * N + M * N) / hbm)
+
+    M = b * s
+    gemm = k(M, h, 3 * h / t) + k(M, h / t, h) + k(M, h, f / t) + k(M, f / t, h) + k(s, d, s, 8) + k(s, s, d, 8)
+    elem = costs.elementwise_bytes(m, t, b) / hbm
+    fwd, bwd = costs.layer_compute(m, A100, t, b, a)
+    assert fwd == pytest.approx(gemm + elem)
+    assert bwd == pytest.approx(2 * gemm + 2 * elem)
+    # per sample, micro-batch 1 is slower than 4 (M = 512 vs 2048 limits the M-bound products)
+    big = costs.layer_compute(m, A100, 8, 4, a)[0] / 4
+    small = costs.layer_compute(m, A100, 8, 1, a)[0]
+    assert small > big
+
+
+def test_straggler_factor_is_expected_max_of_normals():
+    from statistics import NormalDist
+
+    a = Assumptions(dp_jitter=0.05)
+    assert costs.straggler_factor(1, a) == 0.0
+    assert costs.straggler_factor(8, Assumptions(dp_jitter=0.0)) == 0.0
+    # Blom: Phi^-1((n - 0.375) / (n + 0.25)); 2 replicas: E[max of 2 normals] = 1/sqrt(pi) = 0.564
+    assert costs.straggler_factor(2, a) == pytest.approx(0.05 * NormalDist().inv_cdf(1.625 / 2.25))
+    assert costs.straggler_factor(2, a) == pytest.approx(0.05 / math.pi ** 0.5, rel=0.05)  # Blom is 4% high at 2
+    assert costs.straggler_factor(32, a) == pytest.approx(0.05 * 2.07, rel=0.01)  # tabulated E[max of 32] = 2.07
+    xs = [costs.straggler_factor(2 ** k, a) for k in range(1, 10)]
+    steps = [y - x for x, y in zip(xs, xs[1:])]
+    assert all(d > 0 for d in steps) and steps == sorted(steps, reverse=True)  # grows per doubling, ever less
+
+
+@pytest.mark.parametrize("t", [2, 4, 8])
+def test_sequence_parallel_and_selective_memory_are_korthikanti(t):
+    """Korthikanti et al. 2022, Table 2: sbh(34/t + 5as/(ht)) with sequence parallelism,
+    sbh(10 + 24/t) with selective recomputation, sbh*34/t with both; 2sbh/t kept per layer with
+    full recomputation and sequence parallelism."""
+    b, s, h, a = 3, GPT.seq_len, GPT.hidden, GPT.heads
+    sbh = s * b * h
+    assert costs.activation_bytes(GPT, t, b, sp=True) == pytest.approx(sbh * (34 / t + 5 * a * s / (h * t)))
+    assert costs.activation_bytes(GPT, t, b, selective=True) == pytest.approx(sbh * (10 + 24 / t))
+    assert costs.activation_bytes(GPT, t, b, sp=True, selective=True) == pytest.approx(sbh * 34 / t)
+    assert costs.layer_input_bytes(GPT, b, t, sp=True) == pytest.approx(2 * sbh / t)
+
+
+def test_sequence_parallel_divides_the_replicated_elementwise_traffic():
+    M, h, e, t = 512, 1024, 2, 4
+    shard = 2 * e * M * 4096 / t + 4.5 * e * 16 / t * 512 * 512
+    assert costs.elementwise_bytes(GPT, t, 1, sp=True) == pytest.approx(15 * e * M * h / t + shard)
+    assert costs.elementwise_bytes(GPT, t, 1) == pytest.approx(15 * e * M * h + shard)
+
+
+def test_selective_recompute_time_is_the_attention_core_forward():
+    a = Assumptions(kernel_overhead_s=0.0, gemm_half_dim=64.0)
+    t, b, s, d, e = 2, 1, 512, 64, 2
+    heads = b * 16 / t
+    eff = 0.86 * d / (d + 64.0)
+    gemm = 2 * max(heads * 2 * s * s * d / (312e12 * eff), heads * e * (2 * s * d + s * s) / (2039e9 * a.hbm_eff))
+    soft = 4.5 * e * heads * s * s / (2039e9 * a.hbm_eff)
+    assert costs.attention_core_forward(GPT, A100, t, b, a) == pytest.approx(gemm + soft)
+    assert costs.attention_core_forward(replace(GPT, flash_attention=True), A100, t, b, a) == 0.0

@@ -25,14 +25,14 @@ def test_stage_time_is_compute_plus_tp_allreduces_by_hand():
     peak, hbm = node.gpu.tflops * 1e12 * node.gpu.gemm_eff, node.gpu.hbm_bw * a.hbm_eff
     ko = a.kernel_overhead_s
 
-    def kernel(flops, nbytes):
-        return max(flops / peak, nbytes / hbm) + ko
+    def kernel(flops, nbytes, n):  # n: the product's smallest dimension sets its efficiency
+        return max(flops / (peak * n / (n + a.gemm_half_dim)), nbytes / hbm) + ko
 
     def gemm(K, N):
-        return kernel(2 * tok * K * N, e * (tok * K + K * N + tok * N))
+        return kernel(2 * tok * K * N, e * (tok * K + K * N + tok * N), min(tok, K, N))
 
     hr = b * heads // t  # attention heads per rank
-    attn = hr * 2 * s * s * d, hr * e * (2 * s * d + s * s)  # scores, and again context
+    attn = hr * 2 * s * s * d, hr * e * (2 * s * d + s * s), d  # scores, and again context (smallest: d)
     gemms = gemm(h, 3 * h // t) + gemm(h // t, h) + gemm(h, f // t) + gemm(f // t, h) + 2 * kernel(*attn)
     elem = (15 * e * tok * h + 2 * e * tok * f / t + 4.5 * e * hr * s * s) / hbm + 8 * ko
     fwd, bwd = gemms + elem, 2 * gemms + 2 * elem
@@ -62,3 +62,73 @@ def test_max_layers_is_the_last_count_that_fits():
         usable = rng.uniform(0, 2) * stage_memory(t, L, inflight, mb, v, dp, zero1, a)
         fit = [n for n in range(L + 1) if stage_memory(t, n, inflight, mb, v, dp, zero1, a) <= usable]
         assert max_layers(t, usable, L, inflight, mb, v, dp, zero1, a) == (max(fit) if fit else 0)
+
+
+def _ctx(dims, a, mbs=1, v=1, **kw):
+    from dataclasses import replace as _r
+
+    m = _r(M, layers=8, global_batch=32)
+    nodes = dims.tp * dims.pp * dims.dp // 8
+    node = parse_compact(f"a100-80gb:8x{nodes}").node_types[0]
+    cfg = PlanConfig(dims, mbs, v, **kw)
+    return PlanContext(CostModel(m, a), stage_envs((node,) * nodes, dims, a), cfg), (node,) * nodes
+
+
+def test_chunk_overhead_on_every_chunk_op_with_pipelines_only():
+    dims = ParallelDims(dp=4, tp=1, pp=2)
+    base, _ = _ctx(dims, Assumptions(chunk_overhead_s=0.0), v=2)
+    more, _ = _ctx(dims, Assumptions(chunk_overhead_s=1e-3), v=2)
+    (f0, b0), (f1, b1) = base.durations((4, 4)), more.durations((4, 4))
+    assert len(f1) == 4 and all(y - x == pytest.approx(1e-3) for x, y in zip(f0 + b0, f1 + b1))
+    t0, c0 = base.linear_terms()
+    t1, c1 = more.linear_terms()
+    assert t1 == t0 and all(y - x == pytest.approx(2 * 2 * 1e-3) for x, y in zip(c0, c1))  # 2 ops x v chunks
+    flat0, _ = _ctx(ParallelDims(dp=8, tp=1, pp=1), Assumptions(chunk_overhead_s=0.0))
+    flat1, _ = _ctx(ParallelDims(dp=8, tp=1, pp=1), Assumptions(chunk_overhead_s=1e-3))
+    assert flat0.durations((8,)) == flat1.durations((8,))
+
+
+def test_straggler_wait_is_the_pipeline_time_times_the_factor():
+    from computron.planner import costs, schedule
+
+    dims = ParallelDims(dp=8, tp=1, pp=1)
+    ctx0, pl = _ctx(dims, Assumptions(dp_jitter=0.0))
+    ctx1, _ = _ctx(dims, Assumptions(dp_jitter=0.05))
+    r0, r1 = ctx0.result((8,), "given", pl), ctx1.result((8,), "given", pl)
+    fwd, bwd = ctx0.durations((8,))
+    finish = schedule.simulate(1, 1, ctx0.mb, fwd, bwd).finish[0]
+    wait = finish * costs.straggler_factor(8, Assumptions(dp_jitter=0.05))
+    assert r1.iteration_s - r0.iteration_s == pytest.approx(wait)
+    assert r1.breakdown["dp"] - r0.breakdown["dp"] == pytest.approx(wait)
+    assert ctx1.lower_bound((8,)) <= r1.iteration_s + 1e-12
+    one0, pl1 = _ctx(ParallelDims(dp=1, tp=8, pp=1), Assumptions(dp_jitter=0.0))
+    one1, _ = _ctx(ParallelDims(dp=1, tp=8, pp=1), Assumptions(dp_jitter=0.05))
+    assert one0.result((8,), "given", pl1).iteration_s == one1.result((8,), "given", pl1).iteration_s
+
+
+def test_dp_overlap_hides_the_allreduce_behind_the_last_backward():
+    dims = ParallelDims(dp=8, tp=1, pp=1)
+    a = Assumptions()
+    serial, _ = _ctx(dims, a)
+    over, _ = _ctx(dims, a, dp_overlap=True)
+    ar = serial.tails((8,))[0][0]
+    window = 8 * serial.stages[0].lb
+    assert over.tails((8,))[0][0] == pytest.approx(max(ar - window, 0.0))
+    assert over.tails((8,))[0][0] < ar
+
+
+def test_published_sequence_parallel_selective_run_fits_and_is_faster():
+    """Korthikanti et al. 2022: GPT 175B, tp=8, pp=8, mbs=1 ran with sequence parallelism and
+    selective recomputation (13.75 s) and with full recomputation (18.13 s)."""
+    m = TransformerShape("175b", "gpt", 96, 12288, 96, 4 * 12288, 51200, 2048, 64)
+    dims = ParallelDims(dp=1, tp=8, pp=8)
+    node = parse_compact("a100-80gb:8x8").node_types[0]
+    out = {}
+    for name, kw in {"none": {}, "full": {"recompute": True}, "sel": {"sp": True, "selective": True}}.items():
+        cm = CostModel(m)
+        ctx = PlanContext(cm, stage_envs((node,) * 8, dims, cm.a), PlanConfig(dims, 1, **kw))
+        out[name] = ctx.result(ctx.partition("balanced", respect_memory=False), "balanced", (node,) * 8)
+    assert not out["none"].feasible and out["full"].feasible and out["sel"].feasible
+    assert out["sel"].iteration_s < out["full"].iteration_s
+    assert out["sel"].iteration_s == pytest.approx(13.75, rel=0.10)
+    assert out["sel"].breakdown["recompute"] < 0.2 * out["full"].breakdown["recompute"]

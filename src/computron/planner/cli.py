@@ -97,7 +97,10 @@ def _fill(plan: argparse.ArgumentParser) -> None:
     for k in ("tp", "pp", "dp", "mbs"):
         e.add_argument(f"--{k}", type=int, required=True)
     e.add_argument("--virtual-stages", type=int, default=1, help="model chunks per stage (interleaved 1F1B)")
-    e.add_argument("--recompute", choices=("none", "full"), default="none", help="full activation recomputation")
+    e.add_argument("--recompute", choices=("none", "selective", "full"), default="none",
+                   help="activation recomputation: selective recomputes the attention core only")
+    e.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism over the TP ranks")
+    e.add_argument("--dp-overlap", action="store_true", help="gradient all-reduce overlapped with the last backward")
     e.add_argument("--partition", default="exact", help="balanced, greedy, exact or explicit counts like 12,12,12,12")
     e.add_argument("--placement", help="node order, e.g. a100-80gb*2,v100*2 (default: cluster order, first nodes)")
     _cost_args(e)
@@ -233,7 +236,8 @@ def cmd_estimate(args) -> int:
     check_dims(m, dims, [])  # the model's constraints first, then the nodes'
     placement = parse_placement(args.placement, cluster) if args.placement else _default_placement(cluster, dims.world_size)
     check_dims(m, dims, sorted({n.gpus_per_node for n in placement}))
-    cfg = PlanConfig(dims, args.mbs, args.virtual_stages, args.recompute == "full", args.zero1)
+    cfg = PlanConfig(dims, args.mbs, args.virtual_stages, args.recompute == "full", args.zero1, args.dp_overlap,
+                     args.sequence_parallel, args.recompute == "selective")
     ctx = PlanContext(cm, stage_envs(placement, dims, cm.a), cfg)
     counts = _explicit_counts(args.partition)
     if counts is not None:
@@ -246,7 +250,7 @@ def cmd_estimate(args) -> int:
     r = ctx.result(counts, method, placement)
     con = _console()
     con.print(f"{m.name}: ParallelDims({dims}) mbs={cfg.mbs} micro-batches={r.micro_batches} v={cfg.v} "
-              f"recompute={'full' if cfg.recompute else 'none'} on {placement_text(placement)} layers {list(counts)}")
+              f"recompute={args.recompute} sp={'on' if cfg.sp else 'off'} on {placement_text(placement)} layers {list(counts)}")
     con.print(report.breakdown_table(r))
     con.print(report.stages_table(r))
     con.print(f"{r.samples_per_s:.2f} samples/s, {r.tokens_per_s:,.0f} tokens/s, {r.model_tflops_per_gpu:.1f} model "

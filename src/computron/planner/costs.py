@@ -12,6 +12,7 @@ Every assumed constant lives in :class:`Assumptions`; docs/planner.md gives its 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from statistics import NormalDist
 
 from .hardware import GpuType
 from .model import TransformerShape
@@ -34,6 +35,12 @@ class Assumptions:
     memory_margin: float = 0.10  # fraction of GPU memory kept free (fragmentation, workspaces)
     memory_reserve_gib: float = 1.0  # CUDA context + NCCL buffers
     scatter_gather: bool = True  # Megatron's p2p scatter/gather over TP ranks
+    # fitted on the calibration rows of bench/plan_validate_megatron.py (docs/planner.md, Accuracy)
+    gemm_half_dim: float = 64.0  # GEMM dimension at which efficiency is half of the GPU's asymptote
+    chunk_overhead_s: float = 2e-3  # per pipeline chunk op (forward or backward), pp > 1: its
+    # blocking send/recv rendezvous, stream waits and the schedule's host-side step; interleaving
+    # with v chunks pays it v times per micro-batch where plain 1F1B pays it once
+    dp_jitter: float = 0.05  # relative spread (std) of one data-parallel replica's pipeline time
 
     def __post_init__(self) -> None:
         if self.bytes_per_param not in (16, 18, 20):
@@ -46,6 +53,7 @@ class Assumptions:
 
 
 DEFAULT = Assumptions()
+_NORMAL = NormalDist()
 
 
 # ---------------------------------------------------------------- compute (roofline)
@@ -55,27 +63,52 @@ def roofline(flops: float, nbytes: float, gpu: GpuType, dtype: str, a: Assumptio
     return max(flops / peak, nbytes / (gpu.hbm_bw * a.hbm_eff)) + a.kernel_overhead_s
 
 
-def layer_gemms(m: TransformerShape, t: int, b: int) -> list[tuple[str, float, float]]:
-    """Forward GEMMs of one layer on one TP rank: ``(name, FLOPs, bytes)``, FLOPs = 2*M*K*N.
+def gemm_efficiency(gpu: GpuType, M: float, K: float, N: float, a: Assumptions = DEFAULT) -> float:
+    """Sustained fraction of peak of one (M x K) @ (K x N) product: ``gemm_eff * n / (n + n_half)``,
+    n = min(M, K, N), n_half = ``a.gemm_half_dim``.
 
-    QKV: M x h x (h/t + 2kd); out: M x h/t x h; MLP: M x h x f/t (twice when gated) and
-    M x f/t x h. Attention core without fusion: scores and context, each 2*b*(a/t)*s^2*d FLOPs.
+    Why this form: a GEMM runs as output tiles of (typically) 128 x 128 or 128 x 256, each looping
+    over K in steps of 32-64. The smallest dimension sets how much of that work is fixed cost per
+    tile: a short K loop is dominated by the prologue (loading the first tiles) and epilogue
+    (writing C); a narrow M or N leaves tiles partly empty and too few tiles to fill the SMs. The
+    useful work grows with n while the fixed part does not, which gives the saturating ``n/(n +
+    n_half)``; large products approach the GPU's ``gemm_eff``. Memory-bound shapes are handled by the
+    roofline's byte term, not here. So attention products with a head size of 64-128, the output
+    projection at high tp (K = h/t) and small micro-batches (M = b*s) run below the asymptote.
     """
-    e, s, h, d = m.bytes_per_elem, m.seq_len, m.hidden, m.head_dim
+    n = min(M, K, N)
+    return gpu.gemm_eff * n / (n + a.gemm_half_dim)
+
+
+def layer_gemm_shapes(m: TransformerShape, t: int, b: int) -> list[tuple[str, float, float, float, float]]:
+    """Forward GEMMs of one layer on one TP rank: ``(name, batch, M, K, N)``.
+
+    QKV: M x h x (h/t + 2kd); out: M x h/t x h; MLP: M x h x f/t (twice when gated, one product)
+    and M x f/t x h, with M = b*s. Attention core without fusion, b*a/t batched products per layer:
+    scores s x d x s and context s x s x d.
+    """
+    s, h, d = m.seq_len, m.hidden, m.head_dim
     M = b * s
     qkv_n = m.heads // t * d + 2 * m.kv_heads_per_rank(t) * d
     f = m.ffn / t
     up_n = f * (2 if m.gated else 1)
-
-    def g(name, K, N):
-        return (name, 2.0 * M * K * N, e * (M * K + K * N + M * N))
-
-    out = [g("qkv", h, qkv_n), g("proj", h / t, h), g("mlp_up", h, up_n), g("mlp_down", f, h)]
+    out = [("qkv", 1, M, h, qkv_n), ("proj", 1, M, h / t, h), ("mlp_up", 1, M, h, up_n), ("mlp_down", 1, M, f, h)]
     if not m.flash_attention:
         heads = b * m.heads / t
-        out.append(("scores", heads * 2.0 * s * s * d, heads * e * (2 * s * d + s * s)))
-        out.append(("context", heads * 2.0 * s * s * d, heads * e * (2 * s * d + s * s)))
+        out += [("scores", heads, s, d, s), ("context", heads, s, s, d)]
     return out
+
+
+def gemm_cost(batch: float, M: float, K: float, N: float, e: int) -> tuple[float, float]:
+    """(FLOPs, bytes) of ``batch`` products M x K x N: ``2*M*K*N`` and ``e*(MK + KN + MN)`` each."""
+    return batch * 2.0 * M * K * N, batch * e * (M * K + K * N + M * N)
+
+
+def layer_gemms(m: TransformerShape, t: int, b: int) -> list[tuple[str, float, float]]:
+    """Forward GEMMs of one layer on one TP rank: ``(name, FLOPs, bytes)``, FLOPs = 2*M*K*N
+    (shapes from :func:`layer_gemm_shapes`). Attention core without fusion: scores and context,
+    each 2*b*(a/t)*s^2*d FLOPs."""
+    return [(name, *gemm_cost(n, M, K, N, m.bytes_per_elem)) for name, n, M, K, N in layer_gemm_shapes(m, t, b)]
 
 
 def flash_attention_fwd(m: TransformerShape, t: int, b: int) -> tuple[float, float]:
@@ -85,17 +118,18 @@ def flash_attention_fwd(m: TransformerShape, t: int, b: int) -> tuple[float, flo
     return heads * 4.0 * s * s * d * 0.5, heads * m.bytes_per_elem * 4 * s * d
 
 
-def elementwise_bytes(m: TransformerShape, t: int, b: int) -> float:
+def elementwise_bytes(m: TransformerShape, t: int, b: int, sp: bool = False) -> float:
     """HBM traffic of one layer's non-GEMM forward kernels on one TP rank (bytes).
 
     Replicated over TP (no sequence parallelism): 2 norms (read+write, 4*Mh), 2 residual adds
     (6*Mh) and, with dropout, 2 dropouts (5*Mh incl. 1-byte masks) -> 15 (GPT) or 10 (Llama) x e*M*h.
     Sharded: the MLP activation (2*M*f/t r+w, 3 when gated), RoPE on Q and K (Llama), and the
-    score softmax + dropout without fusion (2 + 2.5 x b*(a/t)*s^2 elements).
+    score softmax + dropout without fusion (2 + 2.5 x b*(a/t)*s^2 elements). With sequence
+    parallelism (``sp``) the replicated part runs on s/t of the sequence on each rank: divided by t.
     """
     e, s, h = m.bytes_per_elem, m.seq_len, m.hidden
     M = b * s
-    rep = (15 if m.dropout else 10) * e * M * h
+    rep = (15 if m.dropout else 10) * e * M * h / (t if sp else 1)
     sh = (3 if m.gated else 2) * e * M * m.ffn / t
     if m.family == "llama":
         sh += 2 * e * M * (m.heads // t + m.kv_heads_per_rank(t)) * m.head_dim
@@ -107,20 +141,41 @@ def elementwise_bytes(m: TransformerShape, t: int, b: int) -> float:
 ELEMENTWISE_KERNELS = 8  # norms, residual adds, dropouts, activation, softmax: kernels per layer forward
 
 
-def layer_compute(m: TransformerShape, gpu: GpuType, t: int, b: int, a: Assumptions = DEFAULT) -> tuple[float, float]:
+def layer_compute(m: TransformerShape, gpu: GpuType, t: int, b: int, a: Assumptions = DEFAULT,
+                  sp: bool = False) -> tuple[float, float]:
     """(forward, backward) seconds of one layer's compute on one TP rank, communication excluded.
 
-    forward = sum of roofline(GEMM) + fused attention + elementwise bytes / (hbm_bw * hbm_eff);
+    forward = sum of roofline(GEMM, at its shape's :func:`gemm_efficiency`) + fused attention + elementwise bytes / (hbm_bw * hbm_eff);
     backward = 2 x forward GEMMs (data and weight gradients) + 2.5 x fused attention (FlashAttention-2
     backward recomputes the scores) + 2 x elementwise traffic.
     """
-    gemm = sum(roofline(fl, by, gpu, m.dtype, a) for _, fl, by in layer_gemms(m, t, b))
+    gemm = 0.0
+    for _, n, M, K, N in layer_gemm_shapes(m, t, b):
+        fl, by = gemm_cost(n, M, K, N, m.bytes_per_elem)
+        gemm += roofline(fl, by, gpu, m.dtype, a, eff=gemm_efficiency(gpu, M, K, N, a))
     attn = 0.0
     if m.flash_attention:
         fl, by = flash_attention_fwd(m, t, b)
         attn = roofline(fl, by, gpu, m.dtype, a, eff=gpu.gemm_eff * a.flash_eff_ratio)
-    elem = elementwise_bytes(m, t, b) / (gpu.hbm_bw * a.hbm_eff) + ELEMENTWISE_KERNELS * a.kernel_overhead_s
+    elem = elementwise_bytes(m, t, b, sp) / (gpu.hbm_bw * a.hbm_eff) + ELEMENTWISE_KERNELS * a.kernel_overhead_s
     return gemm + attn + elem, 2 * gemm + 2.5 * attn + 2 * elem
+
+
+def attention_core_forward(m: TransformerShape, gpu: GpuType, t: int, b: int, a: Assumptions = DEFAULT) -> float:
+    """What selective recomputation (Korthikanti et al. 2022) runs again before the backward: the
+    attention core's forward, scores and context products plus the softmax (and its dropout),
+    ``(2 + 2.5) x e*b*(a/t)*s^2`` bytes with dropout, 2 without. Zero with fused attention, whose
+    backward already recomputes the scores (and which keeps no s x s activations to drop)."""
+    if m.flash_attention:
+        return 0.0
+    e, s = m.bytes_per_elem, m.seq_len
+    out = 0.0
+    for name, n, M, K, N in layer_gemm_shapes(m, t, b):
+        if name in ("scores", "context"):
+            fl, by = gemm_cost(n, M, K, N, e)
+            out += roofline(fl, by, gpu, m.dtype, a, eff=gemm_efficiency(gpu, M, K, N, a))
+    soft = (4.5 if m.dropout else 2.0) * e * b * m.heads / t * s * s
+    return out + soft / (gpu.hbm_bw * a.hbm_eff) + (2 if m.dropout else 1) * a.kernel_overhead_s
 
 
 def embedding_compute(m: TransformerShape, gpu: GpuType, t: int, b: int, a: Assumptions = DEFAULT) -> tuple[float, float]:
@@ -136,7 +191,7 @@ def head_compute(m: TransformerShape, gpu: GpuType, t: int, b: int, a: Assumptio
     """
     e, M, h = m.bytes_per_elem, b * m.seq_len, m.hidden
     n = m.vocab / t
-    gemm = roofline(2.0 * M * h * n, e * (M * h + h * n + M * n), gpu, m.dtype, a)
+    gemm = roofline(2.0 * M * h * n, e * (M * h + h * n + M * n), gpu, m.dtype, a, eff=gemm_efficiency(gpu, M, h, n, a))
     norm = 4 * e * M * h / (gpu.hbm_bw * a.hbm_eff)
     ce = M * n / (gpu.hbm_bw * a.hbm_eff)
     return gemm + norm + 16 * ce + 3 * a.kernel_overhead_s, 2 * gemm + 2 * norm + 8 * ce + 3 * a.kernel_overhead_s
@@ -189,6 +244,25 @@ def dp_allreduce(params_rank: float, dp: int, bw: float, latency: float, a: Assu
     return ring_allreduce(params_rank * a.grad_bytes, dp, bw, latency)
 
 
+def straggler_factor(dp: int, a: Assumptions = DEFAULT) -> float:
+    """Extra fraction of the pipeline time spent waiting for the slowest of ``dp`` replicas:
+    ``dp_jitter * z(dp)``, z(n) = the expected maximum of n standard normal draws (Blom's
+    approximation ``Phi^-1((n - 0.375) / (n + 0.25))``: 0 at n=1, 0.56 at 2, 1.27 at 6, 2.07 at 32).
+
+    Why this form: data-parallel replicas are synchronous; each runs its own pipeline and all of
+    them meet at the gradient all-reduce, so the iteration ends when the slowest finishes. One
+    replica's pipeline time varies around the modelled one (GPU clocks and thermals differ
+    between chips, its TP and p2p traffic meets different congestion in the fabric, host noise
+    delays kernel launches). With a relative spread sigma per replica, the expected maximum over
+    n replicas is ``mean * (1 + sigma * z(n))``: zero cost for one replica, growing with the count
+    but ever more slowly (z grows like sqrt(2 ln n)). The ring's per-step latency, the other term
+    that grows with n, is in :func:`ring_allreduce`.
+    """
+    if dp <= 1 or a.dp_jitter == 0.0:
+        return 0.0
+    return a.dp_jitter * _NORMAL.inv_cdf((dp - 0.375) / (dp + 0.25))
+
+
 def embedding_sync(m: TransformerShape, t: int, bw: float, latency: float, a: Assumptions = DEFAULT) -> float:
     """Tied word embeddings with pp>1: all-reduce of the V*h/t gradient between the first and last
     stage (2 ranks: ``bytes / bw + 2*latency``)."""
@@ -203,7 +277,7 @@ def optimizer_step(params_rank: float, gpu: GpuType, dp: int, zero1: bool, a: As
 
 
 # ---------------------------------------------------------------- memory
-def activation_bytes(m: TransformerShape, t: int, b: int) -> float:
+def activation_bytes(m: TransformerShape, t: int, b: int, sp: bool = False, selective: bool = False) -> float:
     """Activations one layer keeps for backward, per micro-batch, per TP rank (Korthikanti et al. 2022).
 
     GPT with dropout and standard attention gives ``s*b*h*(10 + 24/t + 5*a*s/(h*t))``. In general:
@@ -211,22 +285,29 @@ def activation_bytes(m: TransformerShape, t: int, b: int) -> float:
     ``e*M*(2h/t + 2kd)`` (Q, K, V, attention output) + ``e*M*f/t`` x 2 (GeLU in/out) or x 3 (gated);
     scores ``b*(a/t)*s^2*(2e+1)`` with dropout, ``e`` without, none with fused attention (it keeps
     a 4-byte log-sum-exp per row instead).
+
+    Sequence parallelism (``sp``) shards the replicated part over the t ranks along the sequence;
+    selective recomputation drops the scores (recomputed, :func:`attention_core_forward`). For GPT
+    these give Korthikanti's ``sbh(34/t + 5as/(ht))``, ``sbh(10 + 24/t)`` and ``sbh * 34/t``.
     """
     e, s, h = m.bytes_per_elem, m.seq_len, m.hidden
     M = b * s
-    rep = e * M * 4 * h + (2 * M * h if m.dropout else 0)
+    rep = (e * M * 4 * h + (2 * M * h if m.dropout else 0)) / (t if sp else 1)
     sh = e * M * (2 * h / t + 2 * m.kv_heads_per_rank(t) * m.head_dim) + e * M * m.ffn / t * (3 if m.gated else 2)
     heads = b * m.heads / t
     if m.flash_attention:
         sc = 4 * heads * s
+    elif selective:
+        sc = 0.0
     else:
         sc = heads * s * s * ((2 * e + 1) if m.dropout else e)
     return rep + sh + sc
 
 
-def layer_input_bytes(m: TransformerShape, b: int) -> float:
-    """With full recomputation a layer keeps only its input, ``e*b*s*h`` (replicated over TP)."""
-    return m.bytes_per_elem * b * m.seq_len * m.hidden
+def layer_input_bytes(m: TransformerShape, b: int, t: int = 1, sp: bool = False) -> float:
+    """With full recomputation a layer keeps only its input, ``e*b*s*h`` (replicated over TP; with
+    sequence parallelism each rank keeps s/t of it: divided by t)."""
+    return m.bytes_per_elem * b * m.seq_len * m.hidden / (t if sp else 1)
 
 
 def embedding_activation_bytes(m: TransformerShape, b: int) -> float:

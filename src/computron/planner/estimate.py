@@ -41,6 +41,9 @@ class PlanConfig:
     v: int = 1  # virtual stages (model chunks) per pipeline stage
     recompute: bool = False  # full activation recomputation
     zero1: bool = False  # optimizer state sharded over data-parallel ranks
+    dp_overlap: bool = False  # gradient all-reduce overlapped with the last micro-batch's backward (torch DDP)
+    sp: bool = False  # sequence parallelism (Korthikanti et al. 2022); only with tp > 1
+    selective: bool = False  # selective recomputation of the attention core (when not recompute)
 
     def micro_batches(self, m: TransformerShape) -> int:
         """m = global batch / (dp * mbs); raise when it does not divide or violates the schedule."""
@@ -68,19 +71,37 @@ class CostModel:
         self._cache: dict = {}
         self.cache: dict = {}  # shared by PlanContexts: stage costs, memory caps, partitions
 
-    def layer(self, gpu: GpuType, tp: int, mbs: int) -> tuple[float, float, float]:
-        """(fwd s, bwd s, activation bytes) of one layer on one TP rank, communication excluded."""
-        key = (gpu.name, tp, mbs)
+    def layer(self, gpu: GpuType, tp: int, mbs: int, sp: bool = False, selective: bool = False) -> tuple[float, float, float]:
+        """(fwd s, bwd s, activation bytes) of one layer on one TP rank, communication excluded;
+        ``sp``: sequence parallelism, ``selective``: the attention scores are not kept. A profile
+        measures the layer without either: the model's difference (elementwise traffic, kept bytes)
+        is taken off the measured figures."""
+        sp = sp and tp > 1
+        key = (gpu.name, tp, mbs, sp, selective)
         hit = self._cache.get(key)
         if hit is None:
-            act = costs.activation_bytes(self.model, tp, mbs)
+            m = self.model
+            act = costs.activation_bytes(m, tp, mbs, sp, selective)
             got = self.profile.lookup(gpu.name, tp, mbs) if self.profile else None
             if got is not None:
-                hit = (got[0], got[1], act if got[2] is None else got[2])
+                saved = 0.0
+                if sp:
+                    saved = (costs.elementwise_bytes(m, tp, mbs) - costs.elementwise_bytes(m, tp, mbs, True)) / (
+                        gpu.hbm_bw * self.a.hbm_eff)
+                kept = act if got[2] is None else got[2] - (costs.activation_bytes(m, tp, mbs) - act)
+                hit = (got[0] - saved, got[1] - 2 * saved, kept)
             else:
-                f, b = costs.layer_compute(self.model, gpu, tp, mbs, self.a)
+                f, b = costs.layer_compute(m, gpu, tp, mbs, self.a, sp)
                 hit = (f, b, act)
             self._cache[key] = hit
+        return hit
+
+    def core(self, gpu: GpuType, tp: int, mbs: int) -> float:
+        """Seconds selective recomputation adds to one layer's backward (costs.attention_core_forward)."""
+        key = ("core", gpu.name, tp, mbs)
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = costs.attention_core_forward(self.model, gpu, tp, mbs, self.a)
         return hit
 
     def source(self, gpu: GpuType, tp: int) -> str:
@@ -100,8 +121,10 @@ class MemoryTerms:
     act_fixed: float  # once (logits)
 
 
-def memory_terms(m: TransformerShape, tp: int, mbs: int, s: int, p: int, recompute: bool, act: float) -> MemoryTerms:
-    """The memory terms of stage s of p; ``act`` is one layer's activations per micro-batch."""
+def memory_terms(m: TransformerShape, tp: int, mbs: int, s: int, p: int, recompute: bool, act: float,
+                 sp: bool = False) -> MemoryTerms:
+    """The memory terms of stage s of p; ``act`` is one layer's activations per micro-batch (with
+    the plan's sequence parallelism and selective recomputation already applied)."""
     fixed = act_mb = act_fixed = 0.0
     if s == 0:
         fixed += m.embedding_params(tp)
@@ -109,7 +132,7 @@ def memory_terms(m: TransformerShape, tp: int, mbs: int, s: int, p: int, recompu
     if s == p - 1:
         fixed += m.head_params(tp, p)
         act_fixed = costs.head_activation_bytes(m, tp, mbs)
-    keep = costs.layer_input_bytes(m, mbs) if recompute else act
+    keep = costs.layer_input_bytes(m, mbs, tp, sp and tp > 1) if recompute else act
     return MemoryTerms(m.layer_params(tp), fixed, keep, act if recompute else 0.0, act_mb, act_fixed)
 
 
@@ -193,12 +216,15 @@ class PlanResult:
 
     def key(self) -> tuple:
         c = self.config
-        return (self.placement, c.dims, c.mbs, c.v, c.recompute, c.zero1, self.partition)
+        return (self.placement, c.dims, c.mbs, c.v, c.recompute, c.zero1, c.dp_overlap, c.sp, c.selective,
+                self.partition)
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["config"] = {"tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp, "mbs": self.config.mbs,
-                       "virtual_stages": self.config.v, "recompute": self.config.recompute, "zero1": self.config.zero1}
+                       "virtual_stages": self.config.v, "recompute": self.config.recompute, "zero1": self.config.zero1,
+                       "dp_overlap": self.config.dp_overlap, "sequence_parallel": self.config.sp,
+                       "selective_recompute": self.config.selective}
         return d
 
 
@@ -217,7 +243,7 @@ class PlanContext:
         self.stages = []
         for s in range(p):  # stages seeing the same hardware share their costs across contexts
             key = ("stage", envs[s], envs[(s + 1) % p], envs[(s - 1) % p], s == 0, s == p - 1, p > 1,
-                   cfg.dims.tp, cfg.mbs, cfg.recompute)
+                   cfg.dims.tp, cfg.mbs, cfg.recompute, cfg.sp, cfg.selective)
             st = cache.get(key)
             if st is None:
                 st = cache[key] = self._stage(s)
@@ -251,8 +277,14 @@ class PlanContext:
         fractional partitions within the memory caps (every stage's m busy micro-batches, and the
         last stage's wait for the pipeline to fill and drain)."""
         t, c = self.linear_terms()
-        return partition.pipeline_min_max(self.m.layers, t, self.caps, self.mb, self.cfg.v, self.cfg.v, c,
-                                         cutoff=cutoff)
+        k = 1.0 + self.straggle
+        return k * partition.pipeline_min_max(self.m.layers, t, self.caps, self.mb, self.cfg.v, self.cfg.v, c,
+                                             cutoff=cutoff / k)
+
+    @property
+    def straggle(self) -> float:
+        """:func:`costs.straggler_factor` of this plan's dp (the slowest replica's extra fraction)."""
+        return costs.straggler_factor(self.cfg.dims.dp, self.cm.a)
 
     # ---- per stage costs
     def _stage(self, s: int) -> StageCost:
@@ -260,11 +292,12 @@ class PlanContext:
         t, b = cfg.dims.tp, cfg.mbs
         env = self.envs[s]
         best = None
+        sel = cfg.selective and not cfg.recompute
         for node in env.nodes:
-            f, bw, act = self.cm.layer(node.gpu, t, b)
+            f, bw, act = self.cm.layer(node.gpu, t, b, cfg.sp, sel)
             ftp, btp = costs.layer_tp_comm(m, t, b, node.intra_bw, a)
             lf, lb = f + ftp, bw + btp
-            rec = f + ftp if cfg.recompute else 0.0
+            rec = f + ftp if cfg.recompute else (self.cm.core(node.gpu, t, b) if sel else 0.0)
             cand = (lf + lb + rec, node, lf, lb + rec, ftp, btp + (ftp if cfg.recompute else 0.0), rec, act)
             if best is None or cand[0] > best[0]:
                 best = cand
@@ -285,7 +318,7 @@ class PlanContext:
         usable = min(costs.usable_memory(n.gpu, a) for n in env.nodes)
         capacity = min(n.gpu.memory for n in env.nodes)
         opt_gpu = min((n.gpu for n in env.nodes), key=lambda g: g.hbm_bw)
-        mem = memory_terms(m, t, b, s, p, cfg.recompute, act)
+        mem = memory_terms(m, t, b, s, p, cfg.recompute, act, cfg.sp)
         return StageCost(node, lf, lb, ftp, btp, rec, ef, eb, e_tp, send_next, send_prev, mem, usable, capacity, opt_gpu)
 
     def _p2p(self, src: StageEnv, dst: StageEnv) -> float:
@@ -323,7 +356,7 @@ class PlanContext:
                 n_prev = v - (1 if s == 0 else 0)
                 sends = n_next * st.send_next + n_prev * st.send_prev
             t.append(st.lf + st.lb)
-            c.append(st.ef + st.eb + sends)
+            c.append(st.ef + st.eb + sends + (2 * v * self.cm.a.chunk_overhead_s if p > 1 else 0.0))
         return t, c
 
     def cost_table(self, respect_memory: bool = True) -> np.ndarray:
@@ -370,17 +403,19 @@ class PlanContext:
 
     # ---- schedule
     def durations(self, counts) -> tuple[list[float], list[float]]:
-        """Forward and backward op time of each global chunk (chunk j*p+s on stage s)."""
+        """Forward and backward op time of each global chunk (chunk j*p+s on stage s); with pp > 1
+        every chunk op also pays ``chunk_overhead_s`` (see costs.Assumptions)."""
         p, v = self.p, self.cfg.v
         C = p * v
+        ov = self.cm.a.chunk_overhead_s if p > 1 else 0.0
         fwd, bwd = [0.0] * C, [0.0] * C
         for s, st in enumerate(self.stages):
             q, r = divmod(counts[s], v)
             for j in range(v):
                 c = j * p + s
                 n = q + (1 if j < r else 0)
-                fwd[c] = n * st.lf + (st.send_next if c < C - 1 else 0.0)
-                bwd[c] = n * st.lb + (st.send_prev if c > 0 else 0.0)
+                fwd[c] = n * st.lf + (st.send_next if c < C - 1 else 0.0) + ov
+                bwd[c] = n * st.lb + (st.send_prev if c > 0 else 0.0) + ov
         s0, sl = self.stages[0], self.stages[-1]
         fwd[0] += s0.ef if p > 1 else 0.0
         bwd[0] += s0.eb if p > 1 else 0.0
@@ -389,7 +424,9 @@ class PlanContext:
         return fwd, bwd
 
     def tails(self, counts) -> tuple[list[float], list[float], list[float]]:
-        """Per stage: DP gradient all-reduce, tied-embedding sync, optimizer step (seconds)."""
+        """Per stage: DP gradient all-reduce, tied-embedding sync, optimizer step (seconds). With
+        ``dp_overlap`` the all-reduce runs during the last micro-batch's backward on the stage
+        (torch DDP's buckets): only what outlasts that backward is exposed."""
         cfg, m, a = self.cfg, self.m, self.cm.a
         dp_t, emb_t, opt_t = [], [], []
         sync = 0.0
@@ -399,7 +436,10 @@ class PlanContext:
         for s, st in enumerate(self.stages):
             params = counts[s] * st.mem.layer_params + st.mem.fixed_params
             env = self.envs[s]
-            dp_t.append(costs.dp_allreduce(params, cfg.dims.dp, env.dp_bw, env.dp_latency, a))
+            ar = costs.dp_allreduce(params, cfg.dims.dp, env.dp_bw, env.dp_latency, a)
+            if cfg.dp_overlap:
+                ar = max(ar - counts[s] * st.lb, 0.0)
+            dp_t.append(ar)
             emb_t.append(sync if s in (0, self.p - 1) else 0.0)
             opt_t.append(costs.optimizer_step(params, st.opt_gpu, cfg.dims.dp, cfg.zero1, a))
         return dp_t, emb_t, opt_t
@@ -408,7 +448,8 @@ class PlanContext:
         """A time no simulation of this partition can beat (for branch and bound)."""
         fwd, bwd = self.durations(counts)
         dp_t, emb_t, opt_t = self.tails(counts)
-        return schedule.lower_bound(self.p, self.cfg.v, self.mb, fwd, bwd) + dp_t[0] + emb_t[0] + max(opt_t)
+        pipe = schedule.lower_bound(self.p, self.cfg.v, self.mb, fwd, bwd) * (1.0 + self.straggle)
+        return pipe + dp_t[0] + emb_t[0] + max(opt_t)
 
     def result(self, counts, method: str, placement: tuple[NodeType, ...]) -> PlanResult:
         """Simulate the schedule and assemble the plan's time, breakdown, memory and cost."""
@@ -416,7 +457,8 @@ class PlanContext:
         fwd, bwd = self.durations(counts)
         tl = schedule.simulate(p, cfg.v, mb, fwd, bwd)
         dp_t, emb_t, opt_t = self.tails(counts)
-        ends = [tl.finish[s] + dp_t[s] + emb_t[s] for s in range(p)]
+        wait = [tl.finish[s] * self.straggle for s in range(p)]  # the slowest of dp replicas
+        ends = [tl.finish[s] + wait[s] + dp_t[s] + emb_t[s] for s in range(p)]
         crit = max(range(p), key=lambda s: ends[s])
         total = ends[crit] + max(opt_t)
         st = self.stages[crit]
@@ -431,7 +473,7 @@ class PlanContext:
         pp_part = mb * max(sends, 0.0)
         compute = tl.busy[crit] - tp_part - pp_part
         breakdown = {"compute": compute, "bubble": max(tl.finish[crit] - tl.busy[crit], 0.0), "tp": tp_part, "pp": pp_part,
-                     "dp": dp_t[crit], "other": emb_t[crit] + max(opt_t), "recompute": mb * n * st.lb_rec}
+                     "dp": dp_t[crit] + wait[crit], "other": emb_t[crit] + max(opt_t), "recompute": mb * n * st.lb_rec}
         mem = [self.memory(s, counts[s]) for s in range(p)]
         price = sum(nd.price for nd in placement)
         tokens = m.global_batch * m.seq_len

@@ -32,7 +32,7 @@ class GpuType:
     tflops: float
     memory: float
     hbm_bw: float
-    gemm_eff: float  # assumed sustained fraction of ``tflops`` on large GEMMs
+    gemm_eff: float  # sustained fraction of ``tflops`` that large GEMMs approach (costs.gemm_efficiency)
     bf16: bool = True  # V100 has no bf16 tensor cores
 
     def peak_flops(self, dtype: str) -> float:
@@ -45,8 +45,8 @@ class GpuType:
 _GPU_TABLE = {
     "v100": (125.0, 32, 900, 0.75, False),  # V100 SXM2 32GB
     "a10": (125.0, 24, 600, 0.60, True),  # 150 W card, sustains well under peak
-    "a100-40gb": (312.0, 40, 1555, 0.80, True),  # A100 SXM4 40GB
-    "a100-80gb": (312.0, 80, 2039, 0.80, True),  # A100 SXM4 80GB
+    "a100-40gb": (312.0, 40, 1555, 0.86, True),  # A100 SXM4 40GB (asymptote fitted, docs/planner.md)
+    "a100-80gb": (312.0, 80, 2039, 0.86, True),  # A100 SXM4 80GB (asymptote fitted, docs/planner.md)
     "l4": (121.0, 24, 300, 0.50, True),  # 72 W card, power-limited
     "h100": (989.0, 80, 3350, 0.72, True),  # H100 SXM5
     "h200": (989.0, 141, 4800, 0.72, True),  # H200 SXM

@@ -169,7 +169,7 @@ class _StageTables:
         """Per stage, a lower bound on its time per micro-batch besides its layers: the embedding on
         the first stage, the head on the last (at their fastest type) and the pipeline sends (over
         the network at the fastest link when a stage's G GPUs fill whole nodes on both sides, else
-        at the fastest intra-node link)."""
+        at the fastest intra-node link), and the per-chunk overhead of its 2v chunk ops."""
         p = self.dims.pp
         out = [0.0] * p
         if p == 1:
@@ -177,7 +177,7 @@ class _StageTables:
             return out
         for s in range(p):
             out[s] = (v - (s == p - 1)) * self._part("send", (sig[s], sig[(s + 1) % p]), b) + \
-                (v - (s == 0)) * self._part("send", (sig[s], sig[(s - 1) % p]), b)
+                (v - (s == 0)) * self._part("send", (sig[s], sig[(s - 1) % p]), b) + 2 * v * self.cm.a.chunk_overhead_s
         out[0] += self._part("emb", sig[0], b)
         out[-1] += self._part("head", sig[-1], b)
         return out
@@ -215,7 +215,13 @@ def _free_bound(m: TransformerShape, dims: ParallelDims, stage_nodes, b: int, cm
     memory ignored: a stage runs at its slowest type's ``tau_s``; one replica's B/dp samples
     through L layers take at least ``(B/dp) * L / sum_s 1/tau_s``."""
     rate = sum(1.0 / max(_tau(m, n, dims.tp, b, cm) for n in nodes) for nodes in stage_nodes)
-    return m.global_batch / dims.dp * m.layers / rate
+    return m.global_batch / dims.dp * m.layers / rate * _slowest(dims, cm)
+
+
+def _slowest(dims: ParallelDims, cm: CostModel) -> float:
+    """Every pipeline time is multiplied by this (the wait for the slowest of dp replicas,
+    :func:`costs.straggler_factor`), so bounds on it may be too."""
+    return 1.0 + costs.straggler_factor(dims.dp, cm.a)
 
 
 def _recompute_choice(m: TransformerShape, sig: tuple[int, ...], b: int, v: int, opts: SearchOptions,
@@ -256,8 +262,9 @@ def _fill_bound(m: TransformerShape, sig: tuple[int, ...], b: int, v: int, rec: 
     mb = m.global_batch // (tabs.dims.dp * b)
     lists = {k: tabs.caps(k, b, v, rec) for k in set(sig)}
     caps = [lists[k][s] for s, k in enumerate(sig)]
-    return pipeline_min_max(m.layers, [tabs.w(k, b, rec) for k in sig], caps, mb, v, v, tabs.fixed(sig, b, v),
-                            rel_tol=rel_tol, cutoff=cutoff)
+    g = _slowest(tabs.dims, tabs.cm)
+    return g * pipeline_min_max(m.layers, [tabs.w(k, b, rec) for k in sig], caps, mb, v, v, tabs.fixed(sig, b, v),
+                                rel_tol=rel_tol, cutoff=cutoff / g)
 
 
 def _family_fill_bound(m: TransformerShape, sig: tuple[int, ...], b: int, v: int, opts: SearchOptions,
@@ -273,7 +280,9 @@ def _family_fill_bound(m: TransformerShape, sig: tuple[int, ...], b: int, v: int
     out = dict.fromkeys(kinds, math.inf)
     if v > 1 and (p == 1 or mb % p or m.layers < p * v):
         return out
-    send = {k: (2 * v - 1) * min(tabs._part("send", (k, j), b) for j in kinds) if p > 1 else 0.0 for k in kinds}
+    ov = 2 * v * tabs.cm.a.chunk_overhead_s
+    send = {k: (2 * v - 1) * min(tabs._part("send", (k, j), b) for j in kinds) + ov if p > 1 else 0.0 for k in kinds}
+    g = _slowest(tabs.dims, tabs.cm)
     for rec in _recompute_options(opts):
         lists = {k: tabs.caps(k, b, v, rec) for k in kinds}
         for last in kinds:  # the stage that comes last is put at the end
@@ -286,7 +295,7 @@ def _family_fill_bound(m: TransformerShape, sig: tuple[int, ...], b: int, v: int
                 k = [(mb - 1) * x - (min(p, mb) - 1) * x / 2 for x in w[:-1]] + [(mb - 1) * w[-1]]
             else:
                 k = [0.0] * (p - 1) + [mb * w[-1] - w[-1] / v]
-            out[last] = min(out[last], pipeline_min_max(m.layers, w, n, mb, v, v, c, cutoff=cutoff, k=k))
+            out[last] = min(out[last], g * pipeline_min_max(m.layers, w, n, mb, v, v, c, cutoff=cutoff / g, k=k))
     return out
 
 
@@ -296,7 +305,7 @@ def _group_bound(m: TransformerShape, comp: dict[str, int], nts: dict, dims: Par
     allowed micro-batch size) take at least ``B*L / R``."""
     rate = sum(k * nts[n].gpus_per_node / dims.tp / min(_tau(m, nts[n], dims.tp, b, cm) for b in sizes)
                for n, k in comp.items())
-    return m.global_batch * m.layers / rate
+    return m.global_batch * m.layers / rate * _slowest(dims, cm)
 
 
 def _groups(m: TransformerShape, cluster: Cluster, opts: SearchOptions, cm: CostModel):

@@ -1,12 +1,15 @@
-"""Per-step cost of the worker process's control channel: decode step time at batch 1, the
-``workers`` executor (the in-process executor behind a pipe) against the ``inprocess`` one.
+"""Per-token cost of the worker process's control channel: decode time per token at batch 1, the
+``workers`` executor (the in-process executor behind a pipe) against the ``inprocess`` one, for
+each ``--decode-steps`` value (decode steps per engine call: the channel is crossed once per call).
 
     .venv/bin/python bench/worker_overhead.py [MODEL] [--device auto|cpu|cuda] [--runs 7] [--steps 64]
+        [--decode-steps 1 8]
 
-Both engines live in this one process (the worker's is its child), runs alternate between them,
-and each run's figure is the median decode step (``Engine.step`` wall time, one request of
-``--prompt-len`` tokens, greedy); the result is the median over runs. Also the round trip of a
-bare control call (``status``). Writes bench/results/worker_overhead_<device>.json and prints a table.
+Both engines live in this one process (the worker's is its child), runs alternate between them
+and between settings, and each run's figure is the wall time of its decode calls divided by the
+tokens they made (one request of ``--prompt-len`` tokens, greedy, after its prefill); the result
+is the median over runs. Also the round trip of a bare control call (``status``). Writes
+bench/results/worker_overhead_<device>.json and prints a table.
 """
 
 from __future__ import annotations
@@ -26,15 +29,14 @@ from computron.config import EngineConfig  # noqa: E402
 from computron.engine import Engine, SamplingParams  # noqa: E402
 
 
-def decode_steps(eng: Engine, model: str, prompt: list[int], steps: int) -> list[float]:
+def per_token(eng: Engine, model: str, prompt: list[int], steps: int) -> float:
+    """Seconds per decoded token of one request (after its prefill)."""
     req = eng.submit(model, prompt, SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True))
     eng.step()  # prefill
-    times = []
+    t0 = time.perf_counter()
     while not req.done:
-        t0 = time.perf_counter()
         eng.step()
-        times.append(time.perf_counter() - t0)
-    return times
+    return (time.perf_counter() - t0) / steps
 
 
 def round_trips(eng: Engine, n: int = 200) -> float:
@@ -53,6 +55,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--decode-steps", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--budget", default=None, help="memory budget (default: the executor's)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -67,38 +70,44 @@ def main() -> int:
     else:
         dev_name, slug = platform.processor() or platform.machine(), "cpu"
     engines = {}
+    prompt = list(range(1, args.prompt_len + 1))
     for kind in ("inprocess", "workers"):
         eng = Engine(EngineConfig(device=device, executor=kind, gpu_memory_budget=args.budget))
         eng.register_model(args.model)
         eng.load(args.model, wait=True)
-        decode_steps(eng, args.model, list(range(1, args.prompt_len + 1)), 8)  # warm up (graphs, caches)
+        for k in args.decode_steps:  # warm up (graphs, caches)
+            eng.config.decode_steps = k
+            per_token(eng, args.model, prompt, 2 * k + 2)
         engines[kind] = eng
-    per_run = {k: [] for k in engines}
+    settings = [(kind, k) for k in args.decode_steps for kind in engines]
+    per_run = {f"{kind}/{k}": [] for kind, k in settings}
     try:
         for _ in range(args.runs):
-            for kind, eng in engines.items():  # alternate: drifts hit both alike
-                per_run[kind].append(statistics.median(
-                    decode_steps(eng, args.model, list(range(1, args.prompt_len + 1)), args.steps)))
+            for kind, k in settings:  # alternate: drifts hit every setting alike
+                engines[kind].config.decode_steps = k
+                per_run[f"{kind}/{k}"].append(per_token(engines[kind], args.model, prompt, args.steps))
         rtt = {k: round_trips(e) for k, e in engines.items()}
     finally:
         engines["workers"].executor.shutdown()
-    step = {k: statistics.median(v) for k, v in per_run.items()}
+    tok = {key: statistics.median(v) for key, v in per_run.items()}
+    overhead = {k: {"overhead_s": tok[f"workers/{k}"] - tok[f"inprocess/{k}"],
+                    "overhead_ratio": tok[f"workers/{k}"] / tok[f"inprocess/{k}"]} for k in args.decode_steps}
     res = {
         "model": args.model, "device": device, "device_name": dev_name, "batch": 1, "prompt_len": args.prompt_len,
-        "decode_steps_per_run": args.steps, "runs": args.runs, "torch": torch.__version__,
-        "step_s": step, "step_s_per_run": per_run, "status_round_trip_s": rtt,
-        "overhead_s": step["workers"] - step["inprocess"],
-        "overhead_ratio": step["workers"] / step["inprocess"],
+        "tokens_per_run": args.steps, "runs": args.runs, "torch": torch.__version__,
+        "token_s": tok, "token_s_per_run": per_run, "status_round_trip_s": rtt, "by_decode_steps": overhead,
         "date": time.strftime("%Y-%m-%d"),
     }
     out = Path(args.out or Path(__file__).parent / "results" / f"worker_overhead_{slug}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2) + "\n")
-    print(f"{args.model} on {device} ({dev_name}), batch 1, median of {args.runs} runs x {args.steps} decode steps")
-    print(f"{'executor':<10} {'decode step':>12} {'status() round trip':>20}")
-    for k in engines:
-        print(f"{k:<10} {step[k] * 1e3:>9.3f} ms {rtt[k] * 1e6:>17.1f} µs")
-    print(f"overhead: {res['overhead_s'] * 1e6:+.1f} µs per step ({(res['overhead_ratio'] - 1) * 100:+.1f}%)  -> {out}")
+    print(f"{args.model} on {device} ({dev_name}), batch 1, median of {args.runs} runs x {args.steps} tokens")
+    print(f"{'steps/call':>10} {'inprocess':>12} {'workers':>12} {'overhead':>16}")
+    for k in args.decode_steps:
+        o = overhead[k]
+        print(f"{k:>10} {tok[f'inprocess/{k}'] * 1e3:>9.3f} ms {tok[f'workers/{k}'] * 1e3:>9.3f} ms "
+              f"{o['overhead_s'] * 1e6:>+8.1f} µs {(o['overhead_ratio'] - 1) * 100:+.1f}%")
+    print("status() round trip: " + ", ".join(f"{k} {v * 1e6:.1f} µs" for k, v in rtt.items()) + f"  -> {out}")
     return 0
 
 

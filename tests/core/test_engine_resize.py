@@ -50,3 +50,16 @@ def test_a_running_request_finishes_in_a_smaller_arena_then_an_empty_share_empti
     assert req.output_ids == want
     eng.core.set_budget(0, 0)  # idle: the model goes, and the arena with it
     assert capacity(eng) == 0 and eng.model_state("tiny-llama") == "offloaded"
+
+
+def test_the_worker_executor_resizes_its_workers_arena():
+    eng = Engine(EngineConfig(device="cpu", executor="workers", gpu_memory_budget=8 * 2**20, workspace_bytes=50_000))
+    try:
+        eng.register_model("tiny-opt")
+        want = eng.generate("tiny-opt", "abc", GREEDY).output_ids
+        need = eng.models["tiny-opt"].nbytes + 64 * 2**10
+        eng.core.set_budget(0, need)
+        assert capacity(eng) == need
+        assert eng.generate("tiny-opt", "abc", GREEDY).output_ids == want
+    finally:
+        eng.executor.shutdown()

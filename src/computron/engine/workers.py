@@ -483,6 +483,12 @@ class WorkerExecutor:
                 stats[k] = stats.get(k, 0) + v
         return ExecutorStatus(devices, models, parts[0].kv_block_tokens, stats)
 
+    def resize(self, device: int, nbytes: int) -> int:
+        """The arena of that device's worker (a restarted worker starts at its full size again)."""
+        if device not in self.devices:
+            raise ValueError(f"no device {device}; devices: {list(self.devices)}")
+        return self._broadcast([device], "resize", device, nbytes)
+
     def probe_link(self, name: str, repeats: int) -> list[float]:
         """Every rank copies its own shard's bytes at once; each repeat takes its slowest rank's time."""
         parts = self._broadcast_all(self._model_devices(name), "probe_link", name, repeats)

@@ -16,6 +16,7 @@ measured on the same engine, alternating within every repeat. Measured in the sa
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 
 import torch
@@ -153,6 +154,9 @@ def main(args) -> int:
     table = []
     for model in args.model:
         steps = list(dict.fromkeys(args.decode_steps))
+        if max(steps) > 64:
+            print(f"error: --decode-steps must be from 1 to 64, got {max(steps)}", file=sys.stderr)
+            return 2
         r = run(model, device, sorted(set(args.batch)), args.prompt_len, args.new_tokens, args.repeats,
                 not args.no_reference, steps)
         results["models"][model] = r

@@ -72,6 +72,11 @@ class Arena:
         regions hold, compacted) and return the new end. Shrinking returns the memory past the end
         to the device; regions beyond it move down first (compaction: owners see a new version)."""
         end = min(max(nbytes, self.used()), self.max_bytes)
+        if end > self.nbytes:  # the memory is mapped before any allocation may use it (a failure changes nothing)
+            if self._vmm is not None:
+                self._vmm.map_to(end)
+            self.nbytes = end
+            return end
         if self._regions and self._regions[-1].offset + self._regions[-1].nbytes > end:
             self._compact()
         self.nbytes = end

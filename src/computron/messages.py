@@ -175,7 +175,11 @@ class StepResult:
     loaded: dict[str, float] = field(default_factory=dict)  # model -> seconds its swap-in copies took
     compute_s: dict[str, float] = field(default_factory=dict)  # model -> seconds of its batch
     failed: dict[str, str] = field(default_factory=dict)  # req_id -> why it could not run
+    # Devices whose worker died: everything on them is gone, and the requests that ran there fail.
     lost_devices: list[int] = field(default_factory=list)
+    # Devices whose worker was restarted without dying (with the world of a dead one): their models'
+    # weights and KV caches are gone, their requests are not (they recompute when they run again).
+    reset_devices: list[int] = field(default_factory=list)
     trace: dict[str, dict] = field(default_factory=dict)  # model -> copy ends / compute starts (seconds)
 
 

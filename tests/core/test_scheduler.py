@@ -307,6 +307,37 @@ def test_a_request_that_cannot_grow_preempts_the_newest_and_both_finish():
     assert not s.requests and s.free_bytes(0) == 5 * small
 
 
+def test_requeue_after_a_restart_keeps_every_request_and_its_progress():
+    """A model's workers restarted: its running requests wait again (oldest first, at the head of
+    the queue, before newer waiting ones), their blocks and weights are freed, and each finishes
+    with exactly its max_tokens after the model is loaded again."""
+    s = _sched(150_000)
+    s.add_model("a", 100_000, KVT)
+    for i in range(2):
+        s.add_request(_req(i, "a", max_tokens=6))
+    made = {"r0": 0, "r1": 0, "r2": 0}
+    for _ in range(3):
+        for b in _run_step(s).batches:
+            for rid in b.requests:
+                made[rid] += 1
+    s.add_request(_req(2, "a", max_tokens=6))
+    assert s.requeue("a") == ["r1", "r0"]  # the newest goes to the head first, so the oldest ends first
+    assert s.state("a") == "offloaded" and s.free_bytes(0) == 150_000
+    assert [r.id for r in s.models["a"].waiting] == ["r0", "r1", "r2"]
+    assert s.generated("r0") == 3 and s.generated("r1") == 3
+    loads = []
+    for _ in range(20):
+        p = _run_step(s)
+        loads += p.loads
+        for b in p.batches:
+            for rid in b.requests:
+                made[rid] += 1
+        if not s.requests:
+            break
+    assert loads == ["a"] and made == {"r0": 6, "r1": 6, "r2": 6}
+    assert s.free_bytes(0) == 150_000 - 100_000
+
+
 @pytest.mark.parametrize("policy", ["default", "preempt", "computron"])
 @pytest.mark.parametrize("seed", range(5))
 def test_random_steps_keep_invariants(policy, seed):

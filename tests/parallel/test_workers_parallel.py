@@ -120,17 +120,23 @@ def test_runs_of_several_steps_give_the_tokens_of_single_steps():
 def test_killed_worker_restarts_the_world_and_its_models_work_again():
     """SIGKILL of one of two workers while a tp=2 model decodes: its requests fail at once with the
     reason, every worker is restarted in a new process group, and afterwards the tp=2 model and a
-    model on the other device give the tokens of a single-device engine."""
+    model on the other device give the tokens of a single-device engine. Then, with one model
+    decoding on each device, the worker of device 1 is killed again: the requests on device 1 fail,
+    while the request on device 0 needed only the surviving device, so it is not failed but
+    recomputed on the new world and finishes with a single-device engine's tokens."""
     ref = Engine(EngineConfig(device="cpu", gpu_memory_budget=64 * 2**20, workspace_bytes=50_000))
-    for m in ("tiny-opt", "tiny-gpt2"):
+    for m in ("tiny-opt", "tiny-gpt2", "tiny-llama"):
         ref.register_model(m)
     want = {m: ref.generate(m, "after the crash", GREEDY).output_ids for m in ("tiny-opt", "tiny-gpt2")}
+    survivor_params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    want_survivor = ref.generate("tiny-gpt2", PROMPTS[0], survivor_params).output_ids
     eng = Engine(EngineConfig(device="cpu", executor="workers", devices=2, gpu_memory_budget=64 * 2**20,
                               workspace_bytes=50_000))
     old = []
     try:
         eng.register_model(ModelSpec("tiny-opt", tp=2))
         eng.register_model(ModelSpec("tiny-gpt2", devices=[0]))
+        eng.register_model(ModelSpec("tiny-llama", devices=[1]))
         long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
         running = [eng.submit("tiny-opt", p, long) for p in PROMPTS[:3]]
         eng.step(), eng.step()
@@ -149,5 +155,18 @@ def test_killed_worker_restarts_the_world_and_its_models_work_again():
         assert not any(alive(p) for p in old)
         new = list(eng.executor.worker_pids().values())
         assert len(new) == 2 and not set(new) & set(old)
+
+        survivor = eng.submit("tiny-gpt2", PROMPTS[0], survivor_params)
+        doomed = eng.submit("tiny-llama", PROMPTS[1], long)
+        for _ in range(4):
+            eng.step()
+        assert survivor.output_ids and doomed.output_ids  # both were decoding when the worker died
+        preempted = eng.core.stats["preemptions"]
+        os.kill(new[1], signal.SIGKILL)
+        eng.run_until_done([survivor, doomed], max_steps=200)
+        assert doomed.finish_reason == "error" and "worker for device 1 died (exit code -9)" in doomed.error
+        assert survivor.error is None and survivor.output_ids == want_survivor
+        assert eng.core.stats["preemptions"] == preempted + 1
+        assert eng.executor.status().stats["restarts"] == 2
     finally:
         eng.executor.shutdown()

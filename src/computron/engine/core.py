@@ -250,14 +250,14 @@ class EngineCore:
         self.last_trace = result.trace
         for rid, why in result.failed.items():  # first: the executor's own reason (e.g. which worker died)
             self._fail([rid], why, unavailable=bool(result.lost_devices))
-        if result.lost_devices:
-            self._lose(result.lost_devices)
+        requeued = self._lose(result.lost_devices, result.reset_devices) \
+            if result.lost_devices or result.reset_devices else ()
         now = self.clock()
         for b in batches:
             compute = result.compute_s.get(b.model, 0.0)
             for rid in b.requests:
                 r = self.requests.get(rid)
-                if r is None or rid not in result.tokens:
+                if r is None or rid not in result.tokens or rid in requeued:  # requeued: it recomputes them
                     continue
                 r.compute_s += compute
                 if not r.output_ids:
@@ -296,15 +296,20 @@ class EngineCore:
             if r.done:
                 return
 
-    def _lose(self, devices: list[int]) -> None:
-        """Devices died: fail every request of a model on them; those models are off the device now."""
-        lost = set(devices)
+    def _lose(self, lost: list[int], reset: list[int] = ()) -> set[str]:
+        """Devices died (``lost``) or were restarted with them (``reset``): the models on them are off
+        their devices now. The requests that needed a dead worker were failed by the executor
+        (``StepResult.failed``); every other running request of those models waits again and
+        recomputes its cache; waiting requests wait on, and their models come back when next
+        scheduled. Returns the requeued requests: tokens the step made for them are dropped."""
+        gone, requeued = set(lost) | set(reset), set()
         for name, info in self.models.items():
-            if lost.intersection(info.placement.devices):
-                self._fail([r.id for r in list(self.requests.values()) if r.model == name],
-                           f"model {name!r} lost device(s) {sorted(lost)}", unavailable=True)
+            if gone.intersection(info.placement.devices):
+                requeued.update(self.scheduler.requeue(name))
                 if self.scheduler.state(name) != "offloaded":
                     self.scheduler.offloaded(name)
+        self.stats["preemptions"] += len(requeued)
+        return requeued
 
     # ---- residency -----------------------------------------------------------------------------
     def _apply(self, plan: StepPlan) -> float:

@@ -19,9 +19,11 @@ other call with a ``WorkerDied`` (a RuntimeError). The worker is then restarted 
 and every model it knew is registered again (offloaded); calls wait for that. With several
 devices the whole world is restarted (``_restart_world``): the other workers are killed (they may
 wait in a collective on the dead one), a new process group starts on a new port, every model is
-registered again on all of them, and the step reports every device lost. A death noticed
-outside an ``execute`` is reported by the next ``execute`` (its batches fail, nothing of the
-fresh worker stays resident), so the engine core always learns that the models are offloaded.
+registered again on all of them, and the step reports the other devices in ``reset_devices``:
+their models are gone, their requests did not need the dead worker (the core requeues them). A
+death noticed outside an ``execute`` is reported by the next ``execute`` (it runs nothing; only
+its requests whose caches were on the dead worker fail; nothing of the fresh worker stays
+resident), so the engine core always learns that the models are offloaded.
 Exceptions raised in the worker come back with their type name and message, as subclasses of
 the nearest of ValueError/KeyError/FileNotFoundError/MemoryError/TimeoutError (else
 RuntimeError), so the engine maps bad input to user errors as with the in-process executor.
@@ -82,7 +84,10 @@ class WorkerExecutor:
         self._ctx = mp.get_context("spawn")
         self._lock = threading.RLock()
         self._descs: dict[str, ModelDescription] = {}  # every model registered, kept to re-register
-        self._lost: set[int] = set()  # devices whose worker died, not yet reported by an execute
+        # Not yet reported by an execute: devices whose worker died, and devices whose worker was
+        # restarted with them (with several devices the world is restarted).
+        self._dead: set[int] = set()
+        self._reset: set[int] = set()
         self._ready = {d: threading.Event() for d in self.devices}  # cleared while a worker restarts
         self._broken: dict[int, BaseException] = {}  # a restart that failed
         self._last_status: dict[int, ExecutorStatus] = {}
@@ -179,12 +184,13 @@ class WorkerExecutor:
             self._cause = str(cause)
             if len(self.devices) > 1:
                 self._rebuilding = True
-                self._lost.update(self.devices)
+                self._dead.add(w.device)
+                self._reset.update(self.devices)
                 for d in self.devices:
                     self._ready[d].clear()
                 target, args, name = self._restart_world, (cause,), "computron-restart-world"
             else:
-                self._lost.add(w.device)
+                self._dead.add(w.device)
                 self._ready[w.device].clear()
                 target, args, name = self._restart, (w.device,), f"computron-restart-{w.device}"
             t = threading.Thread(target=target, args=args, name=name, daemon=True)
@@ -294,18 +300,27 @@ class WorkerExecutor:
         finally:
             self._ready[device].set()
 
-    def _lost_result(self, batches: list[ExecuteBatch], why: str, devices) -> StepResult:
-        return StepResult(failed={s.req_id: why for b in batches for s in b.seqs}, lost_devices=sorted(devices))
+    def _lost_result(self, batches: list[ExecuteBatch], why: str, dead: set[int], reset: set[int],
+                     ran: bool = True) -> StepResult:
+        """A step that a death cut short (``ran``) or found before it began: the requests that needed a
+        dead worker fail with ``why`` (those of a batch with a rank there; before the step began,
+        only those whose caches were there, not those about to start); the others get no token, and
+        the core requeues them, as their models are gone from the restarted workers."""
+        failed = {s.req_id: why for b in batches if dead.intersection(self._model_devices(b.model))
+                  for s in b.seqs if ran or s.past > 0}
+        return StepResult(failed=failed, lost_devices=sorted(dead), reset_devices=sorted(reset - dead))
 
-    def _lost_step(self, batches: list[ExecuteBatch], died: WorkerDied, devices: set[int]) -> StepResult:
-        """A step during which a worker died: its requests fail with the death's reason, and it
-        reports every device whose models are gone (with several devices: all, as the world is
-        restarted), so the next step has nothing more to report."""
+    def _lost_step(self, batches: list[ExecuteBatch], died: WorkerDied, dead: set[int]) -> StepResult:
+        """A step during which a worker died: the requests that needed it fail with the death's
+        reason, and it reports every device whose models are gone (with several devices: all, as
+        the world is restarted), so the next step has nothing more to report."""
         with self._lock:
-            devices = set(devices) | (self._lost if len(self.devices) > 1 else set())
-            self._lost -= devices
+            dead = set(dead) | self._dead
+            reset = set(self._reset)
+            self._dead -= dead
+            self._reset.clear()
             why = self._cause or str(died)
-        return self._lost_result(batches, why, devices)
+        return self._lost_result(batches, why, dead, reset)
 
     # ---- the protocol --------------------------------------------------------------------------
     def register(self, desc: ModelDescription, progress: Callable[[str], None] | None = None) -> ModelInfo:
@@ -367,7 +382,7 @@ class WorkerExecutor:
         sharded = {id(b) for b in runs}
         first = [dataclasses.replace(b, steps=1) if id(b) in sharded else b for b in batches]
         result = self._step(first)
-        if result.lost_devices:
+        if result.lost_devices or result.reset_devices:
             return result
         # Requests that failed in a step are not carried on; a run returns no log-probabilities (as a
         # worker's own run does not).
@@ -387,8 +402,8 @@ class WorkerExecutor:
             for rid in one.failed:
                 tokens.pop(rid, None)
                 result.tokens.pop(rid, None)
-            if one.lost_devices:
-                result.lost_devices = sorted(set(result.lost_devices) | set(one.lost_devices))
+            if one.lost_devices or one.reset_devices:
+                result.lost_devices, result.reset_devices = one.lost_devices, one.reset_devices
                 break
             result.loaded.update(one.loaded)
             for name, sec in one.compute_s.items():
@@ -401,15 +416,16 @@ class WorkerExecutor:
     def _step(self, batches: list[ExecuteBatch]) -> StepResult:
         """One call to the workers of the batches' devices; raises what a worker raised."""
         with self._lock:
-            lost, self._lost = self._lost, set()
-        if lost:  # a worker died since the last step: its models are gone; say so before running anything
-            for d in lost:
+            dead, reset = self._dead, self._reset
+            self._dead, self._reset = set(), set()
+        if dead or reset:  # a worker died since the last step: the models there are gone; say so first
+            for d in sorted(dead | reset):
                 try:  # the fresh worker must hold nothing the core will believe offloaded
                     self._broadcast([d], "apply", Residency(evict=list(self._broadcast([d], "status").models)))
                 except Exception:
                     pass
-            why = self._cause or "; ".join(f"worker for device {d} died" for d in sorted(lost))
-            return self._lost_result(batches, why, lost)
+            why = self._cause or "; ".join(f"worker for device {d} died" for d in sorted(dead))
+            return self._lost_result(batches, why, dead, reset, ran=False)
         try:
             # Every rank of a batch's placement takes part; the last stage's first rank answers its tokens.
             devices = sorted({d for b in batches for d in self._model_devices(b.model)})
@@ -423,8 +439,8 @@ class WorkerExecutor:
         for w in workers:  # read on this thread: the step's answers never wait for another thread
             try:
                 part = w.finish_step(self.call_timeout)
-            except WorkerDied as e:
-                lost.add(w.device)
+            except WorkerDied as e:  # a worker killed for a restart of the world names the one that died
+                lost.add(e.device)
                 died = died or e
                 self._on_death(w, e)  # at once (its receiver thread may not have seen it yet)
                 continue

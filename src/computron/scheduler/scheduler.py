@@ -204,6 +204,21 @@ class Scheduler(Memory):
         if m.on_device:
             self._set_offloaded(m)
 
+    def requeue(self, name: str) -> list[str]:
+        """The model's weights and KV caches are gone from its devices (its workers were restarted),
+        its requests are not: every running one waits again at the head of its queue, in arrival
+        order, and recomputes its cache (prompt and tokens made) when it runs again; the model is
+        offloaded. Returns the requeued requests' ids."""
+        m = self._model(name)
+        plan = StepPlan()
+        for req in sorted(m.running.values(), key=lambda r: r.arrival, reverse=True):  # the oldest ends first
+            self._preempt(m, req, plan)
+        if m.on_device:
+            self._set_offloaded(m)
+        self._epoch += 1
+        self._queue(m)
+        return plan.preempted
+
     def plan_load(self, name: str, now: float = 0.0) -> StepPlan:
         """A plan that puts ``name`` on its devices now (admin load), evicting idle models if needed."""
         m = self._model(name)

@@ -105,6 +105,12 @@ class EngineConfig:
     # A steady decode batch runs up to this many steps per call, each step's tokens fed to the next on
     # the device (one wait for the device per run); a request arriving meanwhile waits for the run's end.
     decode_steps: int = 1
+    # executor "workers" over several nodes: take workers of other nodes at HOST:PORT (they connect
+    # with `computron worker --connect`, authenticated by $COMPUTRON_WORKER_AUTHKEY) and start only the
+    # workers of devices 0 .. local_devices - 1 here. None: $COMPUTRON_WORKERS_LISTEN and
+    # $COMPUTRON_LOCAL_DEVICES, else every device is this node's.
+    workers_listen: str | None = None
+    local_devices: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.decode_steps, int) or not 1 <= self.decode_steps <= 64:

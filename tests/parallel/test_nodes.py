@@ -45,8 +45,10 @@ def test_tp2_across_two_nodes_gives_the_tokens_of_tp1(tmp_path):
                                "--connect-timeout", "60"], env=env, stdout=log, stderr=subprocess.STDOUT)
     ex = None
     try:
-        config = EngineConfig(executor="workers", devices=2, **cfg)
-        ex = WorkerExecutor(config, start_timeout=90, listen=f"127.0.0.1:{port}", authkey=key, local_devices=1)
+        with pytest.raises(ValueError, match="say how many of the 2 devices are this node's"):
+            WorkerExecutor(EngineConfig(executor="workers", devices=2, workers_listen=f"127.0.0.1:{port}", **cfg))
+        config = EngineConfig(executor="workers", devices=2, workers_listen=f"127.0.0.1:{port}", local_devices=1, **cfg)
+        ex = WorkerExecutor(config, start_timeout=90, authkey=key)
         eng = Engine(config, executor=ex)
         eng.register_model(ModelSpec("tiny-opt", tp=2))
         assert eng.models["tiny-opt"].info.placement.devices == (0, 1)

@@ -65,6 +65,8 @@ def test_flags_override_file_override_defaults(tmp_path, monkeypatch):
     assert build_config(parse("serve", "--config", str(path), "--decode-steps", "8")).engine.decode_steps == 8
     with pytest.raises(ValueError, match="decode_steps must be an integer from 1 to 64, got 0"):
         build_config(parse("serve", "--decode-steps", "0"))
+    eng = build_config(parse("serve", "--workers-listen", "10.0.0.1:29600", "--local-devices", "2")).engine
+    assert (eng.workers_listen, eng.local_devices) == ("10.0.0.1:29600", 2)
 
 
 def test_serve_errors_exit_2(capsys):

@@ -57,9 +57,10 @@ class WorkerExecutor:
 
     def __init__(self, config, start_timeout: float = 120.0, call_timeout: float = 600.0, listen: str | None = None,
                  authkey: str | None = None, local_devices: int | None = None):
-        """``listen`` (``HOST:PORT``; default ``$COMPUTRON_WORKERS_LISTEN``): also take workers of other
-        nodes there, authenticated with ``authkey`` (default ``$COMPUTRON_WORKER_AUTHKEY``); this node
-        then starts the workers of devices 0 .. ``local_devices`` - 1 (default
+        """``listen`` (``HOST:PORT``; default ``config.workers_listen``, else
+        ``$COMPUTRON_WORKERS_LISTEN``): also take workers of other nodes there, authenticated with
+        ``authkey`` (default ``$COMPUTRON_WORKER_AUTHKEY``); this node then starts the workers of
+        devices 0 .. ``local_devices`` - 1 (default ``config.local_devices``, else
         ``$COMPUTRON_LOCAL_DEVICES``) and waits for the others to connect (``computron worker``)."""
         # What each worker runs: the in-process executor, or the legacy one for the computron policy.
         self.config = dataclasses.replace(config, executor="legacy" if config.policy == "computron" else "inprocess")
@@ -67,7 +68,8 @@ class WorkerExecutor:
         self.devices = tuple(range(config.devices))
         if not self.devices:
             raise ValueError(f"devices must be at least 1, got {config.devices}")
-        listen = listen or os.environ.get("COMPUTRON_WORKERS_LISTEN") or None
+        listen = listen or config.workers_listen or os.environ.get("COMPUTRON_WORKERS_LISTEN") or None
+        local_devices = local_devices if local_devices is not None else config.local_devices
         self._nodes: NodeListener | None = None
         self._master, self.local = "127.0.0.1", len(self.devices)
         if listen:
@@ -75,7 +77,8 @@ class WorkerExecutor:
             local = local_devices if local_devices is not None else os.environ.get("COMPUTRON_LOCAL_DEVICES")
             if local is None or not str(local).isdigit() or not 1 <= int(local) <= len(self.devices):
                 raise ValueError(f"with workers of other nodes, say how many of the {len(self.devices)} devices are "
-                                 f"this node's (COMPUTRON_LOCAL_DEVICES, 1 to {len(self.devices)}; device 0 is "
+                                 f"this node's (--local-devices, engine.local_devices or $COMPUTRON_LOCAL_DEVICES, 1 to "
+                                 f"{len(self.devices)}; device 0 is "
                                  f"always here), got {local!r}")
             self.local = int(local)
             self._master = host if host not in ("", "0.0.0.0") else socket.getfqdn()

@@ -46,6 +46,11 @@ def add_parsers(subparsers) -> None:
                         "tokens stream K at a time and a new request waits for the run to end")
     p.add_argument("--devices", type=int, metavar="N", help="devices to serve on, one worker process each "
                                                              "(executor workers; default: what the layouts need)")
+    p.add_argument("--workers-listen", metavar="HOST:PORT",
+                   help="executor workers over several nodes: accept the workers of other nodes here "
+                        "(`computron worker --connect HOST:PORT`; default $COMPUTRON_WORKERS_LISTEN)")
+    p.add_argument("--local-devices", type=int, metavar="N",
+                   help="with --workers-listen: devices 0..N-1 are this node's (default $COMPUTRON_LOCAL_DEVICES)")
     p.add_argument("--executor", choices=("inprocess", "legacy", "workers"),
                    help="inprocess (default), legacy (the computron policy's) or workers (a process per device)")
     p.add_argument("--host", help="address to bind (default 127.0.0.1; 0.0.0.0 exposes the server)")
@@ -126,6 +131,9 @@ def build_config(args) -> ComputronConfig:
         eng.decode_steps = args.decode_steps
     if getattr(args, "devices", None) is not None:
         eng.devices = args.devices
+    for name in ("workers_listen", "local_devices"):
+        if getattr(args, name, None) is not None:
+            setattr(eng, name, getattr(args, name))
     if args.gpu_memory_budget is not None:
         eng.gpu_memory_budget = parse_bytes(args.gpu_memory_budget)
     if args.workspace is not None:

@@ -196,17 +196,17 @@ class EngineCore:
                 self.finish(req, "error", why, unavailable)
 
     # ---- the step ------------------------------------------------------------------------------
-    def step(self, max_steps: int = 1) -> StepPlan:
+    def step(self, max_steps: int | Callable[[str, int], int] = 1) -> StepPlan:
         """One iteration: schedule, swap, execute one batch per model, update. The KV caches of
         requests that ended are released in one message at the end. ``max_steps`` > 1 lets a steady
-        decode batch run that many steps in one call (``plan.steps``; see ``Scheduler.schedule``):
-        the caller promises no request arrives meanwhile."""
+        decode batch run that many steps in one call (``plan.steps``; see ``Scheduler.schedule``, which
+        also takes a function of the batch): the caller promises no request arrives meanwhile."""
         try:
             return self._step(max_steps)
         finally:
             self._flush_frees()
 
-    def _step(self, max_steps: int = 1) -> StepPlan:
+    def _step(self, max_steps: int | Callable[[str, int], int] = 1) -> StepPlan:
         if self.colocation is not None:
             self.colocation.poll()
         plan = self.scheduler.schedule(self.clock(), max_steps)

@@ -304,12 +304,12 @@ class Scheduler(Memory):
         """How many steps (at most ``max_steps``) the batch may run from now: none of its requests
         reaches its last token before the last step, and the blocks its later tokens need are
         taken now, in the order single steps would take them, up to the first that does not fit."""
-        steps = max_steps
-        for req in m.running.values():
-            left = req.max_tokens - (m.steps - req.joined)
-            if left < steps:
-                steps = left
+        ends = m.ends
+        while ends[0][2].state != "running" or ends[0][2].joined + ends[0][2].max_tokens != ends[0][0]:
+            heapq.heappop(ends)  # ended or preempted since: an entry of a request that runs is live
+        steps = min(max_steps, ends[0][0] - m.steps)
         growth, last = m.growth, m.steps + steps - 1
+        room, taken = self._room(m), 0  # blocks that fit now; nothing else takes or frees any meanwhile
         same_step: list = []  # entries granted for the step of the last one: undone if that step is cut
         while growth and growth[0][0] <= last:
             due, tie, req = growth[0]
@@ -318,17 +318,20 @@ class Scheduler(Memory):
                 continue
             if same_step and same_step[0][0] != due:
                 same_step.clear()
-            if not self._fits(self._kv_need(m, 1)):
+            if taken >= room:
                 for entry in same_step:  # the run ends before step ``due``: its blocks are not needed yet
                     entry[2].blocks -= 1
                     entry[2].due = entry[1]  # the entry is live again (the newer one pushed is stale)
                     heapq.heappush(growth, entry)
-                self._take_blocks(m, -len(same_step))
+                if same_step:  # as single steps would: blocks given back, memory freed
+                    self._epoch += 1
+                self._take_blocks(m, taken - len(same_step))
                 return due - m.steps  # the run ends before the token that needs it
             same_step.append(heapq.heappop(growth))
             req.blocks += 1
-            self._take_blocks(m, 1)
+            taken += 1
             self._schedule_growth(m, req)
+        self._take_blocks(m, taken)
         return max(steps, 1)
 
     def _schedule(self, now: float) -> StepPlan:
@@ -476,6 +479,7 @@ class Scheduler(Memory):
             m.running[req.id] = req
             self._take_blocks(m, blocks)
             self._schedule_growth(m, req)
+            heapq.heappush(m.ends, (req.joined + req.max_tokens, req.due, req))
             batch.prefill.append(req.id)
             tokens += length
         return batch

@@ -2,10 +2,13 @@
 
 A 3-model workload (Gamma inter-arrival times, CV 2, per model) of ~20k requests through
 ``computron.sim.simulate`` (the real EngineCore and Scheduler on a SimExecutor), with an
-H200-like calibration and a budget that holds two of the three models. A second, profiled run on
-a slice of the trace says where the time goes. Writes bench/results/sim_speed.json.
+H200-like calibration and a budget that holds two of the three models, run ``--runs`` times on
+one core (the median is the figure; CPU seconds of the process beside wall seconds, as other work
+on the machine stretches wall time). A profiled run on a slice of the trace says where the time
+goes. Writes bench/results/sim_speed.json; ``--out`` elsewhere and ``PYTHONPATH`` at another
+checkout's ``src`` measure that version with the same workload.
 
-    .venv/bin/python bench/sim_speed.py [--requests 20000] [--profile-requests 4000]
+    .venv/bin/python bench/sim_speed.py [--requests 20000] [--runs 5] [--profile-requests 4000]
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import os
 import platform
 import pstats
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -46,10 +50,18 @@ def gamma_trace(n: int, models: list[str], rate: float, cv: float, seed: int) ->
 
 
 def run(trace, cfg):
+    """The simulation's result, its core calls, and wall and CPU seconds."""
     sim = Simulation(MODELS, H200ISH, cfg)
-    t0 = time.perf_counter()
+    calls, inner = [0], sim.core.step
+
+    def step(max_steps=1):
+        calls[0] += 1
+        return inner(max_steps)
+
+    sim.core.step = step
+    t0, c0 = time.perf_counter(), time.process_time()
     res = sim.run(trace)
-    return res, time.perf_counter() - t0
+    return res, calls[0], time.perf_counter() - t0, time.process_time() - c0
 
 
 def main() -> None:
@@ -57,19 +69,28 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=20_000)
     ap.add_argument("--rate", type=float, default=8.0, help="requests/s per model")
     ap.add_argument("--cv", type=float, default=2.0)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--label", default="", help="what version is measured (recorded in the JSON)")
     ap.add_argument("--profile-requests", type=int, default=4000)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "sim_speed.json"))
     a = ap.parse_args()
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})  # one core
     cfg = EngineConfig(gpu_memory_budget=30 * 2**30)  # 27 GiB arena: two of the three models, not all
     trace = gamma_trace(a.requests, MODELS, a.rate, a.cv, seed=0)
-    res, wall = run(trace, cfg)
+    walls, cpus = [], []
+    for _ in range(a.runs):
+        res, calls, w, c = run(trace, cfg)
+        walls.append(w)
+        cpus.append(c)
+    wall, cpu = statistics.median(walls), statistics.median(cpus)
     summ = res.summary()
     tokens = summ["all"]["output_tokens"]
 
     prof = cProfile.Profile()
     small = trace[: a.profile_requests]
     prof.enable()
-    pres, pwall = run(small, cfg)
+    pres, _, pwall, _ = run(small, cfg)
     prof.disable()
     s = io.StringIO()
     st = pstats.Stats(prof, stream=s)
@@ -81,11 +102,14 @@ def main() -> None:
 
     out = {
         "what": "simulated requests per second of wall time (one core), real EngineCore+Scheduler on SimExecutor",
+        "label": a.label,
         "models": MODELS, "calibration": H200ISH.to_dict(), "gpu_memory_budget": cfg.gpu_memory_budget,
         "workload": {"requests": len(trace), "rate_per_model": a.rate, "cv": a.cv, "prompt_tokens": [16, 512],
                      "output_tokens": [8, 256]},
-        "wall_s": round(wall, 3), "requests_per_s": round(len(trace) / wall, 1),
-        "steps": res.steps, "steps_per_s": round(res.steps / wall, 1), "output_tokens": tokens,
+        "runs": a.runs, "wall_s": round(wall, 3), "requests_per_s": round(len(trace) / wall, 1),
+        "cpu_s": round(cpu, 3), "requests_per_cpu_s": round(len(trace) / cpu, 1),
+        "wall_s_runs": [round(w, 3) for w in walls], "cpu_s_runs": [round(c, 3) for c in cpus],
+        "core_calls": calls, "steps": res.steps, "steps_per_s": round(res.steps / wall, 1), "output_tokens": tokens,
         "tokens_per_s": round(tokens / wall, 1), "simulated_s": round(res.end_time, 3),
         "core_stats": res.stats, "completed": summ["all"]["completed"],
         "latency_s": summ["all"]["latency"], "ttft_s": summ["all"]["ttft"],
@@ -95,8 +119,8 @@ def main() -> None:
     }
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
-    print(json.dumps({k: out[k] for k in ("requests_per_s", "steps_per_s", "tokens_per_s", "wall_s", "steps",
-                                           "simulated_s", "completed")}, indent=1))
+    print(json.dumps({k: out[k] for k in ("requests_per_s", "requests_per_cpu_s", "wall_s", "cpu_s", "core_calls",
+                                           "steps", "simulated_s", "completed")}, indent=1))
     print(s.getvalue()[:4000])
 
 

@@ -398,11 +398,13 @@ def test_random_steps_keep_invariants(policy, seed):
     assert not s.requests
 
 
+@pytest.mark.parametrize("rate", [0.05, 0.5])
 @pytest.mark.parametrize("seed", range(4))
-def test_steady_steps_plan_exactly_what_the_full_search_plans(seed):
-    """After a step that only decoded one model, with nothing changed since, the scheduler skips
-    its search; a twin that always searches must make the same plans, step for step."""
-    plans = []
+def test_steady_steps_plan_exactly_what_the_full_search_plans(seed, rate):
+    """After a step that only decoded one model, with nothing changed since but arrivals that
+    queue behind others of their model, the scheduler skips its search; a twin that always
+    searches must make the same plans, step for step."""
+    plans, shortcuts = [], 0
     for shortcut in (True, False):
         rng = random.Random(seed)
         s = _sched(400_000, max_batch_size=rng.randint(2, 8), block_tokens=4)
@@ -412,8 +414,11 @@ def test_steady_steps_plan_exactly_what_the_full_search_plans(seed):
             s.add_model(f"m{i}", 512 * rng.randint(100, 300), KVT)
         lengths, out, n = {}, [], 0
         for step in range(600):
-            if rng.random() < 0.05:
+            if rng.random() < rate:
                 r = SchedRequest(f"r{n}", f"m{rng.randrange(3)}", rng.randint(1, 16), rng.randint(1, 80), float(step))
+                queued = s.joins_queue(r.model, r.arrival)
+                if shortcut and queued and s._steady is not None and s._steady[0] == (s._epoch, s._changes):
+                    shortcuts += 1  # a steady batch that goes on past this arrival
                 s.add_request(r)
                 lengths[r.id] = rng.randint(1, r.max_tokens)
                 n += 1
@@ -422,6 +427,8 @@ def test_steady_steps_plan_exactly_what_the_full_search_plans(seed):
                         [(b.model, b.prefill, b.decode) for b in p.batches]))
         plans.append(out)
     assert plans[0] == plans[1]
+    if rate > 0.1:
+        assert shortcuts > 10
 
 
 @pytest.mark.parametrize("policy", ["default", "preempt"])

@@ -26,9 +26,18 @@ def test_same_outcome_as_single_steps(seed, budget, batch):
     cfg = EngineConfig(device="cpu", gpu_memory_budget=budget, max_batch_size=batch)
     slow = Simulation(models, H200_ROUGH, cfg, fast_forward=False).run(trace)
     fast_sim = Simulation(models, H200_ROUGH, cfg)
-    calls = []
+    calls, spans = [], []
     inner = fast_sim.core.step
-    fast_sim.core.step = lambda k=1: calls.append(k) or inner(k)
+
+    def step(k=1):
+        t0 = fast_sim.clock.t
+        plan = inner(k)
+        calls.append(plan.steps)
+        if any(t0 < t < fast_sim.clock.t for t, *_ in trace):
+            spans.append(plan.steps)  # requests arrived during this run: they queued behind others
+        return plan
+
+    fast_sim.core.step = step
     fast = fast_sim.run(trace)
     assert [(r.id, r.finish_reason, r.error) for r in fast.records] == \
            [(r.id, r.finish_reason, r.error) for r in slow.records]
@@ -37,5 +46,6 @@ def test_same_outcome_as_single_steps(seed, budget, batch):
         assert a.finish == pytest.approx(b.finish, rel=1e-12, abs=1e-12), a.id
     assert fast.stats == slow.stats and fast.steps == slow.steps
     assert max(calls) > 50 and len(calls) < slow.steps / 3  # it really ran long steps
+    assert max(spans) > 1
     if budget == "3.2GiB":
         assert slow.stats["preemptions"] > 0 and slow.stats["evictions"] > 0

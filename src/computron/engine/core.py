@@ -196,29 +196,34 @@ class EngineCore:
                 self.finish(req, "error", why, unavailable)
 
     # ---- the step ------------------------------------------------------------------------------
-    def step(self, max_steps: int = 1) -> StepPlan:
+    def step(self, max_steps: int | Callable[[str, int], int] = 1) -> StepPlan:
         """One iteration: schedule, swap, execute one batch per model, update. The KV caches of
         requests that ended are released in one message at the end. ``max_steps`` > 1 lets a steady
-        decode batch run that many steps in one call (``plan.steps``; see ``Scheduler.schedule``):
-        the caller promises no request arrives meanwhile."""
+        decode batch run that many steps in one call (``plan.steps``; see ``Scheduler.schedule``, which
+        also takes a function of the batch): the caller promises no request arrives meanwhile."""
         try:
             return self._step(max_steps)
         finally:
             self._flush_frees()
 
-    def _step(self, max_steps: int = 1) -> StepPlan:
+    def _step(self, max_steps: int | Callable[[str, int], int] = 1) -> StepPlan:
         if self.colocation is not None:
             self.colocation.poll()
         plan = self.scheduler.schedule(self.clock(), max_steps)
         for rid, why in plan.failed:  # it can never fit next to what is pinned: capacity, not a bug
             self._fail([rid], why, unavailable=True)
         evict_s = self._apply(plan)
-        batches = [b for b in plan.batches if all(r in self.requests for r in b.requests)]
+        reqs = self.requests
+        batches = [b for b in plan.batches if all(map(reqs.__contains__, b.requests))]
         if not batches:
             return plan
         self.stats["steps"] += plan.steps
-        msgs = [ExecuteBatch(b.model, [self._prefill(self.requests[r]) for r in b.prefill] +
-                             [self._decode(self.requests[r]) for r in b.decode], self.trace, plan.steps)
+        # prefill: the whole prompt (after a preemption, the prompt and the tokens made so far: a
+        # recompute); decode: the last token, after the tokens already in the cache
+        msgs = [ExecuteBatch(b.model, [SeqInput(r.id, r.prompt_ids + r.output_ids, 0, r.params)
+                                       for r in map(reqs.__getitem__, b.prefill)] +
+                             [SeqInput(r.id, r.output_ids[-1:], len(r.prompt_ids) + len(r.output_ids) - 1, r.params)
+                              for r in map(reqs.__getitem__, b.decode)], self.trace, plan.steps)
                 for b in batches]
         try:
             result = self.executor.execute(msgs).result()
@@ -229,15 +234,6 @@ class EngineCore:
         self._absorb(result, batches, evict_s)
         self.scheduler.update(plan, plan.steps)
         return plan
-
-    @staticmethod
-    def _prefill(r: CoreRequest) -> SeqInput:
-        """The whole prompt; after a preemption, the prompt and the tokens made so far (recompute)."""
-        return SeqInput(r.id, r.prompt_ids + r.output_ids, 0, r.params)
-
-    @staticmethod
-    def _decode(r: CoreRequest) -> SeqInput:
-        return SeqInput(r.id, r.output_ids[-1:], len(r.prompt_ids) + len(r.output_ids) - 1, r.params)
 
     def _loaded(self, loaded: dict[str, float]) -> None:
         for name, s in loaded.items():
@@ -253,20 +249,28 @@ class EngineCore:
         requeued = self._lose(result.lost_devices, result.reset_devices) \
             if result.lost_devices or result.reset_devices else ()
         now = self.clock()
+        reqs, out, logprobs = self.requests, result.tokens, result.logprobs
+        plain = not logprobs and self.on_token is None  # a run's tokens can go in at once
         for b in batches:
             compute = result.compute_s.get(b.model, 0.0)
+            eos = self.models[b.model].config.eos_token_id
             for rid in b.requests:
-                r = self.requests.get(rid)
-                if r is None or rid not in result.tokens or rid in requeued:  # requeued: it recomputes them
+                r = reqs.get(rid)
+                if r is None or rid not in out or rid in requeued:  # requeued: it recomputes them
                     continue
                 r.compute_s += compute
                 if not r.output_ids:
                     r.first_token_at, r.load_s, r.evict_s = now, result.loaded.get(b.model, 0.0), evict_s
-                tokens = result.tokens[rid]
+                tokens = out[rid]
                 if type(tokens) is int:
-                    self._append(r, tokens, result.logprobs.get(rid))
+                    self._append(r, tokens, logprobs.get(rid))
+                elif plain and (r.params.ignore_eos or eos not in tokens):
+                    room = r.params.max_tokens - len(r.output_ids)
+                    r.output_ids.extend(tokens[:room] if room < len(tokens) else tokens)
+                    if room <= len(tokens):
+                        self.finish(r, "length")
                 else:
-                    self._extend(r, tokens, result.logprobs.get(rid))
+                    self._extend(r, tokens, logprobs.get(rid))
 
     def _append(self, r: CoreRequest, token: int, logprob=None) -> None:
         eos = self.models[r.model].config.eos_token_id
@@ -282,15 +286,8 @@ class EngineCore:
             self.finish(r, "length")
 
     def _extend(self, r: CoreRequest, tokens: list[int], logprobs: list | None = None) -> None:
-        """The tokens of a run of several steps (with their log-probabilities, when asked); those
-        after the request ended are dropped."""
-        if logprobs is None and self.on_token is None and \
-                (r.params.ignore_eos or self.models[r.model].config.eos_token_id not in tokens):
-            room = r.params.max_tokens - len(r.output_ids)
-            r.output_ids.extend(tokens[:room] if room < len(tokens) else tokens)
-            if room <= len(tokens):
-                self.finish(r, "length")
-            return
+        """The tokens of a run of several steps one at a time (with their log-probabilities, when
+        asked, or to be seen one by one); those after the request ended are dropped."""
         for i, t in enumerate(tokens):
             self._append(r, t, logprobs[i] if logprobs is not None else None)
             if r.done:

@@ -213,6 +213,10 @@ class Memory:
     def _kv_need(self, m: ModelState, blocks: int) -> dict[int, int]:
         return {d: blocks * bb for d, bb in zip(m.devices, m.block_bytes)}
 
+    def _room(self, m: ModelState) -> int:
+        """How many more KV blocks of ``m`` fit now on all its devices."""
+        return min(self.free_bytes(d) // bb for d, bb in zip(m.devices, m.block_bytes))
+
     def _fits(self, need: dict[int, int]) -> bool:
         return all(n <= self.free_bytes(d) for d, n in need.items())
 

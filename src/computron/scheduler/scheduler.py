@@ -29,6 +29,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass
+from typing import Callable
 
 from ..memory.units import kv_region_bytes
 from .memory import Memory
@@ -156,9 +157,17 @@ class Scheduler(Memory):
                 raise ValueError(f"request {req.id!r} needs {kv} bytes of KV cache on device {d}; with the "
                                  f"model's {w} bytes that exceeds the budget of {self.config.budgets[d]} bytes")
         self.requests[req.id] = req
+        if not self.joins_queue(req.model, req.arrival):
+            self._changes += 1
         m.waiting.append(req)
-        self._changes += 1
         self._queue(m)
+
+    def joins_queue(self, model: str, arrival: float) -> bool:
+        """Would a request of ``model`` arriving at ``arrival`` only wait behind others of its model?
+        Then it changes no plan: a queue is looked at from its head, and a head that cannot start
+        keeps those behind it from starting; a steady batch goes on."""
+        m = self.models.get(model)
+        return m is not None and bool(m.waiting) and m.waiting[-1].arrival <= arrival
 
     def finish(self, req_id: str) -> None:
         """A request ended (completed, failed or cancelled): drop it and free its KV reservation."""
@@ -248,11 +257,14 @@ class Scheduler(Memory):
                 m.heap_key = None  # any other entry of m is stale from now on
                 yield key, m
 
-    def schedule(self, now: float = 0.0, max_steps: int = 1) -> StepPlan:
-        """The next step's plan. ``max_steps`` > 1 lets a steady decode batch run up to that many
-        steps back to back (``plan.steps``): it stops before any of its requests would end by length
-        and before a block its tokens need does not fit, so the run decides exactly what as many
-        single steps would, provided no request arrives or ends otherwise in between."""
+    def schedule(self, now: float = 0.0, max_steps: int | Callable[[str, int], int] = 1) -> StepPlan:
+        """The next step's plan. ``max_steps`` > 1 lets a plan that only decodes one model's batch
+        run up to that many steps back to back (``plan.steps``): it stops before any of its requests
+        would end by length and before a block its tokens need does not fit, so the run decides
+        exactly what as many single steps would, provided no request arrives (other than behind
+        others, ``joins_queue``) or ends otherwise in between. A function of (model, batch size)
+        may give the bound once the batch is known (a driver with a cost model: steps that end
+        before the next arrival)."""
         self.step_count += 1
         steady = self._steady
         if steady is not None and steady[0] == (self._epoch, self._changes) and \
@@ -264,18 +276,25 @@ class Scheduler(Memory):
         b = plan.batches
         quiet = len(b) == 1 and not (b[0].prefill or plan.loads or plan.prefetch or plan.evictions or
                                      plan.preempted or plan.failed)
-        self._steady = ((self._epoch, self._changes), self.models[b[0].model]) if quiet else None
+        self._steady = None
+        if quiet:
+            m = self.models[b[0].model]
+            self._steady = ((self._epoch, self._changes), m)
+            plan.steps = self._run(m, max_steps)
         return plan
 
-    def steady_batch(self) -> tuple[str, int] | None:
-        """(model, batch size) of the batch the next ``schedule`` repeats if nothing changes first;
-        None when it would search. Lets a driver with a cost model size a run of several steps."""
-        steady = self._steady
-        if steady is None or steady[0] != (self._epoch, self._changes):
-            return None
-        return steady[1].name, len(steady[1].running)
+    def _run(self, m: ModelState, max_steps: int | Callable[[str, int], int]) -> int:
+        """Steps the decode batch of ``m`` runs from this one on (see ``_run_length``)."""
+        if not isinstance(max_steps, int):
+            max_steps = max_steps(m.name, len(m.running))
+        if max_steps <= 1:
+            return 1
+        steps = self._run_length(m, max_steps)
+        self.step_count += steps - 1
+        m.last_used = self.step_count
+        return steps
 
-    def _steady_step(self, m: ModelState, max_steps: int = 1) -> StepPlan | None:
+    def _steady_step(self, m: ModelState, max_steps: int | Callable[[str, int], int] = 1) -> StepPlan | None:
         """Nothing changed since a step that only decoded one model's batch (no arrival, no end, no
         memory freed): the full search would choose that batch again. Only the blocks its next
         tokens need are taken; None (and nothing changed) when they do not fit as they are."""
@@ -293,21 +312,19 @@ class Scheduler(Memory):
                 req.blocks += 1
                 self._schedule_growth(m, req)
             self._take_blocks(m, len(due))
-        steps = self._run_length(m, max_steps) if max_steps > 1 else 1
-        self.step_count += steps - 1
         m.last_used = self.step_count
-        return StepPlan(batches=[Batch(m.name, decode=list(m.running))], steps=steps)
+        return StepPlan(batches=[Batch(m.name, decode=list(m.running))], steps=self._run(m, max_steps))
 
     def _run_length(self, m: ModelState, max_steps: int) -> int:
         """How many steps (at most ``max_steps``) the batch may run from now: none of its requests
         reaches its last token before the last step, and the blocks its later tokens need are
         taken now, in the order single steps would take them, up to the first that does not fit."""
-        steps = max_steps
-        for req in m.running.values():
-            left = req.max_tokens - (m.steps - req.joined)
-            if left < steps:
-                steps = left
+        ends = m.ends
+        while ends[0][2].state != "running" or ends[0][2].joined + ends[0][2].max_tokens != ends[0][0]:
+            heapq.heappop(ends)  # ended or preempted since: an entry of a request that runs is live
+        steps = min(max_steps, ends[0][0] - m.steps)
         growth, last = m.growth, m.steps + steps - 1
+        room, taken = self._room(m), 0  # blocks that fit now; nothing else takes or frees any meanwhile
         same_step: list = []  # entries granted for the step of the last one: undone if that step is cut
         while growth and growth[0][0] <= last:
             due, tie, req = growth[0]
@@ -316,17 +333,20 @@ class Scheduler(Memory):
                 continue
             if same_step and same_step[0][0] != due:
                 same_step.clear()
-            if not self._fits(self._kv_need(m, 1)):
+            if taken >= room:
                 for entry in same_step:  # the run ends before step ``due``: its blocks are not needed yet
                     entry[2].blocks -= 1
                     entry[2].due = entry[1]  # the entry is live again (the newer one pushed is stale)
                     heapq.heappush(growth, entry)
-                self._take_blocks(m, -len(same_step))
+                if same_step:  # as single steps would: blocks given back, memory freed
+                    self._epoch += 1
+                self._take_blocks(m, taken - len(same_step))
                 return due - m.steps  # the run ends before the token that needs it
             same_step.append(heapq.heappop(growth))
             req.blocks += 1
-            self._take_blocks(m, 1)
+            taken += 1
             self._schedule_growth(m, req)
+        self._take_blocks(m, taken)
         return max(steps, 1)
 
     def _schedule(self, now: float) -> StepPlan:
@@ -474,6 +494,7 @@ class Scheduler(Memory):
             m.running[req.id] = req
             self._take_blocks(m, blocks)
             self._schedule_growth(m, req)
+            heapq.heappush(m.ends, (req.joined + req.max_tokens, req.due, req))
             batch.prefill.append(req.id)
             tokens += length
         return batch

@@ -42,6 +42,7 @@ class ModelState:
     heap_key: float | None = None  # the oldest arrival this model is queued under in the scheduler's heap
     steps: int = 0  # batches it has run: a running request has made ``steps - joined`` tokens
     growth: list = field(default_factory=list)  # heap of (due, tie, request): who needs a block when
+    ends: list = field(default_factory=list)  # heap of (step, tie, request): when running requests make their last token
 
     @property
     def on_device(self) -> bool:

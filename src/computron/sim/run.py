@@ -7,10 +7,11 @@ clock jumps to the next arrival, else the core takes one step (which moves the c
 modelled swap and compute times). A request's first-token and finish times are the clock's time
 at the end of the step that produced them, as in the engine.
 
-Fast-forward: while the scheduler would only repeat one decode batch, the core is allowed a run of
-as many steps as end before the next arrival (``Scheduler.schedule(max_steps=...)`` stops it
-earlier where a request ends or a block does not fit): the same decisions and times as single
-steps, at a fraction of the calls.
+Fast-forward: when the scheduler's plan only decodes one model's batch, the core is allowed a run
+of as many steps as end before the next arrival that could change a plan (one that only waits
+behind others of its model cannot: ``Scheduler.joins_queue``); ``Scheduler.schedule(max_steps=...)``
+stops it earlier where a request ends or a block does not fit. The same decisions and times as
+single steps, at a fraction of the calls; requests that arrived during a run are added after it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from .costs import CPU_DEFAULT, Calibration
 from .executor import SimExecutor
 
 FAST_FORWARD_MAX = 4096  # steps of one run at most
+ARRIVALS_AHEAD = 16  # arrivals looked at for one run: a run ends at the next after those, quiet or not
 
 
 @dataclass(frozen=True)
@@ -152,6 +154,24 @@ class Simulation:
         except ValueError as e:  # EngineError: the request is refused, as a server would answer 4xx
             rec.finish_reason, rec.error = "error", str(e)
 
+    def _run_bound(self, arrivals: list, i: int, cap: int):
+        """The bound of a run of decode steps, for the scheduler to ask once it knows the batch: as
+        many steps as end before the first arrival from ``arrivals[i]`` on that would change a plan
+        (one that only joins a queue behind others does not), and before the preempt policy's
+        deadline."""
+        sched, n = self.core.scheduler, len(arrivals)
+
+        def bound(model: str, batch: int) -> int:
+            j, stop = i, min(n, i + ARRIVALS_AHEAD)
+            while j < stop and sched.joins_queue(arrivals[j].model, arrivals[j].time):
+                j += 1
+            until = arrivals[j].time if j < n else math.inf
+            if sched.deadline is not None:  # a full search is due then
+                until = min(until, sched.deadline)
+            return self.executor.steps_before(model, batch, until, cap)
+
+        return bound
+
     def run(self, trace, max_steps: int | None = None) -> SimResult:
         import time as _time
 
@@ -171,13 +191,8 @@ class Simulation:
                 continue
             k = 1
             if self.fast_forward:
-                steady = core.scheduler.steady_batch()
-                if steady is not None:
-                    cap = FAST_FORWARD_MAX if max_steps is None else max(1, max_steps - steps)
-                    until = arrivals[i].time if i < n else math.inf
-                    if core.scheduler.deadline is not None:  # a full search is due then (preempt policy)
-                        until = min(until, core.scheduler.deadline)
-                    k = self.executor.steps_before(steady[0], steady[1], until, cap)
+                cap = FAST_FORWARD_MAX if max_steps is None else max(1, max_steps - steps)
+                k = self._run_bound(arrivals, i, cap)
             plan = core.step(k)
             if plan.batches:
                 steps, idle = steps + plan.steps, 0

@@ -3,7 +3,8 @@
 What lives here: each model's pinned host image (built at registration), the device arena
 (the memory budget less the workspace; weights and KV-cache blocks are regions of it), the
 swapper and its copy stream, one ``ModelRunner`` per model, and each running request's blocks
-(taken as its sequence grows, released when it ends or is preempted).
+(taken as its sequence grows, released when it ends or is preempted; the whole prompt blocks
+that the choices of one prompt share are counted, and released by their last holder).
 The engine core speaks to it only through the ``Executor`` protocol's messages; the arena
 checks the scheduler's decisions (an allocation that does not fit is a bug, reported as such).
 """

@@ -150,10 +150,11 @@ class Engine:
                        request_ids: list[str | None] | None = None, on_updates: list | None = None) -> list[Request]:
         """Several choices of one prompt (``n``, ``best_of``): queued together, all or none; the
         prompt is prefilled once and its cache shared (``EngineCore.add_group``)."""
+        rids, fns = request_ids or [None] * len(params), on_updates or [None] * len(params)
+        if len(params) == 1:
+            return [self.submit(model, prompt, params[0], rids[0], fns[0])]
         ids = self._entry(model).tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        reqs = [self._request(model, ids, p, rid, fn) for p, rid, fn in
-                zip(params, request_ids or [None] * len(params), on_updates or [None] * len(params))]
-        return self.core.add_group(reqs) if len(reqs) > 1 else [self.core.add_request(r) for r in reqs]
+        return self.core.add_group([self._request(model, ids, p, rid, fn) for p, rid, fn in zip(params, rids, fns)])
 
     def _request(self, model: str, prompt: str | list[int], params: SamplingParams | None, request_id: str | None,
                  on_update) -> Request:

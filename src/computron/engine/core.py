@@ -53,7 +53,7 @@ class CoreRequest:
     evict_s: float = 0.0  # eviction seconds of that step
     compute_s: float = 0.0  # seconds of the batches it took part in
     logprobs: list = field(default_factory=list)  # per output token, when its params ask: (logprob, top)
-    prompt_logprobs: list | None = None  # per prompt token, when its params ask: None for the first, then (logprob, top)
+    prompt_logprobs: list | None = None  # per prompt token, when its params ask: None, then (logprob, top)
     group: "PromptGroup | None" = None  # the choices of its prompt, when there are several
 
     @property

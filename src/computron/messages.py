@@ -39,6 +39,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # divides positive (multiplies negative) logits of tokens seen
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     logprobs: int | None = None  # return the chosen token's log-probability and this many of the most likely
+    prompt_logprobs: int | None = None  # return each prompt token's log-probability given those before it, and
+    # this many of the most likely at each position
 
     def __post_init__(self) -> None:
         errors = []
@@ -55,8 +57,10 @@ class SamplingParams:
             object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
         if any(not isinstance(t, int) or t < 0 or not -100.0 <= float(b) <= 100.0 for t, b in self.logit_bias):
             errors.append("logit_bias must map token ids (non-negative integers) to values between -100 and 100")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            errors.append(f"logprobs must be an integer between 0 and 20, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not isinstance(k, int) or not 0 <= k <= 20):
+                errors.append(f"{name} must be an integer between 0 and 20, got {k!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             errors.append(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if not (0.0 <= float(self.temperature) <= 100.0):
@@ -154,6 +158,10 @@ class SeqInput:
     tokens: list[int]  # the new tokens of this step (the prompt on prefill, one token on decode)
     past: int  # tokens already in the request's cache (0: a prefill, or a recompute after preemption)
     params: SamplingParams
+    # A prefill whose first tokens' cache another request (a choice of the same prompt) holds: (its id, how
+    # many tokens, whole blocks of the prompt). Those blocks are shared, only ``tokens[n:]`` are computed.
+    share: tuple[str, int] | None = None
+    prompt_logprobs: int | None = None  # a prefill: also the log-probability of each of tokens[1:] (and top-k)
 
 
 @dataclass
@@ -172,6 +180,8 @@ class StepResult:
     # ``steps`` tokens for a batch of several steps)
     # req_id -> (the token's log-probability, [(id, log-probability)] of the most likely), when asked
     logprobs: dict[str, tuple] = field(default_factory=dict)
+    # req_id -> per token of a prefill that asked, after the first: (log-probability, [(id, log-probability)])
+    prompt_logprobs: dict[str, list] = field(default_factory=dict)
     loaded: dict[str, float] = field(default_factory=dict)  # model -> seconds its swap-in copies took
     compute_s: dict[str, float] = field(default_factory=dict)  # model -> seconds of its batch
     failed: dict[str, str] = field(default_factory=dict)  # req_id -> why it could not run

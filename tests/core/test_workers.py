@@ -60,6 +60,28 @@ def test_same_tokens_as_in_process_across_swaps(workers):
     assert workers.memory()["weights"] <= ONE_FITS and workers.memory()["kv"] == 0
 
 
+def test_choices_of_a_prompt_and_its_log_probabilities_cross_the_pipe(workers):
+    """n choices sharing their prompt's blocks in the worker, with the prompt's and the tokens'
+    log-probabilities: what the in-process executor gives."""
+    prompt = list(range(10, 50))
+    params = [SamplingParams(max_tokens=5, temperature=1.0, seed=i, ignore_eos=True, logprobs=1, prompt_logprobs=2)
+              for i in range(3)]
+    runs = []
+    for eng in (make_engine(ONE_FITS, models=["tiny-llama"]), workers):
+        before = eng.stats["prefill_tokens"]
+        reqs = eng.submit_choices("tiny-llama", prompt, params)
+        eng.run_until_done(reqs)
+        runs.append((eng.stats["prefill_tokens"] - before, [r.output_ids for r in reqs],
+                     [[lp for lp, _ in r.logprobs] for r in reqs], reqs[0].prompt_logprobs))
+        assert eng.memory()["kv"] == 0
+    (n_a, out_a, lp_a, prompt_a), (n_b, out_b, lp_b, prompt_b) = runs
+    assert n_a == n_b == 40 + 2 * 8 and out_a == out_b
+    assert all(a == pytest.approx(b, abs=1e-5) for a, b in zip(lp_a, lp_b))
+    assert prompt_a[0] is prompt_b[0] is None and len(prompt_b) == 40
+    for (a, top_a), (b, top_b) in zip(prompt_a[1:], prompt_b[1:]):
+        assert a == pytest.approx(b, abs=1e-5) and [i for i, _ in top_a] == [i for i, _ in top_b]
+
+
 def test_worker_errors_keep_their_message(workers, tmp_path):
     with pytest.raises(EngineError, match=r"unknown model 'opt-99b': neither a checkpoint directory nor a preset"):
         workers.register_model("opt-99b")

@@ -170,3 +170,60 @@ def test_presence_and_frequency_penalties_follow_the_formula():
     want[2, 7] -= 3.0
     want[2, 9] += 2.0
     torch.testing.assert_close(got, want)
+
+
+LONG = "hello there, " * 4  # longer than a KV block: its choices share whole blocks
+
+
+def test_echo_with_logprobs_scores_the_prompt_like_transformers(served):
+    prompt = served.tok.encode(LONG)
+    r = served.client.completions.create(model="llama", prompt=LONG, max_tokens=5, temperature=0, logprobs=2,
+                                         echo=True, extra_body={"ignore_eos": True})
+    lp, P = r.choices[0].logprobs, len(prompt)
+    assert r.usage.prompt_tokens == P and r.usage.completion_tokens == 5
+    ids, _ = hf_greedy(served.hf, prompt, 5)
+    assert r.choices[0].text == LONG + served.tok.decode(ids)
+    assert lp.tokens == [served.tok.decode([i]) for i in prompt + ids]
+    # OpenAI's shape: nothing for the first prompt token, then log p(token | those before) for the rest
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    torch.testing.assert_close(torch.tensor(lp.token_logprobs[1:]), hf_logprobs(served.hf, prompt + ids, 1),
+                               atol=1e-4, rtol=1e-4)
+    assert all(1 <= len(top) <= 2 for top in lp.top_logprobs[1:])
+    assert lp.text_offset[:P] == [sum(len(t) for t in lp.tokens[:k]) for k in range(P)]
+    assert lp.text_offset[P:] == [len(LONG) + sum(len(t) for t in lp.tokens[P:P + k]) for k in range(5)]
+    # streamed: the same text, log-probabilities and usage, in pieces
+    body = {"model": "llama", "prompt": LONG, "max_tokens": 5, "temperature": 0, "logprobs": 2, "echo": True,
+            "ignore_eos": True, "n": 2, "stream": True, "stream_options": {"include_usage": True}}
+    texts, lps, usage = ["", ""], [[], []], None
+    with httpx.stream("POST", served.url + "/v1/completions", timeout=60, json=body) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                usage = chunk.get("usage") or usage
+                for ch in chunk["choices"]:
+                    texts[ch["index"]] += ch["text"]
+                    lps[ch["index"]] += (ch["logprobs"] or {}).get("token_logprobs", [])
+    assert texts == [r.choices[0].text] * 2 and lps == [lp.token_logprobs] * 2
+    assert usage == {"prompt_tokens": P, "completion_tokens": 10, "total_tokens": P + 10}
+
+
+def test_n_choices_prefill_the_prompt_once(served):
+    c, P = served.client, len(served.tok.encode(LONG))
+    bt = served.engine.core.scheduler.config.block_tokens
+    tail = P - (P - 1) // bt * bt  # what each choice after the first computes itself
+    alone = [c.completions.create(model="llama", prompt=LONG, max_tokens=6, seed=11 + i, logprobs=0,
+                                  extra_body={"ignore_eos": True}) for i in range(4)]
+    before = served.metric("computron_prefill_tokens_total")
+    four = c.completions.create(model="llama", prompt=LONG, max_tokens=6, n=4, seed=11, logprobs=0,
+                                extra_body={"ignore_eos": True})
+    assert served.metric("computron_prefill_tokens_total") - before == P + 3 * tail < 2 * P
+    # choice i draws as a request seeded seed + i does
+    assert [ch.text for ch in four.choices] == [a.choices[0].text for a in alone]
+    for ch, a in zip(four.choices, alone):
+        torch.testing.assert_close(ch.logprobs.token_logprobs, a.choices[0].logprobs.token_logprobs,
+                                   atol=1e-5, rtol=1e-5)
+    assert four.usage.prompt_tokens == P and four.usage.completion_tokens == 24
+    greedy = c.completions.create(model="llama", prompt=LONG, max_tokens=6, n=4, temperature=0)
+    one = c.completions.create(model="llama", prompt=LONG, max_tokens=6, temperature=0)
+    assert [ch.text for ch in greedy.choices] == [one.choices[0].text] * 4
+    assert served.idle()["kv"] == 0

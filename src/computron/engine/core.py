@@ -9,6 +9,12 @@ clock, a simulated executor and a virtual clock can drive this same loop.
 
 A request ends exactly once: on EOS or ``max_tokens`` here, on a stop string in the text layer,
 on an error, or aborted. ``on_token(req, token)`` and ``on_finish(req)`` tell the layer above.
+
+The choices of one prompt (``add_group``) share its cache: the first to prefill computes the whole
+prompt; each other one starts from the prompt's whole blocks that a running choice holds (the
+executor counts their holders) and computes only the rest, at most a block of tokens, which
+also gives it the prompt's last logits to draw its own first token from. A choice that resumes
+after a preemption does the same, or recomputes everything when no choice holds the blocks.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from typing import Callable
 
 from ..config import EngineConfig
 from ..messages import ExecuteBatch, ModelInfo, Residency, SamplingParams, SeqInput, StepResult
-from ..scheduler import SchedRequest, Scheduler, SchedulerConfig, StepPlan
+from ..scheduler import SchedRequest, Scheduler, SchedulerConfig, SharedPrefix, StepPlan
 from .executor import Executor
 
 
@@ -47,10 +53,23 @@ class CoreRequest:
     evict_s: float = 0.0  # eviction seconds of that step
     compute_s: float = 0.0  # seconds of the batches it took part in
     logprobs: list = field(default_factory=list)  # per output token, when its params ask: (logprob, top)
+    prompt_logprobs: list | None = None  # per prompt token, when its params ask: None, then (logprob, top)
+    group: "PromptGroup | None" = None  # the choices of its prompt, when there are several
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(eq=False)
+class PromptGroup:
+    """The choices of one prompt. ``shared``: its tokens in whole blocks that the choices share (all
+    but the last block, which has at least one token: each choice computes that one itself)."""
+
+    members: list[CoreRequest]
+    shared: int
+    prefix: SharedPrefix  # the scheduler's booking of the shared blocks
+    holders: dict[str, None] = field(default_factory=dict)  # choices whose cache holds those blocks now
 
 
 class EngineCore:
@@ -68,7 +87,7 @@ class EngineCore:
         self._ids = itertools.count()
         self._to_free: list[str] = []
         self.stats = {"swap_ins": 0, "evictions": 0, "swap_in_bytes": 0, "swap_in_seconds": 0.0, "steps": 0,
-                      "preemptions": 0}
+                      "preemptions": 0, "prefill_tokens": 0}  # tokens computed by prefills (recomputes included)
         # listener(kind, model, seconds, nbytes), kind "load" (once its copies ended) or "evict"
         self.listeners: list[Callable[[str, str, float, int], None]] = []
         self.on_token: Callable[[CoreRequest, int], None] | None = None
@@ -163,11 +182,30 @@ class EngineCore:
         if req.id in self.requests:
             raise EngineError(f"request id {req.id!r} is already in use")
         try:
-            self.scheduler.add_request(SchedRequest(req.id, req.model, len(ids), max_tokens, req.arrival))
+            self.scheduler.add_request(SchedRequest(req.id, req.model, len(ids), max_tokens, req.arrival,
+                                                    prefix=req.group.prefix if req.group else None))
         except ValueError as e:
             raise EngineError(str(e)) from None
         self.requests[req.id] = req
         return req
+
+    def add_group(self, reqs: list[CoreRequest]) -> list[CoreRequest]:
+        """Queue the choices of one prompt (same model and prompt ids), sharing its cache; all or none."""
+        bt = self.scheduler.config.block_tokens
+        shared = (len(reqs[0].prompt_ids) - 1) // bt * bt
+        group = PromptGroup(reqs, shared, SharedPrefix(shared // bt))
+        done: list[CoreRequest] = []
+        try:
+            for r in reqs:
+                if r.model != reqs[0].model or r.prompt_ids != reqs[0].prompt_ids:
+                    raise EngineError("the choices of a group must have the same model and prompt")
+                r.group = group
+                done.append(self.add_request(r))
+        except BaseException:
+            for r in done:
+                self.abort(r.id)
+            raise
+        return reqs
 
     def abort(self, req_id: str, reason: str = "abort", error: str | None = None) -> None:
         req = self.requests.get(req_id)
@@ -184,6 +222,8 @@ class EngineCore:
         req.finish_reason, req.error, req.finished_at = reason, error, self.clock()
         req.unavailable = unavailable
         self.requests.pop(req.id, None)
+        if req.group is not None:
+            req.group.holders.pop(req.id, None)
         self.scheduler.finish(req.id)
         self._to_free.append(req.id)
         if self.on_finish:
@@ -218,10 +258,8 @@ class EngineCore:
         if not batches:
             return plan
         self.stats["steps"] += plan.steps
-        # prefill: the whole prompt (after a preemption, the prompt and the tokens made so far: a
-        # recompute); decode: the last token, after the tokens already in the cache
-        msgs = [ExecuteBatch(b.model, [SeqInput(r.id, r.prompt_ids + r.output_ids, 0, r.params)
-                                       for r in map(reqs.__getitem__, b.prefill)] +
+        # prefill: see _prefill; decode: the last token, after the tokens already in the cache
+        msgs = [ExecuteBatch(b.model, [self._prefill(r) for r in map(reqs.__getitem__, b.prefill)] +
                              [SeqInput(r.id, r.output_ids[-1:], len(r.prompt_ids) + len(r.output_ids) - 1, r.params)
                               for r in map(reqs.__getitem__, b.decode)], self.trace, plan.steps)
                 for b in batches]
@@ -234,6 +272,20 @@ class EngineCore:
         self._absorb(result, batches, evict_s)
         self.scheduler.update(plan, plan.steps)
         return plan
+
+    def _prefill(self, r: CoreRequest) -> SeqInput:
+        """The whole prompt; after a preemption, the prompt and the tokens made so far (recompute).
+        A choice of a prompt whose shared blocks another choice holds computes only the rest; the
+        prompt's log-probabilities are asked for once."""
+        tokens, share, g = r.prompt_ids + r.output_ids, None, r.group
+        if g is not None:
+            holder = next(iter(g.holders), None)
+            if holder is not None and g.shared:
+                share = (holder, g.shared)
+            g.holders[r.id] = None
+        want = r.params.prompt_logprobs if share is None and r.prompt_logprobs is None else None
+        self.stats["prefill_tokens"] += len(tokens) - (share[1] if share else 0)
+        return SeqInput(r.id, tokens, 0, r.params, share, want)
 
     def _loaded(self, loaded: dict[str, float]) -> None:
         for name, s in loaded.items():
@@ -248,6 +300,11 @@ class EngineCore:
             self._fail([rid], why, unavailable=bool(result.lost_devices))
         requeued = self._lose(result.lost_devices, result.reset_devices) \
             if result.lost_devices or result.reset_devices else ()
+        for rid, lps in result.prompt_logprobs.items():
+            r, lps = self.requests.get(rid), [None] + lps
+            if r is not None:
+                for c in r.group.members if r.group else (r,):
+                    c.prompt_logprobs = lps
         now = self.clock()
         reqs, out, logprobs = self.requests, result.tokens, result.logprobs
         plain = not logprobs and self.on_token is None  # a run's tokens can go in at once
@@ -305,8 +362,16 @@ class EngineCore:
                 requeued.update(self.scheduler.requeue(name))
                 if self.scheduler.state(name) != "offloaded":
                     self.scheduler.offloaded(name)
-        self.stats["preemptions"] += len(requeued)
+        self._preempted(requeued)
         return requeued
+
+    def _preempted(self, req_ids) -> None:
+        """Requests stopped to recompute later: their caches (and shares of a prompt's blocks) are gone."""
+        self.stats["preemptions"] += len(req_ids)
+        for rid in req_ids:
+            g = getattr(self.requests.get(rid), "group", None)
+            if g is not None:
+                g.holders.pop(rid, None)
 
     # ---- residency -----------------------------------------------------------------------------
     def _apply(self, plan: StepPlan) -> float:
@@ -316,7 +381,7 @@ class EngineCore:
         loads = plan.loads + plan.prefetch
         if not (plan.evictions or loads or plan.preempted):
             return 0.0
-        self.stats["preemptions"] += len(plan.preempted)
+        self._preempted(plan.preempted)  # their caches are released below
         try:
             evicted = self.executor.apply(Residency(list(plan.evictions), loads, list(plan.preempted)))
         except Exception as e:  # a swap that fails fails its requests, never the engine

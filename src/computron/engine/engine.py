@@ -144,13 +144,24 @@ class Engine:
     # ---- requests ------------------------------------------------------------------------------
     def submit(self, model: str, prompt: str | list[int], params: SamplingParams | None = None,
                request_id: str | None = None, on_update=None) -> Request:
+        return self.core.add_request(self._request(model, prompt, params, request_id, on_update))
+
+    def submit_choices(self, model: str, prompt: str | list[int], params: list[SamplingParams],
+                       request_ids: list[str | None] | None = None, on_updates: list | None = None) -> list[Request]:
+        """Several choices of one prompt (``n``, ``best_of``): queued together, all or none; the
+        prompt is prefilled once and its cache shared (``EngineCore.add_group``)."""
+        rids, fns = request_ids or [None] * len(params), on_updates or [None] * len(params)
+        if len(params) == 1:
+            return [self.submit(model, prompt, params[0], rids[0], fns[0])]
+        ids = self._entry(model).tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        return self.core.add_group([self._request(model, ids, p, rid, fn) for p, rid, fn in zip(params, rids, fns)])
+
+    def _request(self, model: str, prompt: str | list[int], params: SamplingParams | None, request_id: str | None,
+                 on_update) -> Request:
         entry = self._entry(model)
-        params = params or SamplingParams()
         ids = entry.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        req = Request(request_id or self.core.new_id(), model, ids, params, arrival=self.clock(),
-                      on_update=on_update, decoder=IncrementalDecoder(entry.tokenizer))
-        self.core.add_request(req)
-        return req
+        return Request(request_id or self.core.new_id(), model, ids, params or SamplingParams(), arrival=self.clock(),
+                       on_update=on_update, decoder=IncrementalDecoder(entry.tokenizer))
 
     def abort(self, req_id: str, reason: str = "abort", error: str | None = None) -> None:
         self.core.abort(req_id, reason, error)

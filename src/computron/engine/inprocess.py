@@ -3,7 +3,8 @@
 What lives here: each model's pinned host image (built at registration), the device arena
 (the memory budget less the workspace; weights and KV-cache blocks are regions of it), the
 swapper and its copy stream, one ``ModelRunner`` per model, and each running request's blocks
-(taken as its sequence grows, released when it ends or is preempted).
+(taken as its sequence grows, released when it ends or is preempted; the whole prompt blocks
+that the choices of one prompt share are counted, and released by their last holder).
 The engine core speaks to it only through the ``Executor`` protocol's messages; the arena
 checks the scheduler's decisions (an allocation that does not fit is a bug, reported as such).
 """
@@ -109,6 +110,7 @@ class InProcessExecutor:
         self.models: dict[str, _Model] = {}
         self.resident: dict[str, _Resident] = {}
         self.seqs: dict[str, _Seq] = {}
+        self._refs: dict[int, int] = {}  # id of a KV block several sequences hold -> how many (choices of a prompt)
         self._lock = threading.Lock()  # registration runs on other threads
 
     # ---- models --------------------------------------------------------------------------------
@@ -242,8 +244,15 @@ class InProcessExecutor:
                 self._release(seq)
 
     def _release(self, seq: _Seq) -> None:
+        refs = self._refs
         for region in seq.blocks:
-            self.arena.release(region)
+            n = refs.get(id(region))
+            if n is None:  # its only holder
+                self.arena.release(region)
+            elif n == 2:
+                del refs[id(region)]
+            else:
+                refs[id(region)] = n - 1
         seq.blocks, seq.ids = [], None
 
     def _seq(self, model: _Model, s, ahead: int = 0) -> _Seq:
@@ -260,10 +269,24 @@ class InProcessExecutor:
                 seq.history = History(s.tokens, model.runner.cfg.vocab_size, self.device, s.params.penalized)
         if s.past == 0 and seq.blocks:
             self._release(seq)  # a recompute starts from an empty cache
+        if s.share is not None and not seq.blocks:
+            self._share(seq, s)
         need = -(-(s.past + len(s.tokens) + ahead) // self.block_tokens)
         while len(seq.blocks) < need:
             seq.blocks.append(self.arena.allocate(model.pool.block_bytes, "kv", s.req_id))
         return seq
+
+    def _share(self, seq: _Seq, s: SeqInput) -> None:
+        """Start the sequence with the whole blocks of its prompt that another choice holds: the
+        same regions, counted (``_refs``) so that the last holder releases them."""
+        src, n = self.seqs.get(s.share[0]), s.share[1] // self.block_tokens
+        if src is None or len(src.blocks) < n or s.share[1] % self.block_tokens:
+            raise ValueError(f"request {s.req_id!r} cannot share the first {s.share[1]} tokens' cache of "
+                             f"{s.share[0]!r}: it holds {len(src.blocks) if src else 0} blocks of "
+                             f"{self.block_tokens} tokens")
+        seq.blocks = src.blocks[:n]
+        for region in seq.blocks:
+            self._refs[id(region)] = self._refs.get(id(region), 1) + 1
 
     def _ids(self, seq: _Seq) -> list[int]:
         """Block ids (512-byte units from the arena's start); recomputed only after blocks were
@@ -291,6 +314,7 @@ class InProcessExecutor:
         model = self.models[name]
         runner = model.runner
         seqs = [self._seq(model, s) for s in batch.seqs]  # may compact the arena: bind afterwards
+        todo = [self._computed(s) for s in batch.seqs]
         self._bind(name)
         ids = [self._ids(q) for q in seqs]
         res = self.resident[name]
@@ -299,30 +323,40 @@ class InProcessExecutor:
         t0 = time.perf_counter()
         graph = None
         if model.graphs is not None and res.swap is None and not batch.trace and \
-                all(len(s.tokens) == 1 and s.past > 0 for s in batch.seqs):
+                all(len(s.tokens) == 1 and s.past > 0 for s in todo):
             graph = model.graphs.get(runner, model.pool, len(seqs), res.region.tensor.data_ptr())
+        prompt = []  # (sequence, first row) of the prefills that want their tokens' log-probabilities
         if graph is not None:
             bt = self.block_tokens
-            logits = graph.run([s.tokens[0] for s in batch.seqs], [s.past for s in batch.seqs],
-                               [b[s.past // bt] * bt + s.past % bt for b, s in zip(ids, batch.seqs)],
-                               [s.past + 1 for s in batch.seqs], ids)
+            logits = graph.run([s.tokens[0] for s in todo], [s.past for s in todo],
+                               [b[s.past // bt] * bt + s.past % bt for b, s in zip(ids, todo)],
+                               [s.past + 1 for s in todo], ids)
         else:
-            attn = paged_batch(model.pool, [(b, s.past, len(s.tokens)) for b, s in zip(ids, batch.seqs)], self.device)
+            attn = paged_batch(model.pool, [(b, s.past, len(s.tokens)) for b, s in zip(ids, todo)], self.device)
             tok, pos = [], []
-            for s in batch.seqs:
+            for i, s in enumerate(todo):
+                if s.prompt_logprobs is not None:
+                    prompt.append((i, len(tok)))
                 tok.extend(s.tokens)
                 pos.extend(range(s.past, s.past + len(s.tokens)))
             ids_t = torch.tensor([tok, pos], dtype=torch.long).to(self.device, non_blocking=True)
-            logits = runner.forward(ids_t[0], ids_t[1], attn, res.swap)
+            rows = None
+            if prompt:  # the last rows, then every row but the last of those prefills
+                extra = [r for i, at in prompt for r in range(at, at + len(todo[i].tokens) - 1)]
+                rows = torch.cat([attn.last, torch.tensor(extra, dtype=torch.long).to(self.device)])
+            logits = runner.forward(ids_t[0], ids_t[1], attn, res.swap, rows)
         if model.answers:
-            params = [s.params for s in batch.seqs]
+            if prompt:
+                logits, before = logits[:len(todo)], logits[len(todo):]
+                self._prompt_logprobs(todo, prompt, before, result)
+            params = [s.params for s in todo]
             chosen = sample(process(logits, params, [q.history for q in seqs], model.runner.cfg.eos_token_id),
                             params, [q.generator for q in seqs])
-            for s, lp in zip(batch.seqs, logprobs(logits, chosen, params)):
+            for s, lp in zip(todo, logprobs(logits, chosen, [p.logprobs for p in params])):
                 if lp is not None:
                     result.logprobs[s.req_id] = lp
             tokens = chosen.tolist()
-            result.tokens.update((s.req_id, t) for s, t in zip(batch.seqs, tokens))
+            result.tokens.update((s.req_id, t) for s, t in zip(todo, tokens))
             for q, t in zip(seqs, tokens):
                 if q.history is not None:
                     q.history.add(t)
@@ -334,6 +368,26 @@ class InProcessExecutor:
         if res.swap is not None:
             result.loaded[name] = res.swap.seconds()
             res.swap = None  # loaded: later steps need not wait on its events
+
+    @staticmethod
+    def _computed(s: SeqInput) -> SeqInput:
+        """What a sequence computes: a prefill sharing its prompt's first blocks only the rest."""
+        if s.share is None:
+            return s
+        n = s.share[1]
+        return SeqInput(s.req_id, s.tokens[n:], n, s.params)
+
+    def _prompt_logprobs(self, todo: list[SeqInput], prompt: list[tuple[int, int]], before: torch.Tensor,
+                         result: StepResult) -> None:
+        """Each asking prefill's tokens after the first, scored by the logits of the row before each."""
+        nxt = [t for i, _ in prompt for t in todo[i].tokens[1:]]
+        ks = [todo[i].prompt_logprobs for i, _ in prompt for _ in todo[i].tokens[1:]]
+        lps = logprobs(before, torch.tensor(nxt, dtype=torch.long).to(before.device), ks)
+        at = 0
+        for i, _ in prompt:
+            n = len(todo[i].tokens) - 1
+            result.prompt_logprobs[todo[i].req_id] = lps[at:at + n]
+            at += n
 
     def _run_steps(self, batch: ExecuteBatch, result: StepResult) -> None:
         """Decode steps back to back, each sequence's token fed to its next step on the device:

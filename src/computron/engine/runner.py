@@ -40,8 +40,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, batch: AttnBatch,
-                swap: SwapIn | None = None) -> torch.Tensor | None:
-        """Logits [num_seqs, vocab] of each sequence's last new token (None on a stage before the last)."""
+                swap: SwapIn | None = None, rows: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Logits [num_seqs, vocab] of each sequence's last new token, or of the flat batch's ``rows``
+        (None on a stage before the last)."""
         m = self.model
 
         def wait(group: int) -> None:
@@ -66,4 +67,4 @@ class ModelRunner:
         if not m.last:
             self.links.send(x)
             return None
-        return m.head(x.index_select(0, batch.last))
+        return m.head(x.index_select(0, batch.last if rows is None else rows))

@@ -133,22 +133,23 @@ def process(logits: torch.Tensor, params: list[SamplingParams], history: list[Hi
     return logits
 
 
-def logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> list:
-    """Per row that asks (``logprobs`` not None): (the chosen token's log-probability, the ``logprobs``
-    most likely tokens as (id, log-probability)), from the model's own distribution (the raw logits,
-    before temperature, penalties or bias); None for the other rows. One log-softmax and one top-k
-    for the batch on the device, one transfer back."""
-    want = [i for i, p in enumerate(params) if p.logprobs is not None]
+def logprobs(logits: torch.Tensor, tokens: torch.Tensor, ks: list[int | None]) -> list:
+    """Per row whose ``ks`` entry is not None: (the log-probability of that row's token in ``tokens``,
+    the ``k`` most likely tokens as (id, log-probability)), from the model's own distribution (the raw
+    logits, before temperature, penalties or bias); None for the other rows. One log-softmax and one
+    top-k for all rows on the device, one transfer back. Sampled tokens (``k`` = their params'
+    ``logprobs``) and prompt tokens (the logits of the position before each) both come through here."""
+    want = [i for i, k in enumerate(ks) if k is not None]
     if not want:
-        return [None] * len(params)
+        return [None] * len(ks)
     idx = torch.tensor(want, device=logits.device)
     lp = logits[idx].float().log_softmax(dim=-1)
     chosen = lp.gather(1, tokens[idx].view(-1, 1)).squeeze(1).tolist()
-    k = max(params[i].logprobs for i in want)
+    k = max(ks[i] for i in want)
     top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
     top_v, top_i = top_v.tolist(), top_i.tolist()
-    out = [None] * len(params)
+    out = [None] * len(ks)
     for row, i in enumerate(want):
-        n = params[i].logprobs
+        n = ks[i]
         out[i] = (chosen[row], list(zip(top_i[row][:n], top_v[row][:n])))
     return out

@@ -451,7 +451,7 @@ class WorkerExecutor:
                 error = error or e
                 continue
             if w.device in answers:
-                for field in ("tokens", "logprobs", "loaded", "compute_s", "failed", "trace"):
+                for field in ("tokens", "logprobs", "prompt_logprobs", "loaded", "compute_s", "failed", "trace"):
                     getattr(result, field).update(getattr(part, field))
                 result.lost_devices.extend(part.lost_devices)
         if died is not None:  # a rank of the step died (another's error is then most likely its echo)

@@ -4,7 +4,7 @@ The ``Scheduler`` is driven by the engine core; it never imports torch, so a sim
 """
 
 from .scheduler import POLICIES, Scheduler, SchedulerConfig
-from .state import LOADING, OFFLOADED, RESIDENT, Batch, ModelState, SchedRequest, StepPlan
+from .state import LOADING, OFFLOADED, RESIDENT, Batch, ModelState, SchedRequest, SharedPrefix, StepPlan
 
 __all__ = ["POLICIES", "Scheduler", "SchedulerConfig", "Batch", "ModelState", "SchedRequest", "StepPlan",
-           "LOADING", "OFFLOADED", "RESIDENT"]
+           "LOADING", "OFFLOADED", "RESIDENT", "SharedPrefix"]

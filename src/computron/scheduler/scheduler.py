@@ -179,6 +179,7 @@ class Scheduler(Memory):
         if req.state == "running":
             del m.running[req_id]
             self._take_blocks(m, -req.blocks)
+            self._hold(m, req, False)
         else:
             m.waiting.remove(req)
         req.state = "finished"
@@ -428,9 +429,25 @@ class Scheduler(Memory):
         req.done, req.state = m.steps - req.joined, "waiting"
         del m.running[req.id]
         self._take_blocks(m, -req.blocks)
+        self._hold(m, req, False)
         req.blocks = 0
         m.waiting.appendleft(req)
         plan.preempted.append(req.id)
+
+    def _hold(self, m: ModelState, req: SchedRequest, joined: bool) -> None:
+        """A request whose prompt's first blocks are shared with other choices started (or stopped)
+        running: they are in its ``blocks``, but booked once, while any of those choices runs."""
+        p = req.prefix
+        if p is None or not p.blocks:
+            return
+        if joined:
+            p.holders += 1
+            if p.holders > 1:  # booked already
+                self._take_blocks(m, -p.blocks)
+        else:
+            p.holders -= 1
+            if p.holders:  # the others still hold them
+                self._take_blocks(m, p.blocks)
 
     def _schedule_growth(self, m: ModelState, req: SchedRequest) -> None:
         """Note when the request's next token will not fit its blocks: at that step it needs another."""
@@ -479,7 +496,7 @@ class Scheduler(Memory):
             if batch.prefill and tokens + length > cfg.max_tokens_per_step:
                 break
             blocks = self._blocks(length)
-            need = self._kv_need(m, blocks)
+            need = self._kv_need(m, blocks - (req.prefix.blocks if req.prefix and req.prefix.holders else 0))
             if not self._fits(need) and not self._make_room(m, need, keep, plan, evict_waiting=True):
                 if m.running or batch.prefill or req.id in plan.preempted:
                     break
@@ -493,6 +510,7 @@ class Scheduler(Memory):
             req.state, req.joined, req.done, req.blocks = "running", m.steps - req.done, 0, blocks
             m.running[req.id] = req
             self._take_blocks(m, blocks)
+            self._hold(m, req, True)
             self._schedule_growth(m, req)
             heapq.heappush(m.ends, (req.joined + req.max_tokens, req.due, req))
             batch.prefill.append(req.id)

@@ -14,6 +14,15 @@ OFFLOADED, LOADING, RESIDENT = "offloaded", "loading", "resident"
 
 
 @dataclass(eq=False, slots=True)
+class SharedPrefix:
+    """KV-cache blocks of one prompt that its choices (``n``, ``best_of``) share: each running choice
+    counts them in its ``blocks``, but they are booked once, while any of them runs (``holders``)."""
+
+    blocks: int
+    holders: int = 0
+
+
+@dataclass(eq=False, slots=True)
 class SchedRequest:
     id: str
     model: str
@@ -25,6 +34,7 @@ class SchedRequest:
     done: int = 0  # tokens it had made when it was preempted (it recomputes them when it resumes)
     due: int = -1  # the tie of its live entry in its model's growth heap (when it needs one more block)
     state: str = "waiting"  # waiting | running | finished
+    prefix: SharedPrefix | None = None  # blocks of its prompt it shares with the other choices of that prompt
 
 
 @dataclass(eq=False)

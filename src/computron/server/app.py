@@ -69,24 +69,16 @@ class Service:
 
     # ---- engine thread -----------------------------------------------------------------------
     def admit(self, model: str, ids: list[int], params: list[SamplingParams], rids: list[str], on_updates: list):
-        """Check the queue and submit a request per choice: one call on the engine thread, so the
-        queue check and the submits cannot interleave with other requests. The prompt comes
-        tokenised."""
+        """Check the queue and submit the choices (a request each, sharing the prompt's prefill): one
+        call on the engine thread, so the queue check and the submits cannot interleave with other
+        requests. The prompt comes tokenised."""
         eng = self.engine
         if model not in eng.models:  # deleted while its prompt was being tokenised
             raise ModelNotFound(model, list(eng.models))
         waiting = eng.model_stats(model)["waiting"]
         if waiting >= self.config.server.max_queue:
             raise QueueFull(model, waiting)
-        reqs = []
-        try:
-            for p, rid, fn in zip(params, rids, on_updates):
-                reqs.append(eng.submit(model, ids, p, rid, fn))
-        except BaseException:
-            for r in reqs:
-                eng.abort(r.id)
-            raise
-        return reqs
+        return eng.submit_choices(model, ids, params, rids, on_updates)
 
     def model_info(self, name: str) -> dict:
         """GET /v1/models entry (engine thread)."""

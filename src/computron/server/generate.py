@@ -7,10 +7,12 @@ thread into one asyncio queue, tagged with their choice → server-sent events, 
 once every choice has ended.
 
 Each choice is an engine request of its own (seeded ``seed + i`` when a seed is given, so the
-choices differ yet repeat), so ``n`` choices prefill the prompt ``n`` times. ``best_of`` runs
-that many and returns the ``n`` with the highest sum of token log-probabilities. Log-probabilities
-are the model's own (raw logits, before temperature, penalties and bias). Usage counts the prompt
-once and every generated token of every choice, the discarded ``best_of`` ones included.
+choices differ yet repeat); the choices of a prompt are submitted as one group, which prefills
+the prompt once and shares its cache (``EngineCore.add_group``). ``best_of`` runs that many and
+returns the ``n`` with the highest sum of token log-probabilities. Log-probabilities are the
+model's own (raw logits, before temperature, penalties and bias); with ``echo`` the prompt's
+tokens come first, the first with none (``null``). Usage counts the prompt once and every
+generated token of every choice, the discarded ``best_of`` ones included.
 """
 
 from __future__ import annotations
@@ -118,11 +120,18 @@ class Generation:
     def usage(self) -> dict:
         return protocol.usage(len(self.reqs[0].prompt_ids), sum(len(r.output_ids) for r in self.reqs))
 
-    def logprobs(self, i: int, chat: bool, start: int = 0, end: int | None = None, offset: int = 0) -> dict:
+    def logprobs(self, i: int, chat: bool, start: int = 0, end: int | None = None, offset: int = 0,
+                 prompt: bool = False) -> dict:
+        """Choice ``i``'s tokens ``start:end``, their text starting at ``offset``; with ``prompt`` (echo),
+        the prompt's tokens before them, their text starting at 0."""
         req = self.reqs[i]
         end = len(req.logprobs) if end is None else end
-        return protocol.token_logprobs(self.tokenizer, list(zip(req.output_ids[start:end], req.logprobs[start:end])),
-                                       chat, offset)
+        out = protocol.token_logprobs(self.tokenizer, list(zip(req.output_ids[start:end], req.logprobs[start:end])),
+                                      chat, offset)
+        if prompt and req.prompt_logprobs is not None:
+            head = protocol.token_logprobs(self.tokenizer, list(zip(req.prompt_ids, req.prompt_logprobs)), chat)
+            out = {k: head[k] + out[k] for k in out}
+        return out
 
 
 async def _disconnected(request: Request) -> None:
@@ -139,11 +148,13 @@ async def generate(svc, endpoint: str, body, request: Request, prompt, messages,
     n, runs = body.n, body.best_of or body.n
     # best_of ranks its choices by their log-probabilities: compute them even when not returned
     internal = want if runs == n else (want or 0)
+    sampling = body.sampling(internal)
+    if body.echo and want is not None:
+        sampling["prompt_logprobs"] = want
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     gen = Generation(svc, body.model, endpoint)
     try:
-        await gen.start(prompt, messages, body.max_new if chat else body.max_tokens, body.sampling(internal), rid,
-                        runs)
+        await gen.start(prompt, messages, body.max_new if chat else body.max_tokens, sampling, rid, runs)
     except APIError as e:
         svc.metrics.request_done(body.model if e.status != 404 else "unknown", endpoint, e.status)
         raise
@@ -171,7 +182,8 @@ async def generate(svc, endpoint: str, body, request: Request, prompt, messages,
         if runs > n:  # best_of: the n choices of the highest cumulative log-probability
             order = sorted(order, key=lambda i: -sum(lp for lp, _ in gen.reqs[i].logprobs))[:n]
         choices = [protocol.choice(k, echo + texts[i], protocol.FINISH[gen.reqs[i].finish_reason], chat,
-                                   logprobs=gen.logprobs(i, chat, offset=len(echo)) if want is not None else None)
+                                   logprobs=gen.logprobs(i, chat, offset=len(echo), prompt=body.echo)
+                                   if want is not None else None)
                    for k, i in enumerate(order)]
         return JSONResponse({**protocol.reply(rid, body.model, created, choices, chat), "usage": gen.usage()})
     finally:
@@ -186,24 +198,30 @@ async def _events(gen: Generation, body, rid: str, created: int, chat: bool, wan
     sent = [0] * n  # tokens whose log-probabilities went out, per choice
     offset = [0] * n  # characters sent, per choice (completions' text_offset)
 
-    def chunk(i: int, text: str | None, finish: str | None = None, upto: int | None = None, delta=None) -> bytes:
+    def chunk(i: int, text: str | None, finish: str | None = None, upto: int | None = None, delta=None,
+              prompt: bool = False) -> bytes:
         lp = None
         if want is not None and delta is None:
             end = len(gen.reqs[i].logprobs) if upto is None else min(upto, len(gen.reqs[i].logprobs))
-            lp, sent[i] = gen.logprobs(i, chat, sent[i], end, offset[i]), end
+            lp, sent[i] = gen.logprobs(i, chat, sent[i], end, offset[i], prompt), end
         offset[i] += len(text or "")
         c = protocol.choice(i, text, finish, chat, chunk=True, logprobs=lp, delta=delta)
         return sse({**protocol.reply(rid, model, created, [c], chat, chunk=True), **extra})
 
+    # echo with logprobs: the prompt's come with the prefill, so its chunk waits for the choice's first news
+    echoes = set(range(n)) if echo and want is not None else set()
     try:
         for i in range(n):
             if chat:
                 yield chunk(i, None, delta={"role": "assistant", "content": ""})
-            elif echo:
+            elif echo and not echoes:
                 yield chunk(i, echo, upto=0)
         shown = [0] * n  # tokens of each choice a chunk has reported
         while len(gen.done) < n:
             i, text, _, made = await gen.next()
+            if i in echoes:
+                echoes.discard(i)
+                yield chunk(i, echo, upto=0, prompt=True)
             if text or made > shown[i]:  # a chunk per step with a new token, even one with no text yet,
                 shown[i] = made  # so that a client sees when each token came (time to first token)
                 yield chunk(i, text, upto=made)

@@ -39,7 +39,9 @@ class _EngineTotals:
                 ("computron_evictions", "evictions", "Models evicted from device memory"),
                 ("computron_swap_in_bytes", "swap_in_bytes", "Bytes of weights swapped in"),
                 ("computron_swap_in_seconds", "swap_in_seconds", "Seconds spent copying weights in"),
-                ("computron_engine_steps", "steps", "Engine steps run")):
+                ("computron_engine_steps", "steps", "Engine steps run"),
+                ("computron_prefill_tokens", "prefill_tokens", "Prompt tokens computed by prefills (recomputes "
+                 "after preemption included; the choices of one prompt share its prefill)")):
             yield CounterMetricFamily(name, doc, value=s.get(key, 0))
 
 

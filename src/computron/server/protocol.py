@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 # A seed must fit torch.Generator.manual_seed.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
-MAX_CHOICES = 16  # n and best_of: each choice is a request of its own in the engine
+MAX_CHOICES = 16  # n and best_of: each choice is a request of its own in the engine (sharing the prompt's cache)
 MAX_STOP = 64  # stop strings per request: each one is searched for after every token
 
 
@@ -96,8 +96,9 @@ class CompletionRequest(_Sampling):
     prompt: Union[str, list[int], list[str], list[list[int]]] = Field(
         description="a string or a list of token ids (a list of one of these is accepted too)")
     echo: bool = Field(False, description="the prompt's text before the completion")
-    logprobs: int | None = Field(None, ge=0, le=20, description="log-probabilities of each generated token and of "
-                                                                "this many most likely ones")
+    logprobs: int | None = Field(None, ge=0, le=20, description="log-probabilities of each generated token (with "
+                                                                "echo, of each prompt token too) and of this many "
+                                                                "most likely ones")
     suffix: str | None = Field(None, description="not supported")
     best_of: int | None = Field(None, ge=1, le=MAX_CHOICES, description="generate this many, return the n with "
                                                                         "the highest log-probability")
@@ -105,8 +106,6 @@ class CompletionRequest(_Sampling):
     def unsupported(self) -> tuple[str, str] | None:
         if self.suffix:
             return "suffix", "suffix is not supported"
-        if self.echo and self.logprobs is not None:
-            return "echo", "echo with logprobs is not supported (the prompt's log-probabilities are not computed)"
         if self.best_of is not None and self.best_of < self.n:
             return "best_of", f"best_of ({self.best_of}) must be at least n ({self.n})"
         if self.stream and self.best_of not in (None, self.n):
@@ -214,9 +213,10 @@ def choice(index: int, text: str | None, finish: str | None, chat: bool, chunk: 
 
 
 def token_logprobs(tok, entries: list, chat: bool, offset: int = 0) -> dict:
-    """The ``logprobs`` of a choice from the engine's (logprob, [(id, logprob)]) per token: the
-    completions shape (tokens, token_logprobs, top_logprobs, text_offset from ``offset``) or the
-    chat shape (content: token, logprob, bytes, top_logprobs)."""
+    """The ``logprobs`` of a choice from the engine's (logprob, [(id, logprob)]) per token (None for a
+    prompt's first token, which has none): the completions shape (tokens, token_logprobs,
+    top_logprobs, text_offset from ``offset``) or the chat shape (content: token, logprob, bytes,
+    top_logprobs)."""
     def text(i: int) -> str:
         return tok.decode([i])
 
@@ -233,8 +233,8 @@ def token_logprobs(tok, entries: list, chat: bool, offset: int = 0) -> dict:
         offsets.append(offset)
         tokens.append(text(t))
         offset += len(tokens[-1])
-    return {"tokens": tokens, "token_logprobs": [lp for _, (lp, _) in entries],
-            "top_logprobs": [_by_text(top, text) for _, (_, top) in entries], "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": [e[0] if e else None for _, e in entries],
+            "top_logprobs": [_by_text(e[1], text) if e else None for _, e in entries], "text_offset": offsets}
 
 
 def _by_text(top: list, text) -> dict:

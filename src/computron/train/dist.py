@@ -1,9 +1,10 @@
 """The process layout of a parallel training job: ranks, their process groups, and starting them.
 
 What flows through: a ``ParallelDims`` and the process's global rank become a :class:`Mesh`, the
-rank's place in the layout and its groups. Global rank ``r = d * tp*pp + stage * tp + t``: the
-model-parallel rank ``stage * tp + t`` (as in ``parallel/sharding.py``) is the fastest-moving part,
-so a data-parallel replica's ranks are neighbours. Groups: ``tp`` (same replica and stage),
+rank's place in the layout and its groups. Global rank ``r = stage * dp*tp + d * tp + t``, the
+planner's (and Megatron-LM's) order (``planner/layout.py``): tensor groups are consecutive ranks,
+inside one node, and a stage is a contiguous block of ranks, so a plan's placement of stages on
+nodes holds as written. Within a replica, the sharding plan's rank is ``stage * tp + t``. Groups: ``tp`` (same replica and stage),
 ``pp`` (same replica and tensor rank, the pipeline), ``dp`` (same model-parallel rank), and
 ``embed`` (first and last stage of one pipeline: a tied embedding's two copies).
 
@@ -54,9 +55,12 @@ class Mesh:
             raise ValueError(f"{dims} needs {dims.world_size} processes: start it with --nproc or torchrun")
         if dist.get_world_size() != dims.world_size:
             raise ValueError(f"{dims} needs {dims.world_size} processes, the job has {dist.get_world_size()}")
-        rank, mp, tp, pp = dist.get_rank(), dims.tp * dims.pp, dims.tp, dims.pp
-        d, rest = divmod(rank, mp)
-        stage, t = divmod(rest, tp)
+        rank, dp, tp, pp = dist.get_rank(), dims.dp, dims.tp, dims.pp
+        stage, rest = divmod(rank, dp * tp)
+        d, t = divmod(rest, tp)
+
+        def at(s: int, e: int, k: int) -> int:
+            return s * dp * tp + e * tp + k
 
         def mine(lists):
             out = None
@@ -65,13 +69,12 @@ class Mesh:
                 out = group if rank in members else out
             return out
 
-        reps = range(dims.dp)
+        S, D, T = range(pp), range(dp), range(tp)
         return cls(dims, rank, d, stage, t,
-                   tp=mine([[e * mp + s * tp + k for k in range(tp)] for e in reps for s in range(pp)]),
-                   pp=mine([[e * mp + s * tp + k for s in range(pp)] for e in reps for k in range(tp)]),
-                   dp=mine([[e * mp + m for e in reps] for m in range(mp)]),
-                   embed=mine([[e * mp + k, e * mp + (pp - 1) * tp + k] for e in reps for k in range(tp)])
-                   if pp > 1 else None)
+                   tp=mine([[at(s, e, k) for k in T] for s in S for e in D]),
+                   pp=mine([[at(s, e, k) for s in S] for e in D for k in T]),
+                   dp=mine([[at(s, e, k) for e in D] for s in S for k in T]),
+                   embed=mine([[at(0, e, k), at(pp - 1, e, k)] for e in D for k in T]) if pp > 1 else None)
 
 
 def env_world() -> int:

@@ -101,7 +101,7 @@ def run_rank(args) -> int:
         recs = tr.run()
     except (ValueError, KeyError, FileNotFoundError) as e:
         print(f"error: {e.args[0] if e.args else e}", file=sys.stderr)
-        dist.close()
+        dist.close(wait=False)
         return 2
     if args.json and rank0:
         with open(args.json, "w") as f:

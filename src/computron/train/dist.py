@@ -99,9 +99,11 @@ def init(device: str, timeout_s: float) -> None:
                             device_id=torch.device(device) if cuda else None)
 
 
-def close() -> None:
+def close(wait: bool = True) -> None:
+    """Leave the group; ``wait``: once every rank is done (a failing rank leaves at once)."""
     if dist.is_initialized():
-        dist.barrier()  # no rank tears the group down while a peer still talks to it
+        if wait:
+            dist.barrier()  # no rank tears the group down while a peer still talks to it
         dist.destroy_process_group()
 
 

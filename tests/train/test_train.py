@@ -102,3 +102,23 @@ def test_dense_training_forward_equals_the_paged_serving_forward():
         batch = paged_batch(pool, [([0, 1], 0, 8), ([2, 3], 0, 8)], torch.device("cpu"))
         paged = tr.model(ids.reshape(-1), positions, batch)
     torch.testing.assert_close(dense, paged, rtol=1e-4, atol=1e-5)
+
+
+def test_recomputation_changes_memory_not_results():
+    def run(recompute):
+        tr = Trainer(TrainConfig(**{**CFG, "recompute": recompute}))
+        saved = []  # bytes autograd keeps for the backward, as the forward saves them
+
+        def pack(t):
+            saved.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = tr.train_step()["loss"]
+        return loss, params(tr), sum(saved)
+
+    loss, p, full = run(False)
+    loss_r, p_r, kept = run(True)
+    assert loss_r == loss and kept < 0.5 * full, (kept, full)
+    for name, x in p.items():
+        torch.testing.assert_close(p_r[name], x, rtol=0, atol=0)

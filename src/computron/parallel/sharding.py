@@ -187,6 +187,12 @@ class Shard:
             return Cut(0, ((start, stop),) if stop > start else (), size)
         return whole(full)  # norms, learned positions, OPT's project_in/out
 
+    def replicated(self, name: str, full: tuple[int, ...]) -> bool:
+        """Whether every tensor rank holds the whole parameter (tp > 1: norms, learned positions,
+        OPT's projections); a row-parallel bias is whole on tensor rank 0 only, so it is not."""
+        leaf = name.rsplit(".", 1)[-1]
+        return self.dims.tp > 1 and leaf not in ("o_bias", "down_bias") and self.cut(name, full) == whole(full)
+
 
 def shard_for(cfg: ModelConfig, dims: ParallelDims, rank: int, partition: list[int] | None = None) -> Shard:
     """The shard of ``rank`` (``stage * tp + tensor_rank``) of ``cfg`` laid out as ``dims``."""
@@ -201,3 +207,17 @@ def shard_for(cfg: ModelConfig, dims: ParallelDims, rank: int, partition: list[i
     q, kv = head_slices(cfg.num_heads, cfg.kv_heads, dims.tp, t)
     layers = stage_layers(cfg.num_layers, dims.pp, partition)[stage]
     return Shard(cfg, dims, rank, layers, q, kv, vocab_range(cfg.vocab_size, dims.tp, t))
+
+
+def uncut(parts, full: tuple[int, ...]):
+    """The full tensor of shape ``full`` from ``(cut, shard)`` pairs of all tensor ranks (the inverse
+    of :func:`cut_tensor`: padding dropped, zero shards skipped, replicated ranges written alike)."""
+    out = parts[0][1].new_zeros(full)
+    for cut, t in parts:
+        if cut.zero:
+            continue
+        lead, offset = (slice(None),) * cut.dim, 0
+        for a, b in cut.ranges:
+            out[lead + (slice(a, b),)] = t[lead + (slice(offset, offset + b - a),)]
+            offset += b - a
+    return out

@@ -72,7 +72,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _fill(plan: argparse.ArgumentParser) -> None:
-    sub = plan.add_subparsers(dest="plan_command", metavar="{search,estimate,pareto,profile}")
+    sub = plan.add_subparsers(dest="plan_command", metavar="{search,estimate,pareto,profile,launch}")
     plan.set_defaults(func=_no_command(plan))
 
     s = sub.add_parser("search", help="rank the best plans", formatter_class=FORMATTER)
@@ -129,6 +129,10 @@ def _fill(plan: argparse.ArgumentParser) -> None:
     f.add_argument("--repeats", type=int, default=10)
     f.add_argument("--out", default="plan_profile.json", help="profile file to write (JSON)")
     f.set_defaults(func=_guarded(cmd_profile))
+
+    from computron.train import launch  # runs a plan (torch only once it trains)
+
+    launch.add_parser(sub)
 
 
 def _no_command(parser):

@@ -1,9 +1,12 @@
 """``computron train``: train a decoder of this project (a preset or a checkpoint) on a text file or
-synthetic tokens, optionally colocated with an inference server (``--colocate ADDRESS``)."""
+synthetic tokens, optionally colocated with an inference server (``--colocate ADDRESS``), or over
+several processes (``--nproc N`` on this machine, or one process per GPU under ``torchrun``) with
+data, tensor and pipeline parallelism."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import fields
 
@@ -32,29 +35,78 @@ def add_parser(sub) -> None:
     p.add_argument("--colocate", default=None, metavar="ADDRESS", help="the arbiter's socket path or host:port")
     p.add_argument("--colocate-device", type=int, default=0)
     p.add_argument("--json", default=None, help="write per-step records to this JSON file")
+    g = p.add_argument_group("parallelism (one process per rank: --nproc, or torchrun's environment)")
+    g.add_argument("--nproc", type=int, default=1, help="processes to start on this machine")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    g.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
+    g.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: processes / (tp*pp))")
+    g.add_argument("--zero1", action="store_true", help="shard the optimizer state over the data-parallel ranks")
+    g.add_argument("--virtual-stages", type=int, default=d.virtual_stages,
+                   help="model chunks per pipeline rank (> 1: interleaved 1F1B)")
+    g.add_argument("--partition", default=None, help="layers per pipeline stage, e.g. 7,5 (default: uniform)")
+    g.add_argument("--recompute", action="store_true", help="recompute each layer's activations in the backward")
+    g.add_argument("--timeout", type=float, default=d.timeout_s, dest="timeout_s",
+                   help="seconds a collective may wait before the job fails")
     p.set_defaults(func=run, _fields=[f.name for f in fields(TrainConfig)])
 
 
+def _dims(args, world: int) -> dict:
+    dp = args.dp or world // (args.tp * args.pp)
+    if dp * args.tp * args.pp != world:
+        raise ValueError(f"dp={args.dp or '?'} x tp={args.tp} x pp={args.pp} does not make the job's {world} processes")
+    return {"dp": dp, "tp": args.tp, "pp": args.pp}
+
+
 def run(args) -> int:
+    from .dist import RankFailed, env_world, spawn
+
+    if args.nproc > 1 and env_world() == 1:
+        try:
+            _dims(args, args.nproc)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        try:
+            spawn(args.nproc, run_rank, args)
+        except RankFailed as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        return 0
+    return run_rank(args)
+
+
+def run_rank(args) -> int:
+    """One process of the job (the only one without --nproc or torchrun)."""
     import torch
 
+    from . import dist
     from .config import TrainConfig
     from .job import Trainer
 
+    world = max(dist.env_world(), args.nproc)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = dist.local_device(device)
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
-    kw = {k: getattr(args, k) for k in args._fields if hasattr(args, k) and k not in ("device", "dtype", "dims")}
+    skip = ("device", "dtype", "dims", "partition")
+    kw = {k: getattr(args, k) for k in args._fields if hasattr(args, k) and k not in skip}
+    rank0 = int(os.environ.get("RANK", "0")) == 0
     try:
-        tr = Trainer(TrainConfig(**kw, device=device, dtype=dtype), log=lambda s: print(s, flush=True))
+        partition = [int(x) for x in args.partition.split(",")] if args.partition else None
+        cfg = TrainConfig(**kw, device=device, dtype=dtype, dims=_dims(args, world),
+                          partition=partition)
+        dist.init(device, cfg.timeout_s)
+        tr = Trainer(cfg, log=(lambda s: print(s, flush=True)) if rank0 else None)
         if args.colocate and not tr.colo.wait_connected(10.0):
             print(f"warning: no arbiter at {args.colocate} yet; training unlimited until it answers", file=sys.stderr)
         recs = tr.run()
     except (ValueError, KeyError, FileNotFoundError) as e:
         print(f"error: {e.args[0] if e.args else e}", file=sys.stderr)
+        dist.close(wait=False)
         return 2
-    if args.json:
+    if args.json and rank0:
         with open(args.json, "w") as f:
             json.dump({"config": vars(tr.cfg), "steps": recs, "abandoned": tr.colo.abandoned,
                        "paused_s": tr.colo.paused_s}, f, indent=1, default=str)
     tr.colo.close()
+    dist.close()
     return 0

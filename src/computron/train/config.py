@@ -24,5 +24,10 @@ class TrainConfig:
     checkpoint_every: int = 0  # steps; 0: at the end only
     resume: bool = False
     dims: dict = field(default_factory=dict)  # ParallelDims fields
+    zero1: bool = False  # shard AdamW's state over the data-parallel ranks
+    virtual_stages: int = 1  # model chunks per pipeline rank (> 1: interleaved 1F1B)
+    partition: list | None = None  # layers per pipeline stage (pp * virtual_stages of them); None: uniform
+    recompute: bool = False  # full activation recomputation, per layer
+    timeout_s: float = 300.0  # a collective waiting longer than this fails the job
     colocate: str | None = None  # the arbiter server's address (a socket path or host:port)
     colocate_device: int = 0

@@ -8,10 +8,18 @@ leaves nothing behind) are added into the accumulators; so the update is the sam
 split. Weights, gradients and AdamW moments are float32 on the job's device (CPU or GPU); on the
 GPU ``--dtype bfloat16`` runs the forward and backward under bf16 autocast.
 
-Parallelism: the job is written for one process per rank. ``ParallelDims`` is taken and validated
-now; data parallelism adds a slice of ``step_samples`` per rank and a gradient all-reduce in
-``_sync_grads``; tensor and pipeline parallelism a sharded model from ``parallel/`` in
-``_build``. Only dp=tp=pp=1 runs today.
+Parallelism (``dist.py`` for the process layout): one process per rank. Data parallelism gives
+each replica its slice of ``step_samples`` (the same global batch, so the loss scaling holds) and
+all-reduces the gradients once per step in ``_sync_grads`` (one flat buffer; after the last
+micro-batch, so accumulation needs no hook); ``zero1`` shards AdamW's state over the replicas
+(torch's ``ZeroRedundancyOptimizer``). Tensor and pipeline parallelism use the inference sharding
+plan (``parallel/sharding.py``, ``build_rank``): each rank builds only its shard of the same
+weights, with collectives that carry gradients (``parallel/collectives.py``); the gradients of the
+replicated parameters are summed over the tensor group, a tied embedding's two copies over the
+first and last stage. Pipeline stages run under ``torch.distributed.pipelining`` (1F1B, or
+interleaved 1F1B with ``virtual_stages`` chunks per rank); the schedule splits a replica's batch
+into equal micro-batches of ``micro_batch``, so colocation's changing micro-batch runs one process
+only. ``recompute``: each layer's activations are recomputed in the backward.
 
 Checkpoints (safetensors only): ``DIR/model`` is a servable checkpoint (config.json +
 model.safetensors, ``save_checkpoint``), ``DIR/optimizer.safetensors`` the AdamW moments, and
@@ -20,39 +28,91 @@ model.safetensors, ``save_checkpoint``), ``DIR/optimizer.safetensors`` the AdamW
 
 from __future__ import annotations
 
+import functools
 import json
+import resource
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 from ..colocate.client import Colocation
 from ..colocate.memmodel import MemoryModel, estimate
+from ..models import checkpoint as ckpt
 from ..models import load_tokenizer, load_weights, resolve_model, save_checkpoint
-from ..models.transformer import DecoderLM, DenseBatch, bind_weights
+from ..models.config import ModelConfig
+from ..models.transformer import DecoderLM, DenseBatch, bind_weights, rope_tables
+from ..parallel.collectives import install_tp_hooks
 from ..parallel.dims import ParallelDims
+from ..parallel.shard_model import build_rank
+from ..parallel.sharding import Shard, uncut
 from .config import TrainConfig
 from .data import TokenData
+from .dist import Mesh
+
+
+def model_flops_per_sample(c: ModelConfig, seq_len: int) -> float:
+    """Model FLOPs of one sample's forward and backward (3x forward, full s^2 attention, no
+    recomputation), the planner's accounting (``planner/costs.py``)."""
+    s, h, d = seq_len, c.hidden_size, c.head_dim
+    mat = h * (c.num_heads + 2 * c.kv_heads) * d + c.num_heads * d * h + h * c.ffn_size * (3 if c.gated_mlp else 2)
+    return 3.0 * (c.num_layers * (2.0 * s * mat + 4.0 * s * s * h) + 2.0 * s * h * c.vocab_size)
+
+
+class _Stage(nn.Module):
+    """One model chunk as a step calls it: token ids ``[m, t]`` (first chunk) or hidden states
+    ``[m, t, hidden]`` in; hidden states, or logits ``[m, t, vocab]`` (last chunk), out."""
+
+    def __init__(self, model: DecoderLM, bf16: bool):
+        super().__init__()
+        self.model, self.bf16 = model, bf16
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        model, (m, t) = self.model, x.shape[:2]
+        positions = torch.arange(t, device=x.device).repeat(m)
+        batch = DenseBatch(m)
+        if model.cfg.position == "rope":
+            batch.rope = rope_tables(model.cfg, positions, torch.float32)
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            h = model.embed(x.reshape(-1), positions) if model.first else x.reshape(m * t, -1)
+            for layer in model.layers:
+                h = layer(h, batch)
+            out = model.head(h) if model.last else h
+        return out.view(m, t, -1)
+
+
+def _all_reduce(tensors: list[torch.Tensor], group) -> None:
+    """Sum ``tensors`` over ``group`` in one collective (one flat buffer)."""
+    flat = torch.cat([x.reshape(-1) for x in tensors])
+    dist.all_reduce(flat, group=group)
+    for x, y in zip(tensors, flat.split([x.numel() for x in tensors])):
+        x.copy_(y.view_as(x))
 
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, log=None):
         self.cfg, self.log = cfg, log or (lambda s: None)
         self.dims = ParallelDims(**cfg.dims)
-        if self.dims.world_size != 1:
-            raise ValueError(f"this job runs one process for now; got {self.dims}")
         self.device = torch.device(cfg.device)
         if cfg.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {cfg.dtype!r}")
         self.model_cfg, ckpt_dir = resolve_model(cfg.model, dtype="float32")
-        self.model = self._build(ckpt_dir)
-        self.params = dict(self.model.named_parameters())
-        self.opt = torch.optim.AdamW(self.params.values(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.micro_batches = self._check()
+        self.mesh = Mesh.build(self.dims, cfg.timeout_s)
+        self.chunks = self._build(ckpt_dir)
+        self.model = self.chunks[0][1]
+        self.stages = [_Stage(m, cfg.dtype == "bfloat16") for _, m in self.chunks]
+        self.params = {shard.global_name(n): p for shard, m in self.chunks for n, p in m.named_parameters()}
+        self.opt = self._optimizer()
+        self.schedule = self._schedule() if self.dims.pp > 1 else None
         self.data = (TokenData.from_text(cfg.data, load_tokenizer(ckpt_dir, self.model_cfg), cfg.seq_len, cfg.seed)
                      if cfg.data else
                      TokenData.synthetic(self.model_cfg.vocab_size, cfg.synthetic_tokens, cfg.seq_len, cfg.seed))
+        self.flops_per_sample = model_flops_per_sample(self.model_cfg, cfg.seq_len)
         self.step_no = 0
         self.samples_seen: list[list[int]] = []  # per step, the sample ids in the order they were used
         cuda = self.device.type == "cuda"
@@ -66,23 +126,74 @@ class Trainer:
         if cfg.resume and cfg.checkpoint and (Path(cfg.checkpoint) / "state.json").is_file():
             self.load(cfg.checkpoint)
 
+    def _check(self) -> int:
+        """Refuse what this layout cannot run, with the reason; the micro-batches of a replica's batch."""
+        cfg, dims, c = self.cfg, self.dims, self.model_cfg
+        dims.validate_for(num_layers=c.num_layers, num_heads=c.num_heads, num_kv_heads=c.kv_heads)
+        if dims.tp > c.kv_heads:
+            raise ValueError(f"tp={dims.tp} exceeds the {c.kv_heads} key/value heads: training keeps one tensor "
+                             "rank per key/value head")
+        if dims.world_size > 1 and cfg.colocate:
+            raise ValueError("colocation runs one process; it takes no dp, tp or pp")
+        if dims.world_size > 1 and cfg.checkpoint:
+            raise ValueError("checkpoints are written by single-process jobs only (dp=tp=pp=1)")
+        if cfg.global_batch % dims.dp:
+            raise ValueError(f"dp={dims.dp} does not divide the global batch of {cfg.global_batch}")
+        if cfg.virtual_stages < 1 or (cfg.virtual_stages > 1 and dims.pp == 1):
+            raise ValueError(f"virtual_stages={cfg.virtual_stages} needs pp > 1 (interleaved 1F1B)")
+        local = cfg.global_batch // dims.dp
+        if dims.pp > 1 and local % cfg.micro_batch:
+            raise ValueError(f"micro-batch {cfg.micro_batch} does not divide a replica's batch of {local} "
+                             f"(the pipeline runs equal micro-batches)")
+        return -(-local // cfg.micro_batch)
+
     # ---- model and memory ----------------------------------------------------------------------
 
-    def _build(self, ckpt_dir: str | None) -> DecoderLM:
-        from ..memory.host import HostImage
-        from ..memory.layout import WeightLayout
+    def _build(self, ckpt_dir: str | None) -> list[tuple[Shard, DecoderLM]]:
+        """This rank's model chunks (one per virtual stage): its shard of each, from the sharding plan,
+        weights copied to the device as trainable float32 parameters."""
+        dims, m, v = self.dims, self.mesh, self.cfg.virtual_stages
+        chunk_dims = ParallelDims(tp=dims.tp, pp=dims.pp * v)
+        shapes = ckpt.expected_shapes(self.model_cfg)
+        self._replicated, self._zeros, self.cuts, out = [], [], {}, []
+        for c in range(v):
+            shard, model, _ = build_rank(self.model_cfg, chunk_dims, (c * dims.pp + m.stage) * dims.tp + m.t,
+                                         seed=self.cfg.seed, checkpoint=ckpt_dir, partition=self.cfg.partition)
+            bind_weights(model, {n: p.detach().to(self.device, copy=True) for n, p in model.named_parameters()})
+            for n, p in model.named_parameters():
+                p.requires_grad_(True)
+                g = shard.global_name(n)
+                cut = self.cuts[g] = shard.cut(n, shapes[g])
+                if shard.replicated(n, shapes[g]):
+                    self._replicated.append(p)  # norms, learned positions: gradient summed over the group
+                if cut.zero:
+                    self._zeros.append(p)  # a row-parallel bias held by tensor rank 0 only: stays zero
+            install_tp_hooks(model, shard, m.tp, grads=True)
+            if self.cfg.recompute:
+                from torch.utils.checkpoint import checkpoint
 
-        model = DecoderLM(self.model_cfg)
-        layout = WeightLayout.of(model, torch.float32)
-        image = HostImage(layout, pin=False)
-        if ckpt_dir is None:
-            image.fill_random(self.model_cfg, self.cfg.seed)
-        else:
-            load_weights(ckpt_dir, self.model_cfg, image.views)
-        bind_weights(model, {n: v.to(self.device, copy=True) for n, v in image.views.items()})
-        for p in model.parameters():
-            p.requires_grad_(True)
-        return model
+                for layer in model.layers:
+                    layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
+            out.append((shard, model))
+        return out
+
+    def _optimizer(self) -> torch.optim.Optimizer:
+        params, kw = list(self.params.values()), dict(lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+        if self.cfg.zero1 and self.dims.dp > 1:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, process_group=self.mesh.dp, **kw)
+        return torch.optim.AdamW(params, **kw)
+
+    def _schedule(self):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+
+        pp, v = self.dims.pp, self.cfg.virtual_stages
+        stages = [PipelineStage(st, c * pp + self.mesh.stage, pp * v, self.device, group=self.mesh.pp)
+                  for c, st in enumerate(self.stages)]
+        if v == 1:
+            return Schedule1F1B(stages[0], self.micro_batches, loss_fn=self._loss, scale_grads=False)
+        return ScheduleInterleaved1F1B(stages, self.micro_batches, loss_fn=self._loss, scale_grads=False)
 
     def memory_model(self) -> MemoryModel:
         """A prior from the model's shape; the job's measured peaks refine it (GPU)."""
@@ -104,31 +215,25 @@ class Trainer:
 
     # ---- one step ------------------------------------------------------------------------------
 
-    def _micro(self, ids: list[int], total_tokens: int) -> tuple[float, list[torch.Tensor]]:
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Summed token cross-entropy over the global batch's token count (the update is the same
+        whatever the split into micro-batches and replicas)."""
+        total = self.cfg.global_batch * self.cfg.seq_len
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum") / total
+
+    def _micro(self, ids: list[int]) -> tuple[float, list[torch.Tensor]]:
         inputs, targets = self.data.batch(ids)
-        inputs, targets = inputs.to(self.device), targets.to(self.device)
-        m, t = inputs.shape
-        positions = torch.arange(t, device=self.device).repeat(m)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.dtype == "bfloat16"):
-            logits = self.model(inputs.reshape(-1), positions, DenseBatch(m))
-        loss = F.cross_entropy(logits.float(), targets.reshape(-1), reduction="sum") / total_tokens
+        loss = self._loss(self.stages[0](inputs.to(self.device)), targets.to(self.device))
         grads = torch.autograd.grad(loss, list(self.params.values()))
         return float(loss.detach()), grads
 
-    def _sync_grads(self) -> None:
-        """Data parallel: all-reduce the accumulated gradients here (one rank today: nothing to do)."""
-
-    def train_step(self) -> dict:
-        cfg = self.cfg
-        ids = self.data.step_samples(self.step_no, cfg.global_batch)
-        total = len(ids) * cfg.seq_len
-        pos, loss, sizes, used = 0, 0.0, [], []
-        for p in self.params.values():
-            p.grad = None
+    def _accumulate(self, ids: list[int]) -> tuple[float, list[int]]:
+        """One replica's batch in micro-batches (the size colocation allows), gradients added up."""
+        pos, loss, sizes = 0, 0.0, []
         while pos < len(ids):
-            m = min(self.colo.micro_batch(cfg.micro_batch), len(ids) - pos)
+            m = min(self.colo.micro_batch(self.cfg.micro_batch), len(ids) - pos)
             with self.colo.step(m) as s:
-                part, grads = self._micro(ids[pos:pos + m], total)
+                part, grads = self._micro(ids[pos:pos + m])
             if s.abandoned:
                 continue  # the same samples again, in the micro-batch that fits now
             for p, g in zip(self.params.values(), grads):
@@ -136,13 +241,81 @@ class Trainer:
             del grads
             loss += part
             sizes.append(m)
-            used += ids[pos:pos + m]
             pos += m
+        return loss, sizes
+
+    def _pipeline(self, ids: list[int]) -> tuple[float, list[int]]:
+        """One replica's batch through the pipeline schedule (equal micro-batches)."""
+        inputs, targets = self.data.batch(ids)
+        first, last = self.mesh.stage == 0, self.mesh.stage == self.dims.pp - 1
+        losses: list[torch.Tensor] = []
+        self.schedule.step(*((inputs.to(self.device),) if first else ()),
+                           target=targets.to(self.device) if last else None, losses=losses)
+        return float(sum(x.detach() for x in losses)) if last else 0.0, [self.cfg.micro_batch] * self.micro_batches
+
+    def _sync_grads(self) -> None:
+        """Gradients made whole: replicated parameters summed over the tensor group, a tied
+        embedding over its first and last stage, everything over the data-parallel replicas."""
+        m, params = self.mesh, list(self.params.values())
+        if not m.distributed:
+            return
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        for p in self._zeros:
+            p.grad.zero_()
+        if self._replicated:
+            _all_reduce([p.grad for p in self._replicated], m.tp)
+        if m.embed is not None and self.model_cfg.tie_embeddings and "embed_tokens" in self.params:
+            _all_reduce([self.params["embed_tokens"].grad], m.embed)
+        if self.dims.dp > 1:
+            _all_reduce([p.grad for p in params], m.dp)
+
+    def _world_sum(self, x: float) -> float:
+        if not self.mesh.distributed:
+            return x
+        t = torch.tensor([x], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return float(t)
+
+    def _peak_bytes(self) -> list[int]:
+        """Peak memory of each rank: allocated GPU memory this step, or the process's peak resident
+        size on the CPU."""
+        if self.device.type == "cuda":
+            mine = torch.cuda.max_memory_allocated(self.device)
+        else:
+            mine = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        if not self.mesh.distributed:
+            return [mine]
+        t = torch.tensor([mine], dtype=torch.float64, device=self.device)
+        out = [torch.empty_like(t) for _ in range(self.dims.world_size)]
+        dist.all_gather(out, t)
+        return [int(x) for x in out]
+
+    def train_step(self) -> dict:
+        cfg, dims, m = self.cfg, self.dims, self.mesh
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        t0 = time.perf_counter()
+        ids = self.data.step_samples(self.step_no, cfg.global_batch)
+        per = len(ids) // dims.dp
+        for p in self.params.values():
+            p.grad = None
+        loss, sizes = (self._pipeline if self.schedule else self._accumulate)(ids[m.d * per:(m.d + 1) * per])
         self._sync_grads()
         self.opt.step()
+        # every tensor rank of the last stage holds the same loss: tensor rank 0's counts
+        loss = self._world_sum(loss if m.stage == dims.pp - 1 and m.t == 0 else 0.0)
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        dt = time.perf_counter() - t0
         self.step_no += 1
-        self.samples_seen.append(used)
-        return {"step": self.step_no, "loss": loss, "micro_batches": sizes}
+        self.samples_seen.append(ids)
+        return {"step": self.step_no, "loss": loss, "micro_batches": sizes, "time_s": dt,
+                "tokens_per_s": len(ids) * cfg.seq_len / dt,
+                "tflops_per_gpu": self.flops_per_sample * len(ids) / dt / dims.world_size / 1e12,
+                "peak_bytes": self._peak_bytes()}
 
     def run(self, on_step=None) -> list[dict]:
         cfg, out = self.cfg, []
@@ -153,7 +326,9 @@ class Trainer:
             rec["samples_per_s"] = done / (time.perf_counter() - t0)
             out.append(rec)
             self.log(f"step {rec['step']}/{cfg.steps} loss {rec['loss']:.4f} micro-batches {rec['micro_batches']} "
-                     f"{rec['samples_per_s']:.1f} samples/s")
+                     f"{rec['time_s'] * 1e3:.0f} ms {rec['tokens_per_s']:,.0f} tokens/s "
+                     f"{rec['tflops_per_gpu']:.3g} TFLOP/s per GPU, peak {max(rec['peak_bytes']) / 2**20:,.0f} MiB "
+                     f"(max over {len(rec['peak_bytes'])} ranks)")
             if on_step is not None:
                 on_step(rec)
             if cfg.checkpoint and cfg.checkpoint_every and self.step_no % cfg.checkpoint_every == 0:
@@ -161,6 +336,17 @@ class Trainer:
         if cfg.checkpoint:
             self.save(cfg.checkpoint)
         return out
+
+    def full_params(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        """Every parameter of the full model (``grads``: its gradient), on the CPU, joined from all
+        ranks' shards (a collective: every rank calls it)."""
+        mine = {g: (self.cuts[g], (p.grad if grads else p).detach().cpu()) for g, p in self.params.items()}
+        if not self.mesh.distributed:
+            return {g: t.clone() for g, (_, t) in mine.items()}
+        ranks: list = [None] * self.dims.world_size
+        dist.all_gather_object(ranks, mine)
+        return {g: uncut([r[g] for r in ranks if g in r], shape)
+                for g, shape in ckpt.expected_shapes(self.model_cfg).items()}
 
     # ---- checkpoints ---------------------------------------------------------------------------
 

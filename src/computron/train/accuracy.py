@@ -1,0 +1,218 @@
+"""``computron bench plan-accuracy``: training layouts measured on this machine against ``plan estimate``.
+
+What flows through: a list of configurations (model preset, micro-batch, global batch, sequence
+length, recomputation) runs one at a time through the ``Trainer`` on the local device (a few
+warm-up steps, then the median step time and the peak memory of the measured steps); the
+planner's cost model (``planner/``, with a ``plan profile`` of this GPU when given, else its
+roofline) predicts the same layout on one GPU of the named type. Out come a table, a JSON with
+each configuration's errors and the summary (mean and worst absolute time error, mean memory
+error, Spearman rank correlation of predicted and measured times, the best model TFLOP/s against
+this device's measured matrix rate), and a PNG of predicted against measured.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+# GPT-shaped models from 125M to 1.3B, micro-batch, global batch, recomputation and sequence varied
+DEFAULT_CONFIGS = ["gpt2:4:32:1024", "gpt2:8:32:1024", "gpt2:8:32:1024:full", "gpt2:16:64:512",
+                   "gpt2-medium:4:32:1024", "gpt2-medium:8:32:1024:full", "gpt2-large:4:16:1024",
+                   "gpt2-large:2:16:2048:full", "gpt2-xl:2:16:1024", "gpt2-xl:4:16:1024:full"]
+
+
+@dataclass(frozen=True)
+class Config:
+    model: str
+    mbs: int
+    global_batch: int
+    seq_len: int
+    recompute: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> "Config":
+        parts = text.split(":")
+        if len(parts) not in (4, 5) or (len(parts) == 5 and parts[4] != "full"):
+            raise ValueError(f"configuration {text!r}: expected MODEL:MBS:GLOBAL_BATCH:SEQ_LEN[:full]")
+        return cls(parts[0], int(parts[1]), int(parts[2]), int(parts[3]), len(parts) == 5)
+
+    @property
+    def label(self) -> str:
+        return f"{self.model} mbs={self.mbs} gb={self.global_batch} s={self.seq_len}" + " rc" * self.recompute
+
+
+def shape_of(c, seq_len: int, global_batch: int):
+    """The planner's shape of an engine ``ModelConfig`` as this trainer runs it (fused attention, no dropout)."""
+    from ..planner.model import TransformerShape
+
+    return TransformerShape(c.name, "llama" if c.family == "llama" else "gpt", c.num_layers, c.hidden_size,
+                            c.num_heads, c.ffn_size, c.vocab_size, seq_len, global_batch, kv_heads=c.kv_heads,
+                            dtype="bfloat16", tie_embeddings=c.tie_embeddings, flash_attention=True, dropout=False)
+
+
+def predict(shape, gpu: str, cfg: Config, profile: str | None) -> tuple[float, float]:
+    """(iteration seconds, peak bytes) the planner gives for one GPU of type ``gpu``."""
+    from ..parallel.dims import ParallelDims
+    from ..planner.costs import Assumptions
+    from ..planner.estimate import CostModel, PlanConfig, PlanContext
+    from ..planner.hardware import load_cluster
+    from ..planner.layout import stage_envs
+    from ..planner.measured import load_profile
+
+    cm = CostModel(shape, Assumptions(bytes_per_param=16), load_profile(profile, gpu) if profile else None)
+    dims, placement = ParallelDims(), (load_cluster(f"{gpu}:1x1").node_types[0],)
+    ctx = PlanContext(cm, stage_envs(placement, dims, cm.a),
+                      PlanConfig(dims, cfg.mbs, 1, cfg.recompute, False, False, False, False))
+    r = ctx.result(ctx.check_counts((shape.layers,)), "given", placement)
+    return r.iteration_s, max(r.stage_memory)
+
+
+def measure(cfg: Config, device: str, dtype: str, warmup: int, steps: int) -> dict:
+    from .config import TrainConfig
+    from .job import Trainer
+
+    tr = Trainer(TrainConfig(model=cfg.model, seq_len=cfg.seq_len, global_batch=cfg.global_batch, micro_batch=cfg.mbs,
+                             steps=warmup + steps, recompute=cfg.recompute, device=device, dtype=dtype,
+                             synthetic_tokens=(cfg.global_batch * (warmup + steps) + 1) * cfg.seq_len + 1))
+    recs = [tr.train_step() for _ in range(warmup + steps)][warmup:]
+    out = {"time_s": statistics.median(r["time_s"] for r in recs), "peak_bytes": max(max(r["peak_bytes"]) for r in recs),
+           "tflops_per_gpu": statistics.median(r["tflops_per_gpu"] for r in recs), "shape": tr.model_cfg}
+    del tr
+    return out
+
+
+def matmul_tflops(device: str, dtype: str) -> float:
+    """The device's measured dense matrix rate (TFLOP/s) in ``dtype``."""
+    import torch
+
+    dev, n = torch.device(device), (8192 if device.startswith("cuda") else 512)
+    a = torch.randn(n, n, device=dev, dtype=getattr(torch, dtype))
+    b = torch.randn(n, n, device=dev, dtype=a.dtype)
+    for _ in range(3):
+        a @ b
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    sync()
+    t0, reps = time.perf_counter(), 10
+    for _ in range(reps):
+        a @ b
+    sync()
+    return 2 * n**3 * reps / (time.perf_counter() - t0) / 1e12
+
+
+def spearman(x: list[float], y: list[float]) -> float:
+    def ranks(v):
+        order = sorted(range(len(v)), key=v.__getitem__)
+        r = [0.0] * len(v)
+        for i, j in enumerate(order):
+            r[j] = float(i)
+        return r
+
+    rx, ry = ranks(x), ranks(y)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    num = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    den = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return num / den if den else 0.0
+
+
+def run(configs: list[Config], gpu: str, device: str, dtype: str, profile: str | None, warmup: int, steps: int,
+        log=print) -> dict:
+    rows = []
+    for cfg in configs:
+        got = measure(cfg, device, dtype, warmup, steps)
+        pred_s, pred_mem = predict(shape_of(got.pop("shape"), cfg.seq_len, cfg.global_batch), gpu, cfg, profile)
+        row = {"config": cfg.label, "model": cfg.model, "mbs": cfg.mbs, "global_batch": cfg.global_batch,
+               "seq_len": cfg.seq_len, "recompute": cfg.recompute, "measured_s": got["time_s"], "predicted_s": pred_s,
+               "time_error": pred_s / got["time_s"] - 1, "measured_bytes": got["peak_bytes"],
+               "predicted_bytes": pred_mem, "memory_error": pred_mem / got["peak_bytes"] - 1,
+               "tflops_per_gpu": got["tflops_per_gpu"]}
+        rows.append(row)
+        log(f"{cfg.label:40s} measured {row['measured_s']:.4f} s predicted {pred_s:.4f} s "
+            f"({row['time_error']:+.1%}); memory {row['measured_bytes'] / 2**30:.2f} GiB predicted "
+            f"{pred_mem / 2**30:.2f} GiB ({row['memory_error']:+.1%}); {row['tflops_per_gpu']:.1f} TFLOP/s")
+    rate = matmul_tflops(device, dtype)
+    best = max(rows, key=lambda r: r["tflops_per_gpu"])
+    summary = {"configs": len(rows), "time_mean_abs_error": statistics.fmean(abs(r["time_error"]) for r in rows),
+               "time_worst_abs_error": max(abs(r["time_error"]) for r in rows),
+               "memory_mean_abs_error": statistics.fmean(abs(r["memory_error"]) for r in rows),
+               "spearman": spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]),
+               "best": best["config"], "best_tflops_per_gpu": best["tflops_per_gpu"],
+               "matmul_tflops": rate, "best_fraction_of_matmul": best["tflops_per_gpu"] / rate}
+    return {"gpu": gpu, "device": device, "dtype": dtype, "profile": profile, "rows": rows, "summary": summary}
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    fig, ax = plt.subplots(figsize=(6.5, 6), dpi=110)
+    x, y = [r["measured_s"] for r in rows], [r["predicted_s"] for r in rows]
+    ax.scatter(x, y, c="C0")
+    for r in rows:
+        ax.annotate(r["config"], (r["measured_s"], r["predicted_s"]), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    lo, hi = min(x + y) * 0.8, max(x + y) * 1.2
+    ax.plot([lo, hi], [lo, hi], "k--", lw=0.8, label="predicted = measured")
+    ax.fill_between([lo, hi], [lo * 0.9, hi * 0.9], [lo * 1.1, hi * 1.1], color="0.85", label="±10%")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured iteration time (s)")
+    ax.set_ylabel("predicted iteration time (s)")
+    s = result["summary"]
+    ax.set_title(f"plan estimate vs measured on {result['gpu']}: MAE {s['time_mean_abs_error']:.1%}, "
+                 f"rank corr {s['spearman']:.2f}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def add_bench_parser(bsub) -> None:
+    p = bsub.add_parser("plan-accuracy", help="training layouts measured here against plan estimate",
+                        description=__doc__.splitlines()[0])
+    p.add_argument("--config", action="append", default=None, metavar="MODEL:MBS:GLOBAL_BATCH:SEQ_LEN[:full]",
+                   help="a configuration (repeat it; default: ten GPT-shaped ones, 125M to 1.5B)")
+    p.add_argument("--gpu", default=None, help="the planner's GPU type of this device (default: detected)")
+    p.add_argument("--profile", default=None, help="a 'plan profile' JSON of this GPU (default: the roofline)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"), help="default: bf16 on GPU, fp32 on CPU")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--out", default="bench/results/plan_accuracy", help="writes OUT.json and OUT.png")
+    p.set_defaults(func=cmd)
+
+
+def cmd(args) -> int:
+    from pathlib import Path
+
+    try:
+        configs = [Config.parse(c) for c in (args.config or DEFAULT_CONFIGS)]
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    gpu = args.gpu
+    if gpu is None:
+        import torch
+
+        from ..planner.profile import planner_gpu_name
+
+        if not args.device.startswith("cuda"):
+            print("error: name the planner's GPU type to predict with --gpu on a CPU", file=sys.stderr)
+            return 2
+        props = torch.cuda.get_device_properties(torch.device(args.device))
+        gpu = planner_gpu_name(props.name, props.total_memory)
+    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    result = run(configs, gpu, args.device, dtype, args.profile, args.warmup, args.steps)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out + ".json").write_text(json.dumps(result, indent=1) + "\n")
+    plot(result, args.out + ".png")
+    s = result["summary"]
+    print(f"{s['configs']} configurations: time error {s['time_mean_abs_error']:.1%} mean, {s['time_worst_abs_error']:.1%} "
+          f"worst; memory error {s['memory_mean_abs_error']:.1%} mean; rank correlation {s['spearman']:.2f}; best "
+          f"{s['best']} at {s['best_tflops_per_gpu']:.1f} TFLOP/s = {s['best_fraction_of_matmul']:.0%} of the measured "
+          f"{s['matmul_tflops']:.0f} TFLOP/s matrix rate; wrote {args.out}.json, {args.out}.png")
+    return 0

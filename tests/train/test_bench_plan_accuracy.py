@@ -1,0 +1,35 @@
+"""``computron bench plan-accuracy`` machinery on the CPU: measured rows, the planner's predictions,
+errors and summary consistent with them, JSON and PNG written (the numbers mean something on a GPU only)."""
+
+import json
+
+import pytest
+
+from computron.cli import main
+from computron.train.accuracy import Config, spearman
+
+
+def test_plan_accuracy_writes_rows_summary_and_png(tmp_path, capsys):
+    out = tmp_path / "acc"
+    assert main(["bench", "plan-accuracy", "--device", "cpu", "--gpu", "a100-80gb", "--config", "tiny-gpt2:2:4:16",
+                 "--config", "tiny-llama:2:4:16:full", "--warmup", "0", "--steps", "1", "--out", str(out)]) == 0
+    data = json.loads((tmp_path / "acc.json").read_text())
+    rows, s = data["rows"], data["summary"]
+    assert [(r["model"], r["recompute"]) for r in rows] == [("tiny-gpt2", False), ("tiny-llama", True)]
+    for r in rows:
+        assert r["measured_s"] > 0 and r["predicted_s"] > 0 and r["measured_bytes"] > 0 and r["predicted_bytes"] > 0
+        assert r["time_error"] == pytest.approx(r["predicted_s"] / r["measured_s"] - 1)
+        assert r["memory_error"] == pytest.approx(r["predicted_bytes"] / r["measured_bytes"] - 1)
+    assert s["time_mean_abs_error"] == pytest.approx(sum(abs(r["time_error"]) for r in rows) / 2)
+    assert s["time_worst_abs_error"] == pytest.approx(max(abs(r["time_error"]) for r in rows))
+    assert (tmp_path / "acc.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "2 configurations: time error" in capsys.readouterr().out
+
+
+def test_configurations_and_rank_correlation():
+    assert Config.parse("gpt2-xl:4:16:1024:full") == Config("gpt2-xl", 4, 16, 1024, True)
+    with pytest.raises(ValueError, match="expected MODEL:MBS:GLOBAL_BATCH:SEQ_LEN"):
+        Config.parse("gpt2:4:16")
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)

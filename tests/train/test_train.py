@@ -122,3 +122,38 @@ def test_recomputation_changes_memory_not_results():
     assert loss_r == loss and kept < 0.5 * full, (kept, full)
     for name, x in p.items():
         torch.testing.assert_close(p_r[name], x, rtol=0, atol=0)
+
+
+def test_a_sequence_longer_than_the_learned_positions_is_refused():
+    import pytest
+
+    from computron.models import get_preset
+
+    n = get_preset("tiny-gpt2").max_position
+    with pytest.raises(ValueError, match=f"seq_len {n + 1} exceeds the {n} positions tiny-gpt2 has learned"):
+        Trainer(TrainConfig(**{**CFG, "model": "tiny-gpt2", "seq_len": n + 1}))
+
+
+def test_the_head_over_a_padded_vocabulary_gives_the_same_logits_and_gradients():
+    """Training's head pads the vocabulary rows for the matrix kernel: same logits and gradients."""
+    import dataclasses
+
+    from computron.models import get_preset
+    from computron.models.transformer import DecoderLM, bind_weights
+
+    torch.manual_seed(0)
+    model = DecoderLM(dataclasses.replace(get_preset("tiny-gpt2"), vocab_size=500))
+    bind_weights(model, {n: torch.randn(p.shape) * 0.05 for n, p in model.named_parameters()})
+    for p in model.parameters():
+        p.requires_grad_(True)
+    assert model.embed_tokens.shape[0] % 128  # the case that pads
+    x = torch.randn(5, model.cfg.hidden_size)
+    grads = []
+    for align in (1, 128):
+        model.zero_grad()
+        out = model.head(x, align)
+        assert out.shape == (5, model.cfg.vocab_size)
+        (out * torch.arange(out.shape[1])).sum().backward()
+        grads.append((out.detach(), model.embed_tokens.grad.clone()))
+    torch.testing.assert_close(grads[0][0], grads[1][0])
+    torch.testing.assert_close(grads[0][1], grads[1][1])

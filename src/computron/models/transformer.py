@@ -233,12 +233,17 @@ class DecoderLM(nn.Module):
             x = x + F.embedding(positions + self.cfg.position_offset, self.embed_positions)
         return x
 
-    def head(self, x: torch.Tensor) -> torch.Tensor:
+    def head(self, x: torch.Tensor, align: int = 1) -> torch.Tensor:
+        """Logits of hidden states ``x``. ``align``: the product runs over the vocabulary's rows padded
+        to a multiple of it (zeros, sliced off after): an odd vocabulary such as GPT-2's 50,257 rows
+        otherwise gets a far slower matrix kernel on large batches (training: 128)."""
         if self.final_norm is not None:
             x = self.final_norm(x)
         if self.project_out is not None:
             x = F.linear(x, self.project_out)
-        logits = F.linear(x, self.embed_tokens if self.lm_head is None else self.lm_head)
+        w = self.embed_tokens if self.lm_head is None else self.lm_head
+        pad = -w.shape[0] % align
+        logits = F.linear(x, F.pad(w, (0, 0, 0, pad)))[..., :w.shape[0]] if pad else F.linear(x, w)
         return logits if self.gather is None else self.gather(logits)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, batch: AttnBatch) -> torch.Tensor:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 # GPT-shaped models from 125M to 1.3B, micro-batch, global batch, recomputation and sequence varied
 DEFAULT_CONFIGS = ["gpt2:4:32:1024", "gpt2:8:32:1024", "gpt2:8:32:1024:full", "gpt2:16:64:512",
                    "gpt2-medium:4:32:1024", "gpt2-medium:8:32:1024:full", "gpt2-large:4:16:1024",
-                   "gpt2-large:2:16:2048:full", "gpt2-xl:2:16:1024", "gpt2-xl:4:16:1024:full"]
+                   "gpt2-large:8:32:512:full", "gpt2-xl:2:16:1024", "gpt2-xl:4:16:1024:full"]
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ of memory by owner. Writes bench/results/hybrid_<tag>.json (and .png).
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import re
@@ -141,9 +142,11 @@ def start_trainer(args, addr: str | None, ckpt: str, out: list):
     if addr:
         cmd += ["--colocate", addr]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    p.last_lines = collections.deque(maxlen=30)  # what it said last, shown if it never gets going
 
     def read():
         for line in p.stdout:
+            p.last_lines.append(line.rstrip())
             if m := re.match(r"step (\d+)/", line):
                 out.append((time.monotonic(), int(m.group(1))))
             elif "rror" in line or "Traceback" in line:
@@ -169,7 +172,15 @@ def run_one(args, mode: str | None, with_train: bool, with_infer: bool, ckpt: st
         capacity - int(args.static_train_gb * GB)
     trainer = start_trainer(args, addr if server else None, ckpt, steps) if with_train else None
     if trainer is not None:  # warm up: the job's first steps (CUDA init, allocator) are not measured
+        deadline = time.monotonic() + WARMUP_TIMEOUT_S
         while len(steps) < args.warmup_steps and trainer.poll() is None:
+            if time.monotonic() > deadline:
+                trainer.kill()
+                if server is not None:
+                    server.close()
+                raise RuntimeError(f"{mode or 'training-alone'}: the training job made {len(steps)} of its "
+                                   f"{args.warmup_steps} warm-up steps in {WARMUP_TIMEOUT_S:.0f} s; it said last:\n"
+                                   + "\n".join(trainer.last_lines))
             time.sleep(0.05)
     done = threading.Event()
 
@@ -212,6 +223,7 @@ def run_one(args, mode: str | None, with_train: bool, with_infer: bool, ckpt: st
 
 
 REFERENCES = ("inference-alone", "training-alone")
+WARMUP_TIMEOUT_S = 120.0
 
 
 def phase_row(r: dict, solo: float | None, train_alone: float | None) -> dict:

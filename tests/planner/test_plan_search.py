@@ -33,7 +33,8 @@ def brute_force(m, cluster, opts):
             for mbs, v in itertools.product(divisors(m.global_batch // dims.dp), opts.virtual_stages):
                 for rec in (False, True):
                     try:
-                        ctx = PlanContext(cm, stage_envs(placement, dims, cm.a), PlanConfig(dims, mbs, v, rec))
+                        ctx = PlanContext(cm, stage_envs(placement, dims, cm.a),
+                                          PlanConfig(dims, mbs, v, rec, sp=opts.sequence_parallel and dims.tp > 1))
                     except PlannerError:
                         break  # v does not fit this schedule (micro-batches vs pp, layers vs chunks)
                     got = [(ctx.partition(x), x) for x in opts.methods]
@@ -56,12 +57,13 @@ def brute_force(m, cluster, opts):
 ])
 def test_branch_and_bound_finds_the_brute_force_optimum(model, spec):
     cluster = parse_compact(spec)
-    for v in ((1,), (1, 2, 4)):  # plain 1F1B, and interleaved schedules searched too
-        opts = SearchOptions(all_nodes=True, top=3, virtual_stages=v)
+    for v, sp in (((1,), True), ((1, 2, 4), True), ((1,), False)):  # interleaved schedules searched too
+        opts = SearchOptions(all_nodes=True, top=3, virtual_stages=v, sequence_parallel=sp)
         res = search(model, cluster, opts)
         expect = brute_force(model, cluster, opts)[:3]
         assert [r.iteration_s for r in res.plans] == pytest.approx(expect)
         assert res.stats["simulated"] <= res.stats["candidates"]
+        assert all(r.config.sp == (sp and r.config.dims.tp > 1) for r in res.plans)
 
 
 def test_capped_min_max_by_hand():
@@ -186,3 +188,15 @@ def test_family_fill_bound_holds_for_every_stage_order():
                     assert fam[sig[-1]] <= least * (1 + 1e-9)
                     checked[v] += 1
     assert checked[1] > 100 and checked[2] > 50
+
+
+def test_sequence_parallelism_is_searched_and_fits_what_replicated_norms_do_not():
+    """13B-class layers at 16k tokens on 8 A10s without recomputation: nothing fits with the norms'
+    and dropouts' activations replicated over the tensor ranks; with sequence parallelism (the
+    search's default for tp > 1) a tp=4 plan does, and its estimate says sp."""
+    m = TransformerShape("mid", "llama", layers=16, hidden=5120, heads=40, ffn=13824, vocab=32000, seq_len=16384,
+                         global_batch=16, dtype="bfloat16")
+    cluster = parse_compact("a10:4x2")
+    assert not search(m, cluster, SearchOptions(top=1, recompute="none", sequence_parallel=False)).plans
+    best = search(m, cluster, SearchOptions(top=1, recompute="none")).plans
+    assert best and best[0].config.dims.tp > 1 and best[0].config.sp and best[0].feasible

@@ -55,6 +55,8 @@ def _search_args(p: argparse.ArgumentParser) -> None:
                    help="model chunks per stage to try, e.g. 1,2,4 (default 1: plain 1F1B only)")
     p.add_argument("--recompute", choices=("auto", "none", "full"), default="auto",
                    help="full activation recomputation: auto = only when a plan does not fit without")
+    p.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
+                   help="plans with tp > 1 keep norms and dropouts replicated (default: sequence parallelism)")
     p.add_argument("--tp", type=_ints, help="restrict tensor-parallel degrees, e.g. 1,2,4")
     p.add_argument("--pp", type=_ints, help="restrict pipeline degrees")
     p.add_argument("--mbs", type=_ints, help="restrict micro-batch sizes")
@@ -164,7 +166,8 @@ def _search_options(args, **extra):
 
     methods = tuple(x.strip() for x in args.partition.split(",") if x.strip())
     return SearchOptions(methods=methods, virtual_stages=args.virtual_stages, recompute=args.recompute,
-                         zero1=args.zero1, tp=args.tp, pp=args.pp, mbs=args.mbs, max_mbs=args.max_mbs,
+                         zero1=args.zero1, sequence_parallel=args.sequence_parallel, tp=args.tp, pp=args.pp,
+                         mbs=args.mbs, max_mbs=args.max_mbs,
                          max_orderings=args.max_orderings, **extra)
 
 

@@ -55,6 +55,10 @@ class SearchOptions:
     virtual_stages: tuple[int, ...] = (1,)  # model chunks per stage to try (interleaved 1F1B when > 1)
     recompute: str = "auto"  # auto: only when a plan does not fit without; none; full
     zero1: bool = False
+    # Plans with tp > 1 use sequence parallelism: in the cost model it is never slower (the same
+    # bytes as reduce-scatter + all-gather instead of all-reduce, a tp-th of the norms' and
+    # dropouts' work and activations) and holds less.
+    sequence_parallel: bool = True
     all_nodes: bool = False  # only plans that use every available node
     max_mbs: int = 64
     max_orderings: int = 20000  # per composition; beyond it nodes of a type move in blocks
@@ -117,13 +121,14 @@ def _layouts(m: TransformerShape, n_gpus: int, per_node: list[int], opts: Search
             yield dims
 
 
-def _tau(m: TransformerShape, nt, tp: int, b: int, cm: CostModel, rec: bool = False) -> float:
+def _tau(m: TransformerShape, nt, tp: int, b: int, cm: CostModel, rec: bool = False, sp: bool = False) -> float:
     """Seconds one TP group of node type ``nt`` spends per layer per sample at micro-batch ``b``
-    (forward + backward op, TP all-reduces included, plus the recomputed forward with ``rec``)."""
-    key = ("tau", id(nt), tp, b, rec)
+    (forward + backward op, TP all-reduces included, plus the recomputed forward with ``rec``;
+    ``sp``: sequence parallelism)."""
+    key = ("tau", id(nt), tp, b, rec, sp)
     tau = cm.cache.get(key)
     if tau is None:
-        f, bw, _ = cm.layer(nt.gpu, tp, b)
+        f, bw, _ = cm.layer(nt.gpu, tp, b, sp)
         ftp, btp = costs.layer_tp_comm(m, tp, b, nt.intra_bw, cm.a)
         tau = cm.cache[key] = (f + bw + ftp + btp + (f + ftp if rec else 0.0)) / b
     return tau
@@ -135,6 +140,7 @@ class _StageTables:
 
     def __init__(self, m: TransformerShape, dims: ParallelDims, opts: SearchOptions, cm: CostModel):
         self.m, self.dims, self.opts, self.cm = m, dims, opts, cm
+        self.sp = _sp(opts, dims)
         self.sets: list[tuple] = []  # node-type tuples, by set id
         self._ids: dict = {}
         self._caps: dict = {}
@@ -155,11 +161,11 @@ class _StageTables:
         if got is None:
             m, dims, cm, nodes = self.m, self.dims, self.cm, self.sets[k]
             mb = m.global_batch // (dims.dp * b)
-            act = min(cm.layer(n.gpu, dims.tp, b)[2] for n in nodes)
+            act = min(cm.layer(n.gpu, dims.tp, b, self.sp)[2] for n in nodes)
             usable = min(costs.usable_memory(n.gpu, cm.a) for n in nodes)
             got = []
             for s in range(dims.pp):
-                terms = memory_terms(m, dims.tp, b, s, dims.pp, rec, act)
+                terms = memory_terms(m, dims.tp, b, s, dims.pp, rec, act, self.sp)
                 inflight = schedule.inflight_closed_form(dims.pp, v, mb, s)
                 got.append(max_layers(terms, usable, m.layers, inflight, mb, v, dims.dp, self.opts.zero1, cm.a))
             self._caps[key] = got
@@ -206,15 +212,20 @@ class _StageTables:
         key = (k, b, rec)
         got = self._w.get(key)
         if got is None:
-            got = self._w[key] = b * max(_tau(self.m, n, self.dims.tp, b, self.cm, rec) for n in self.sets[k])
+            got = self._w[key] = b * max(_tau(self.m, n, self.dims.tp, b, self.cm, rec, self.sp) for n in self.sets[k])
         return got
 
 
-def _free_bound(m: TransformerShape, dims: ParallelDims, stage_nodes, b: int, cm: CostModel) -> float:
+def _sp(opts: SearchOptions, dims: ParallelDims) -> bool:
+    """Whether the plans of this layout use sequence parallelism."""
+    return opts.sequence_parallel and dims.tp > 1
+
+
+def _free_bound(m: TransformerShape, dims: ParallelDims, stage_nodes, b: int, cm: CostModel, sp: bool) -> float:
     """A bound for plans whose stages fall on these node types (in any order) at micro-batch b,
     memory ignored: a stage runs at its slowest type's ``tau_s``; one replica's B/dp samples
     through L layers take at least ``(B/dp) * L / sum_s 1/tau_s``."""
-    rate = sum(1.0 / max(_tau(m, n, dims.tp, b, cm) for n in nodes) for nodes in stage_nodes)
+    rate = sum(1.0 / max(_tau(m, n, dims.tp, b, cm, sp=sp) for n in nodes) for nodes in stage_nodes)
     return m.global_batch / dims.dp * m.layers / rate * _slowest(dims, cm)
 
 
@@ -299,11 +310,12 @@ def _family_fill_bound(m: TransformerShape, sig: tuple[int, ...], b: int, v: int
     return out
 
 
-def _group_bound(m: TransformerShape, comp: dict[str, int], nts: dict, dims: ParallelDims, sizes, cm: CostModel) -> float:
+def _group_bound(m: TransformerShape, comp: dict[str, int], nts: dict, dims: ParallelDims, sizes, cm: CostModel,
+                 sp: bool) -> float:
     """A bound for every plan of one composition and layout, whatever the placement and partition:
     B*L layer-samples shared by TP groups of total rate ``R = sum_g n_g / tau_g`` (tau at the best
     allowed micro-batch size) take at least ``B*L / R``."""
-    rate = sum(k * nts[n].gpus_per_node / dims.tp / min(_tau(m, nts[n], dims.tp, b, cm) for b in sizes)
+    rate = sum(k * nts[n].gpus_per_node / dims.tp / min(_tau(m, nts[n], dims.tp, b, cm, sp=sp) for b in sizes)
                for n, k in comp.items())
     return m.global_batch * m.layers / rate * _slowest(dims, cm)
 
@@ -320,7 +332,7 @@ def _groups(m: TransformerShape, cluster: Cluster, opts: SearchOptions, cm: Cost
             per_replica = m.global_batch // dims.dp
             sizes = [b for b in divisors(per_replica) if b <= opts.max_mbs and (not opts.mbs or b in opts.mbs)]
             if sizes:
-                yield _group_bound(m, comp, nts, dims, sizes, cm), (comp, nts, dims, sizes, price)
+                yield _group_bound(m, comp, nts, dims, sizes, cm, _sp(opts, dims)), (comp, nts, dims, sizes, price)
 
 
 def multinomial(counts) -> int:
@@ -444,7 +456,7 @@ def search(m: TransformerShape, cluster: Cluster, opts: SearchOptions = SearchOp
             for members in families.values():
                 stage_nodes = [tabs.sets[k] for k in members[0][0]]  # any member: the bound ignores order
                 for b in sizes:
-                    lb = max(_free_bound(m, dims, stage_nodes, b, cm), lb0)
+                    lb = max(_free_bound(m, dims, stage_nodes, b, cm, tabs.sp), lb0)
                     push(lb, price, "family", (item, tabs, members, b, math.inf, None))
             continue
         if kind == "family":
@@ -491,7 +503,8 @@ def search(m: TransformerShape, cluster: Cluster, opts: SearchOptions = SearchOp
                 view_cache[id(orders)] = (orders, views)  # holding orders keeps its id unique
                 stats["views"] += len(views)
             for envs, order in views.items():
-                push(lb0, price, "lazy", (envs, order, PlanConfig(dims, b, v, rec, opts.zero1), price), not best)
+                push(lb0, price, "lazy", (envs, order, PlanConfig(dims, b, v, rec, opts.zero1, sp=tabs.sp), price),
+                     not best)
             continue
         if kind == "lazy":
             envs, order, cfg, price = item

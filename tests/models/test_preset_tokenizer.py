@@ -100,3 +100,23 @@ def test_cli_writes_the_directory_under_any_name_of_the_preset(tmp_path, capsys)
 def test_a_vocabulary_too_small_is_refused(tmp_path):
     with pytest.raises(ValueError, match="cannot hold the 256 byte tokens"):
         write_tokenizer(get_preset("tiny-opt").with_(vocab_size=200), tmp_path)
+
+
+def test_a_preset_wider_than_its_tokenizer_samples_only_ids_with_text(monkeypatch):
+    """A preset whose vocabulary outgrows its BPE (opt-125m: 50,272 ids, ~1,300 with text) has random
+    weights that would mostly sample ids without text: the engine masks them, so sampled output
+    is all tokenizer ids and the text is not empty."""
+    from computron.config import EngineConfig
+    from computron.engine import Engine, SamplingParams
+    from computron.models.preset_tokenizer import token_ids
+
+    wide = get_preset("tiny-opt").with_(name="tiny-wide", vocab_size=4096)
+    monkeypatch.setitem(PRESETS, "tiny-wide", wide)
+    allowed = set(token_ids(wide))
+    assert len(allowed) < 4096 // 2  # without the mask, most draws would fall outside
+    eng = Engine(EngineConfig(device="cpu", gpu_memory_budget=64 * 2**20, workspace_bytes=200_000))
+    eng.register_model("tiny-wide")
+    out = eng.generate("tiny-wide", "hello", SamplingParams(max_tokens=48, temperature=1.0, seed=3, ignore_eos=True))
+    assert out.error is None and len(out.output_ids) == 48
+    assert set(out.output_ids) <= allowed
+    assert len(out.text) >= 48  # every token has text (bytes or merges)

@@ -143,12 +143,29 @@ class InProcessExecutor:
             model = self._build_shard(desc, cfg, ckpt, rank, group, progress)
         else:
             model = self._build_whole(desc, cfg, ckpt, progress)
+        if ckpt is None and model.answers:
+            self._mask_unused_ids(model)
         self._keep_image(desc.name, model)
         with self._lock:
             if desc.name in self.models:
                 raise ValueError(f"a model named {desc.name!r} is already registered")
             self.models[desc.name] = model
         return ModelInfo(desc.name, cfg, ckpt, pl, (self._weight_bytes(model),), (model.cfg.kv_bytes_per_token(),))
+
+    def _mask_unused_ids(self, model: _Model) -> None:
+        """A preset's random weights sample from its tokenizer's ids only: the rest of its vocabulary
+        has no text (its byte-level BPE has ~1,300 tokens), so a client would get empty completions."""
+        from ..models.preset_tokenizer import token_ids
+
+        try:
+            ids, vocab = token_ids(model.cfg), model.cfg.vocab_size
+        except ValueError:  # too small a vocabulary for any tokenizer: no text to keep, ids only
+            return
+        if len(ids) >= vocab:
+            return
+        mask = torch.full((vocab,), float("-inf"), dtype=model.runner.dtype)
+        mask[torch.tensor([i for i in ids if i < vocab])] = 0
+        model.runner.model.logit_mask = mask.to(self.device)
 
     def _check_fits(self, name: str, nbytes: int) -> None:
         if nbytes > self.arena.max_bytes:

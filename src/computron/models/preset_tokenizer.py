@@ -9,7 +9,8 @@ does. The BPE is trained by the ``tokenizers`` library (deterministic for a fixe
 byte order, then merges by rank, skipping the ids of the BOS/EOS specials, which sit at the config's
 ids. Merges stop where the vocabulary would not fit the model (254 of them for the tiny presets);
 model ids past the tokenizer's are unused (as in OPT's real 50265-token tokenizer under a 50272-row
-embedding). Built on first use into ``$COMPUTRON_CACHE/tokenizers/`` (default
+embedding), and a preset's random weights never sample them (the executor masks their logits,
+``token_ids``): a 50k-row preset would otherwise answer mostly ids with no text. Built on first use into ``$COMPUTRON_CACHE/tokenizers/`` (default
 ``~/.cache/computron``), keyed by what shapes it; CPU only, no torch.
 """
 
@@ -168,3 +169,12 @@ def preset_tokenizer_dir(cfg: ModelConfig) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def token_ids(cfg: ModelConfig) -> list[int]:
+    """The ids a preset's tokenizer has text for (its bytes, merges and specials), ascending; a
+    preset model's other ids are unused."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(preset_tokenizer_dir(cfg) / "tokenizer.json"))
+    return sorted(set(tok.get_vocab(with_added_tokens=True).values()))

@@ -203,6 +203,9 @@ class DecoderLM(nn.Module):
 
     reduce = None  # tensor parallel: sums the vocab-parallel embedding over the group
     gather = None  # tensor parallel: joins the vocab-parallel logits into the full vocabulary
+    # [vocab] added to the logits (-inf at ids that are never to be produced), or None: a preset's
+    # random weights would otherwise emit ids its tokenizer has no text for
+    logit_mask: torch.Tensor | None = None
 
     def __init__(self, cfg: ModelConfig, first: bool = True, last: bool = True, vocab_start: int = 0):
         super().__init__()
@@ -244,7 +247,9 @@ class DecoderLM(nn.Module):
         w = self.embed_tokens if self.lm_head is None else self.lm_head
         pad = -w.shape[0] % align
         logits = F.linear(x, F.pad(w, (0, 0, 0, pad)))[..., :w.shape[0]] if pad else F.linear(x, w)
-        return logits if self.gather is None else self.gather(logits)
+        if self.gather is not None:
+            logits = self.gather(logits)
+        return logits if self.logit_mask is None else logits + self.logit_mask
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, batch: AttnBatch) -> torch.Tensor:
         """Logits ``[N, vocab]`` for a flat batch (no swap events: for tests and references)."""

@@ -50,6 +50,13 @@ def _run_step(s, finished_after=None, now=0.0):
     return plan
 
 
+def _tally(plan, made: dict) -> None:
+    """Count a token for each request the plan's batches ran."""
+    for b in plan.batches:
+        for rid in b.requests:
+            made[rid] += 1
+
+
 def _models(plan):
     return [b.model for b in plan.batches]
 
@@ -296,9 +303,7 @@ def test_a_request_that_cannot_grow_preempts_the_newest_and_both_finish():
     for _ in range(40):
         p = _run_step(s)
         preempted += p.preempted
-        for b in p.batches:
-            for rid in b.requests:
-                made[rid] += 1
+        _tally(p, made)
         assert s.free_bytes(0) >= 0
         if not s.requests:
             break
@@ -317,9 +322,7 @@ def test_requeue_after_a_restart_keeps_every_request_and_its_progress():
         s.add_request(_req(i, "a", max_tokens=6))
     made = {"r0": 0, "r1": 0, "r2": 0}
     for _ in range(3):
-        for b in _run_step(s).batches:
-            for rid in b.requests:
-                made[rid] += 1
+        _tally(_run_step(s), made)
     s.add_request(_req(2, "a", max_tokens=6))
     assert s.requeue("a") == ["r1", "r0"]  # the newest goes to the head first, so the oldest ends first
     assert s.state("a") == "offloaded" and s.free_bytes(0) == 150_000
@@ -329,9 +332,7 @@ def test_requeue_after_a_restart_keeps_every_request_and_its_progress():
     for _ in range(20):
         p = _run_step(s)
         loads += p.loads
-        for b in p.batches:
-            for rid in b.requests:
-                made[rid] += 1
+        _tally(p, made)
         if not s.requests:
             break
     assert loads == ["a"] and made == {"r0": 6, "r1": 6, "r2": 6}

@@ -12,24 +12,33 @@ from computron.train.accuracy import Config, spearman
 def test_plan_accuracy_writes_rows_summary_and_png(tmp_path, capsys):
     out = tmp_path / "acc"
     assert main(["bench", "plan-accuracy", "--device", "cpu", "--gpu", "a100-80gb", "--config", "tiny-gpt2:2:4:16",
-                 "--config", "tiny-llama:2:4:16:full", "--warmup", "0", "--steps", "1", "--out", str(out)]) == 0
+                 "--config", "tiny-llama:2:4:16:full", "--config", "tiny-gpt2:2:4:16@pp=2",
+                 "--warmup", "0", "--steps", "1", "--out", str(out)]) == 0
     data = json.loads((tmp_path / "acc.json").read_text())
     rows, s = data["rows"], data["summary"]
-    assert [(r["model"], r["recompute"]) for r in rows] == [("tiny-gpt2", False), ("tiny-llama", True)]
+    assert [(r["model"], r["recompute"], r["pp"]) for r in rows] == [("tiny-gpt2", False, 1), ("tiny-llama", True, 1),
+                                                                     ("tiny-gpt2", False, 2)]
+    # the two-stage layout ran as two processes and was predicted as two stages: less memory per GPU
+    assert rows[2]["predicted_bytes"] < rows[0]["predicted_bytes"]
     for r in rows:
         assert r["measured_s"] > 0 and r["predicted_s"] > 0 and r["measured_bytes"] > 0 and r["predicted_bytes"] > 0
         assert r["time_error"] == pytest.approx(r["predicted_s"] / r["measured_s"] - 1)
         assert r["memory_error"] == pytest.approx(r["predicted_bytes"] / r["measured_bytes"] - 1)
-    assert s["time_mean_abs_error"] == pytest.approx(sum(abs(r["time_error"]) for r in rows) / 2)
+    assert s["time_mean_abs_error"] == pytest.approx(sum(abs(r["time_error"]) for r in rows) / 3)
     assert s["time_worst_abs_error"] == pytest.approx(max(abs(r["time_error"]) for r in rows))
     assert (tmp_path / "acc.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "2 configurations: time error" in capsys.readouterr().out
+    assert "3 configurations: time error" in capsys.readouterr().out
 
 
 def test_configurations_and_rank_correlation():
     assert Config.parse("gpt2-xl:4:16:1024:full") == Config("gpt2-xl", 4, 16, 1024, True)
     with pytest.raises(ValueError, match="expected MODEL:MBS:GLOBAL_BATCH:SEQ_LEN"):
         Config.parse("gpt2:4:16")
+    c = Config.parse("gpt2:2:32:1024@tp=2,pp=2,v=2,dp=2,zero1")
+    assert (c.tp, c.pp, c.dp, c.v, c.zero1, c.world) == (2, 2, 2, 2, True, 8)
+    assert c.label == "gpt2 mbs=2 gb=32 s=1024 tp2 pp2 dp2 v2 zero1"
+    with pytest.raises(ValueError, match="'tp=0' is not tp=, pp=, dp=, v="):
+        Config.parse("gpt2:2:32:1024@tp=0")
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
     assert spearman([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)

@@ -1,10 +1,12 @@
 """``computron bench plan-accuracy``: training layouts measured on this machine against ``plan estimate``.
 
 What flows through: a list of configurations (model preset, micro-batch, global batch, sequence
-length, recomputation) runs one at a time through the ``Trainer`` on the local device (a few
-warm-up steps, then the median step time and the peak memory of the measured steps); the
-planner's cost model (``planner/``, with a ``plan profile`` of this GPU when given, else its
-roofline) predicts the same layout on one GPU of the named type. Out come a table, a JSON with
+length, recomputation, and a layout: tp, pp, dp, interleaving, ZeRO-1) runs one at a time through
+the ``Trainer`` (a layout of several ranks as that many processes on this machine's devices, one
+GPU each; a few warm-up steps, then the median step time and the peak memory of the measured
+steps, the largest over the ranks); the planner's cost model (``planner/``, with a ``plan
+profile`` of this GPU when given, else its roofline) predicts the same layout and layer partition
+on one node of as many GPUs of the named type. Out come a table, a JSON with
 each configuration's errors and the summary (mean and worst absolute time error, mean memory
 error, Spearman rank correlation of predicted and measured times, the best model TFLOP/s against
 this device's measured matrix rate), and a PNG of predicted against measured.
@@ -24,6 +26,9 @@ DEFAULT_CONFIGS = ["gpt2:4:32:1024", "gpt2:8:32:1024", "gpt2:8:32:1024:full", "g
                    "gpt2-large:8:32:512:full", "gpt2-xl:2:16:1024", "gpt2-xl:4:16:1024:full"]
 
 
+FORMAT = "MODEL:MBS:GLOBAL_BATCH:SEQ_LEN[:full][@tp=T,pp=P,dp=D,v=V,zero1]"
+
+
 @dataclass(frozen=True)
 class Config:
     model: str
@@ -31,17 +36,39 @@ class Config:
     global_batch: int
     seq_len: int
     recompute: bool = False
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    v: int = 1  # model chunks per pipeline stage (interleaved 1F1B)
+    zero1: bool = False
 
     @classmethod
     def parse(cls, text: str) -> "Config":
-        parts = text.split(":")
+        head, _, layout = text.partition("@")
+        parts = head.split(":")
         if len(parts) not in (4, 5) or (len(parts) == 5 and parts[4] != "full"):
-            raise ValueError(f"configuration {text!r}: expected MODEL:MBS:GLOBAL_BATCH:SEQ_LEN[:full]")
-        return cls(parts[0], int(parts[1]), int(parts[2]), int(parts[3]), len(parts) == 5)
+            raise ValueError(f"configuration {text!r}: expected {FORMAT}")
+        kw = {}
+        for item in filter(None, layout.split(",")):
+            key, _, value = item.partition("=")
+            if key == "zero1" and not value:
+                kw["zero1"] = True
+            elif key in ("tp", "pp", "dp", "v") and value.isdigit() and int(value) >= 1:
+                kw[key] = int(value)
+            else:
+                raise ValueError(f"configuration {text!r}: {item!r} is not tp=, pp=, dp=, v= (a positive integer) "
+                                 f"or zero1; expected {FORMAT}")
+        return cls(parts[0], int(parts[1]), int(parts[2]), int(parts[3]), len(parts) == 5, **kw)
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
 
     @property
     def label(self) -> str:
-        return f"{self.model} mbs={self.mbs} gb={self.global_batch} s={self.seq_len}" + " rc" * self.recompute
+        layout = "" if self.world == 1 else f" tp{self.tp} pp{self.pp} dp{self.dp}" + f" v{self.v}" * (self.v > 1) + \
+            " zero1" * self.zero1
+        return f"{self.model} mbs={self.mbs} gb={self.global_batch} s={self.seq_len}" + " rc" * self.recompute + layout
 
 
 def shape_of(c, seq_len: int, global_batch: int):
@@ -62,26 +89,69 @@ def predict(shape, gpu: str, cfg: Config, profile: str | None) -> tuple[float, f
     from ..planner.layout import stage_envs
     from ..planner.measured import load_profile
 
+    from ..parallel.sharding import stage_layers
+
     cm = CostModel(shape, Assumptions(bytes_per_param=16), load_profile(profile, gpu) if profile else None)
-    dims, placement = ParallelDims(), (load_cluster(f"{gpu}:1x1").node_types[0],)
+    dims = ParallelDims(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp)
+    placement = (load_cluster(f"{gpu}:{cfg.world}x1").node_types[0],)
     ctx = PlanContext(cm, stage_envs(placement, dims, cm.a),
-                      PlanConfig(dims, cfg.mbs, 1, cfg.recompute, False, False, False, False))
-    r = ctx.result(ctx.check_counts((shape.layers,)), "given", placement)
+                      PlanConfig(dims, cfg.mbs, cfg.v, cfg.recompute, cfg.zero1, False, False, False))
+    chunks = stage_layers(shape.layers, cfg.pp * cfg.v)  # the trainer's uniform partition; chunk c on stage c % pp
+    counts = [sum(len(chunks[c]) for c in range(s, cfg.pp * cfg.v, cfg.pp)) for s in range(cfg.pp)]
+    r = ctx.result(ctx.check_counts(counts), "given", placement)
     return r.iteration_s, max(r.stage_memory)
 
 
 def measure(cfg: Config, device: str, dtype: str, warmup: int, steps: int) -> dict:
+    """Median step time, peak bytes (the largest rank's) and model TFLOP/s per GPU of ``cfg``; a
+    layout of several ranks runs as that many processes here (``dist.spawn``), rank 0 reporting."""
+    from ..models import resolve_model
+
+    if cfg.world == 1:
+        out = _measure_here(cfg, device, dtype, warmup, steps)
+    else:
+        import tempfile
+
+        from .dist import spawn
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path = f"{tmp}/rank0.json"
+            spawn(cfg.world, _measure_rank, cfg, device, dtype, warmup, steps, path)
+            with open(path) as f:
+                out = json.load(f)
+    out["shape"] = resolve_model(cfg.model, dtype="float32")[0]
+    return out
+
+
+def _measure_here(cfg: Config, device: str, dtype: str, warmup: int, steps: int) -> dict:
     from .config import TrainConfig
     from .job import Trainer
 
     tr = Trainer(TrainConfig(model=cfg.model, seq_len=cfg.seq_len, global_batch=cfg.global_batch, micro_batch=cfg.mbs,
                              steps=warmup + steps, recompute=cfg.recompute, device=device, dtype=dtype,
+                             dims={"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp}, virtual_stages=cfg.v, zero1=cfg.zero1,
                              synthetic_tokens=(cfg.global_batch * (warmup + steps) + 1) * cfg.seq_len + 1))
     recs = [tr.train_step() for _ in range(warmup + steps)][warmup:]
     out = {"time_s": statistics.median(r["time_s"] for r in recs), "peak_bytes": max(max(r["peak_bytes"]) for r in recs),
-           "tflops_per_gpu": statistics.median(r["tflops_per_gpu"] for r in recs), "shape": tr.model_cfg}
+           "tflops_per_gpu": statistics.median(r["tflops_per_gpu"] for r in recs)}
     del tr
     return out
+
+
+def _measure_rank(cfg: Config, device: str, dtype: str, warmup: int, steps: int, path: str) -> int:
+    """One rank of a layout's measurement (``dist.spawn`` sets its environment)."""
+    import os
+
+    from . import dist
+
+    device = dist.local_device(device)
+    dist.init(device, 300.0)
+    out = _measure_here(cfg, device, dtype, warmup, steps)
+    if int(os.environ.get("RANK", "0")) == 0:
+        with open(path, "w") as f:
+            json.dump(out, f)
+    dist.close()
+    return 0
 
 
 def matmul_tflops(device: str, dtype: str) -> float:
@@ -124,7 +194,8 @@ def run(configs: list[Config], gpu: str, device: str, dtype: str, profile: str |
         got = measure(cfg, device, dtype, warmup, steps)
         pred_s, pred_mem = predict(shape_of(got.pop("shape"), cfg.seq_len, cfg.global_batch), gpu, cfg, profile)
         row = {"config": cfg.label, "model": cfg.model, "mbs": cfg.mbs, "global_batch": cfg.global_batch,
-               "seq_len": cfg.seq_len, "recompute": cfg.recompute, "measured_s": got["time_s"], "predicted_s": pred_s,
+               "seq_len": cfg.seq_len, "recompute": cfg.recompute, "tp": cfg.tp, "pp": cfg.pp, "dp": cfg.dp,
+               "v": cfg.v, "zero1": cfg.zero1, "measured_s": got["time_s"], "predicted_s": pred_s,
                "time_error": pred_s / got["time_s"] - 1, "measured_bytes": got["peak_bytes"],
                "predicted_bytes": pred_mem, "memory_error": pred_mem / got["peak_bytes"] - 1,
                "tflops_per_gpu": got["tflops_per_gpu"]}
@@ -174,8 +245,9 @@ def plot(result: dict, path: str) -> None:
 def add_bench_parser(bsub) -> None:
     p = bsub.add_parser("plan-accuracy", help="training layouts measured here against plan estimate",
                         description=__doc__.splitlines()[0])
-    p.add_argument("--config", action="append", default=None, metavar="MODEL:MBS:GLOBAL_BATCH:SEQ_LEN[:full]",
-                   help="a configuration (repeat it; default: ten GPT-shaped ones, 125M to 1.5B)")
+    p.add_argument("--config", action="append", default=None, metavar=FORMAT,
+                   help="a configuration (repeat it; default: ten GPT-shaped ones, 125M to 1.5B, one GPU each); "
+                        "a layout of several ranks runs on as many local devices")
     p.add_argument("--gpu", default=None, help="the planner's GPU type of this device (default: detected)")
     p.add_argument("--profile", default=None, help="a 'plan profile' JSON of this GPU (default: the roofline)")
     p.add_argument("--device", default="cuda")
@@ -205,6 +277,13 @@ def cmd(args) -> int:
             return 2
         props = torch.cuda.get_device_properties(torch.device(args.device))
         gpu = planner_gpu_name(props.name, props.total_memory)
+    if args.device.startswith("cuda"):
+        import torch
+
+        have = torch.cuda.device_count()
+        if too_big := [c.label for c in configs if c.world > have]:
+            print(f"error: {'; '.join(too_big)}: more ranks than the {have} GPU(s) here", file=sys.stderr)
+            return 2
     dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     result = run(configs, gpu, args.device, dtype, args.profile, args.warmup, args.steps)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

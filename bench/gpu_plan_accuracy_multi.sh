@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# On a lent machine with 2 or 4 GPUs: `bench plan-accuracy` over layouts of several GPUs (tp, pp with
+# 1F1B and interleaved, dp with DDP and ZeRO-1, micro-batch and recomputation varied), GPT-2 medium
+# (350M) to OPT-2.7B, each measured with the Trainer (one process per GPU, NCCL) against the
+# planner's estimate for one node of as many GPUs. NVLink multicast stays off. Results land in $OUT
+# (or bench/results when OUT is unset) as plan_accuracy_<gpu>_x<N>.{json,png}.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+OUT=${OUT:-bench/results}
+n=$(nvidia-smi -L | wc -l)
+slug=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z' 'a-z' | sed 's/nvidia //; s/ .*//')
+two=(gpt2-medium:8:32:1024@tp=2 gpt2-medium:8:32:1024@pp=2 gpt2-medium:4:32:1024@pp=2,v=2
+     gpt2-medium:8:32:1024@dp=2 gpt2-medium:8:32:1024@dp=2,zero1 gpt2-large:4:32:1024@tp=2
+     gpt2-large:4:32:1024:full@tp=2 gpt2-large:4:32:1024@pp=2 gpt2-xl:2:16:1024@pp=2
+     gpt2-xl:4:16:1024:full@pp=2 opt-2.7b:2:16:1024@tp=2 opt-2.7b:4:16:1024:full@tp=2)
+four=(gpt2-medium:8:64:1024@dp=4 gpt2-medium:8:64:1024@dp=4,zero1 gpt2-large:4:32:1024@tp=2,dp=2
+      gpt2-large:4:32:1024@tp=4 gpt2-large:2:32:1024@pp=4 gpt2-large:2:32:1024@pp=2,v=2,dp=2
+      gpt2-xl:2:32:1024@pp=2,dp=2 gpt2-xl:2:32:1024@pp=4,v=2 gpt2-xl:4:32:1024:full@pp=4
+      opt-2.7b:2:32:1024@tp=4 opt-2.7b:2:32:1024@tp=2,pp=2 opt-2.7b:4:32:1024:full@tp=2,dp=2,zero1)
+configs=("${two[@]}"); [ "$n" -ge 4 ] && configs=("${two[@]}" "${four[@]}")
+args=(); for c in "${configs[@]}"; do args+=(--config "$c"); done
+python3 -m computron.cli bench plan-accuracy --device cuda --out "$OUT/plan_accuracy_${slug}_x${n}" "${args[@]}" "$@"

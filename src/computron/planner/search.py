@@ -276,9 +276,14 @@ def _shared_recompute_choice(m: TransformerShape, sig: tuple[int, ...], b: int, 
     if v > 1 and (dims.pp == 1 or m.global_batch // (dims.dp * b) % dims.pp or m.layers < dims.pp * v):
         return None
     rec = _recompute_options(m, opts)[0]
-    worst = {k: min(tabs.caps(k, b, v, rec)) for k in set(sig)}
-    caps = [worst[k] for k in sig]
-    return rec if min(caps) >= v and sum(caps) >= m.layers else None
+    return rec if _fits_every_order(m, sig, v, {k: tabs.caps(k, b, v, rec) for k in set(sig)}) else None
+
+
+def _fits_every_order(m: TransformerShape, sig: tuple[int, ...], v: int, lists: dict) -> bool:
+    """Whether every ordering of the stages on node sets ``sig`` fits with these per-position
+    memory caps (each set at its least over the positions)."""
+    caps = [min(lists[k]) for k in sig]
+    return min(caps) >= v and sum(caps) >= m.layers
 
 
 def _fill_bound(m: TransformerShape, sig: tuple[int, ...], b: int, v: int, rec: str, tabs: _StageTables,
@@ -300,7 +305,8 @@ def _family_fill_bound(m: TransformerShape, sig: tuple[int, ...], b: int, v: int
     has its own memory cap, the head and its full fill term, and every other stage its largest
     cap over the other positions and (v = 1) the fill term of the position with the most forwards
     in flight; each stage sends at least 2v - 1 times, at the cheapest link to any set of the
-    family."""
+    family. Recomputation rungs after one with which every ordering fits are not bounded: no
+    ordering takes them (:func:`_recompute_choice`)."""
     p, mb = tabs.dims.pp, m.global_batch // (tabs.dims.dp * b)
     kinds = set(sig)
     out = dict.fromkeys(kinds, math.inf)
@@ -322,6 +328,8 @@ def _family_fill_bound(m: TransformerShape, sig: tuple[int, ...], b: int, v: int
             else:
                 k = [0.0] * (p - 1) + [mb * w[-1] - w[-1] / v]
             out[last] = min(out[last], g * pipeline_min_max(m.layers, w, n, mb, v, v, c, cutoff=cutoff / g, k=k))
+        if _fits_every_order(m, sig, v, lists):
+            break
     return out
 
 

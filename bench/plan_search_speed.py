@@ -58,7 +58,7 @@ def run_case(model: str, spec: str, runs: int, v: tuple[int, ...]) -> dict:
             "meets_target": med <= TARGET_S,
             "stats": {k: v for k, v in res.stats.items() if k != "seconds"},
             "best_plan": {"dims": str(best.dims), "mbs": best.config.mbs, "v": best.config.v,
-                          "recompute": best.config.recompute, "placement": list(best.placement),
+                          "recompute": best.config.recompute, "selective": best.config.selective, "placement": list(best.placement),
                           "partition": list(best.partition), "iteration_s": best.iteration_s}}
 
 

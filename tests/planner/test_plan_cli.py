@@ -39,6 +39,13 @@ def test_search_writes_csv_and_json(tmp_path, capsys):
     assert float(rows[0]["iteration_s"]) <= float(rows[1]["iteration_s"])
 
 
+def test_search_recompute_selective_from_cli(tmp_path, capsys):
+    c = tmp_path / "plans.csv"
+    code, _, _ = run(["search", "--model", "gpt2-345m", "--cluster", "a100-80gb:8x1", "--top", "2", "--recompute",
+                      "selective", "--csv", str(c)], capsys)
+    rows = list(csv.DictReader(c.open()))
+    assert code == 0 and len(rows) == 2 and {r["recompute"] for r in rows} == {"selective"}
+    assert all(float(r["recompute_s"]) > 0 for r in rows)  # GPT-2 has no fused attention: the core runs again
 def test_search_objectives_from_cli(tmp_path, capsys):
     code, out, _ = run(["search", "--model", "gpt2-345m", "--cluster", "a100-80gb:8x2,v100:8x2", "--objective",
                         "throughput", "--cost-limit", "50", "--top", "2"], capsys)

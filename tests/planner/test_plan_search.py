@@ -21,7 +21,8 @@ SMALL = TransformerShape("small", "gpt", layers=8, hidden=1024, heads=16, ffn=40
 
 def brute_force(m, cluster, opts):
     """Simulate every plan the search could return (all placements, dims, mbs, v, methods), keeping
-    for each configuration the recomputation choice 'auto' makes; sorted times."""
+    for each configuration the recomputation 'auto' makes (the first of none, selective, full with
+    which it fits; selective tried with fused attention too) or the one asked for; sorted times."""
     cm = CostModel(m)
     comp = {n.name: n.count for n in cluster.node_types}
     nts = {n.name: n for n in cluster.node_types}
@@ -31,10 +32,11 @@ def brute_force(m, cluster, opts):
         placement = tuple(nts[x] for x in order)
         for dims in _layouts(m, gpus, [n.gpus_per_node for n in cluster.node_types], opts):
             for mbs, v in itertools.product(divisors(m.global_batch // dims.dp), opts.virtual_stages):
-                for rec in (False, True):
+                for rec in ("none", "selective", "full") if opts.recompute == "auto" else (opts.recompute,):
                     try:
                         ctx = PlanContext(cm, stage_envs(placement, dims, cm.a),
-                                          PlanConfig(dims, mbs, v, rec, sp=opts.sequence_parallel and dims.tp > 1))
+                                          PlanConfig(dims, mbs, v, rec == "full", sp=opts.sequence_parallel and dims.tp > 1,
+                                                     selective=rec == "selective"))
                     except PlannerError:
                         break  # v does not fit this schedule (micro-batches vs pp, layers vs chunks)
                     got = [(ctx.partition(x), x) for x in opts.methods]
@@ -43,7 +45,7 @@ def brute_force(m, cluster, opts):
                         r = ctx.result(counts, method, placement)
                         times[r.key()] = r.iteration_s
                     if got:
-                        break  # fits without recomputation: 'auto' does not recompute
+                        break  # fits with this rung: 'auto' recomputes no more
     return sorted(times.values())
 
 
@@ -54,6 +56,10 @@ def brute_force(m, cluster, opts):
     # memory binds: 13B-class layers on 24 GB A10s next to 80 GB A100s
     (TransformerShape("mid", "llama", layers=16, hidden=5120, heads=40, ffn=13824, vocab=32000, seq_len=2048,
                global_batch=16, dtype="bfloat16"), "a100-80gb:4x1,a10:4x2"),
+    # long sequences without fused attention: the s x s scores bind, the A10 stages need selective
+    # recomputation (the top 3 mix none and selective)
+    (replace(SMALL, seq_len=16384, global_batch=8), "a100-80gb:4x1,a10:4x1"),
+    (replace(SMALL, seq_len=8192, global_batch=8), "a10:4x2"),
 ])
 def test_branch_and_bound_finds_the_brute_force_optimum(model, spec):
     cluster = parse_compact(spec)
@@ -64,6 +70,11 @@ def test_branch_and_bound_finds_the_brute_force_optimum(model, spec):
         assert [r.iteration_s for r in res.plans] == pytest.approx(expect)
         assert res.stats["simulated"] <= res.stats["candidates"]
         assert all(r.config.sp == (sp and r.config.dims.tp > 1) for r in res.plans)
+    for rec in ("none", "selective", "full"):
+        opts = SearchOptions(all_nodes=True, top=3, recompute=rec)
+        res = search(model, cluster, opts)
+        assert [r.iteration_s for r in res.plans] == pytest.approx(brute_force(model, cluster, opts)[:3])
+        assert all(r.config.recomputation == rec for r in res.plans)
 
 
 def test_capped_min_max_by_hand():
@@ -135,16 +146,20 @@ def test_throughput_objective_respects_cost_limit():
 
 def test_recompute_only_when_needed():
     m = replace(preset("gpt3-175b"), vocab=51200, global_batch=64)
-    # with equal layers per stage, 175B on 64 A100s fits only with recomputation (Korthikanti et al.)
+    # with equal layers per stage, 175B on 64 A100s fits only with recomputation (Korthikanti et al.):
+    # selective with sequence parallelism, full without (selective alone keeps too much)
     opts = SearchOptions(top=3, tp=(8,), pp=(8,), mbs=(1,), methods=("balanced",))
     res = search(m, parse_compact("a100-80gb:8x8"), opts)
-    assert res.plans and all(r.config.recompute for r in res.plans)
+    assert res.plans and all(r.config.recomputation == "selective" and r.config.sp for r in res.plans)
+    res = search(m, parse_compact("a100-80gb:8x8"), replace(opts, sequence_parallel=False))
+    assert res.plans and all(r.config.recomputation == "full" for r in res.plans)
+    assert not search(m, parse_compact("a100-80gb:8x8"), replace(opts, sequence_parallel=False, recompute="selective")).plans
     # under 1F1B the exact partitioner unloads the early stages (more micro-batches in flight) and avoids it
     res = search(m, parse_compact("a100-80gb:8x8"), SearchOptions(top=1, tp=(8,), pp=(8,), mbs=(1,), virtual_stages=(1,)))
     best = res.plans[0]
-    assert not best.config.recompute and best.partition[0] < best.partition[-1]
+    assert best.config.recomputation == "none" and best.partition[0] < best.partition[-1]
     res = search(SMALL, parse_compact("a100-80gb:8x1"), SearchOptions(top=3))
-    assert not any(r.config.recompute for r in res.plans)
+    assert all(r.config.recomputation == "none" for r in res.plans)
 
 
 def test_interleaved_candidates_are_searched():
@@ -165,17 +180,17 @@ def test_search_speed_target():
 def test_family_fill_bound_holds_for_every_stage_order():
     """The bound a family of gatherings gets per node set that comes last (the order of the others
     unknown) never exceeds the bound of any ordering of its stages that ends on that set, for every
-    micro-batch size, 1F1B and interleaved, and both recomputation choices."""
+    micro-batch size, 1F1B and interleaved, and every recomputation rung."""
     from computron.planner.search import _StageTables, _family_fill_bound, _fill_bound, _recompute_choice
 
-    m = replace(SMALL, layers=12, global_batch=64)
+    m = replace(SMALL, layers=48, hidden=2048, ffn=8192, seq_len=4096, global_batch=64)  # all three rungs bind
     cluster = parse_compact("a100-80gb:4x1,a100-40gb:4x1,a10:4x2")
     nts = {n.name: n for n in cluster.node_types}
     dims = ParallelDims(dp=1, tp=4, pp=4)
     opts = SearchOptions()
     tabs = _StageTables(m, dims, opts, CostModel(m))
     ids = [tabs.set_id((n,), (nts[n],)) for n in ("a100-80gb", "a100-40gb", "a10")]
-    checked = {1: 0, 2: 0}
+    checked = {1: 0, 2: 0, "none": 0, "selective": 0, "full": 0}
     for family in ([ids[0], ids[1], ids[2], ids[2]], [ids[2]] * 3 + [ids[0]], [ids[1], ids[1], ids[2], ids[2]]):
         for b in divisors(m.global_batch):
             for v in (1, 2):
@@ -187,7 +202,8 @@ def test_family_fill_bound_holds_for_every_stage_order():
                     least = _fill_bound(m, sig, b, v, rec, tabs, rel_tol=1e-9)  # the least T, to 1e-9
                     assert fam[sig[-1]] <= least * (1 + 1e-9)
                     checked[v] += 1
-    assert checked[1] > 100 and checked[2] > 50
+                    checked[rec] += 1
+    assert checked[1] > 100 and checked[2] > 50 and min(checked[x] for x in ("none", "selective", "full")) > 10
 
 
 def test_sequence_parallelism_is_searched_and_fits_what_replicated_norms_do_not():
@@ -200,3 +216,17 @@ def test_sequence_parallelism_is_searched_and_fits_what_replicated_norms_do_not(
     assert not search(m, cluster, SearchOptions(top=1, recompute="none", sequence_parallel=False)).plans
     best = search(m, cluster, SearchOptions(top=1, recompute="none")).plans
     assert best and best[0].config.dims.tp > 1 and best[0].config.sp and best[0].feasible
+
+
+def test_selective_recomputation_finds_a_plan_none_then_full_misses():
+    """GPT-class layers at 16k tokens without fused attention on A100-40GB + A10 nodes: the scores do
+    not fit without recomputation; the best plan recomputes only the attention core and beats every
+    plan that recomputes nothing or everything (the old ladder's best is one of those)."""
+    m = replace(SMALL, seq_len=16384, global_batch=8)
+    cluster = parse_compact("a100-40gb:4x1,a10:4x1")
+    best = search(m, cluster, SearchOptions(top=1)).plans[0]
+    assert best.config.recomputation == "selective" and best.feasible
+    assert best.breakdown["recompute"] > 0
+    assert not search(m, cluster, SearchOptions(top=1, recompute="none")).plans
+    full = search(m, cluster, SearchOptions(top=1, recompute="full")).plans[0]
+    assert best.iteration_s < full.iteration_s

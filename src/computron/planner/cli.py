@@ -53,8 +53,8 @@ def _search_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--partition", default=",".join(METHODS), help="partition methods to try (balanced,greedy,exact)")
     p.add_argument("--virtual-stages", type=_ints, default=(1,),
                    help="model chunks per stage to try, e.g. 1,2,4 (default 1: plain 1F1B only)")
-    p.add_argument("--recompute", choices=("auto", "none", "full"), default="auto",
-                   help="full activation recomputation: auto = only when a plan does not fit without")
+    p.add_argument("--recompute", choices=("auto", "none", "selective", "full"), default="auto",
+                   help="activation recomputation: auto = the first of none, selective, full with which a plan fits")
     p.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
                    help="plans with tp > 1 keep norms and dropouts replicated (default: sequence parallelism)")
     p.add_argument("--tp", type=_ints, help="restrict tensor-parallel degrees, e.g. 1,2,4")

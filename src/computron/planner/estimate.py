@@ -45,6 +45,11 @@ class PlanConfig:
     sp: bool = False  # sequence parallelism (Korthikanti et al. 2022); only with tp > 1
     selective: bool = False  # selective recomputation of the attention core (when not recompute)
 
+    @property
+    def recomputation(self) -> str:
+        """"full", "selective" or "none"."""
+        return "full" if self.recompute else "selective" if self.selective else "none"
+
     def micro_batches(self, m: TransformerShape) -> int:
         """m = global batch / (dp * mbs); raise when it does not divide or violates the schedule."""
         dp, pp = self.dims.dp, self.dims.pp

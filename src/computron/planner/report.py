@@ -22,7 +22,7 @@ def plan_row(r: PlanResult, rank: int | None = None) -> dict:
     row = {} if rank is None else {"rank": rank}
     row.update({
         "tp": c.dims.tp, "pp": c.dims.pp, "dp": c.dims.dp, "mbs": c.mbs, "virtual_stages": c.v,
-        "recompute": "full" if c.recompute else "none", "zero1": c.zero1, "micro_batches": r.micro_batches,
+        "recompute": c.recomputation, "zero1": c.zero1, "micro_batches": r.micro_batches,
         "placement": placement_text(r.placement), "partition": "/".join(map(str, r.partition)), "method": r.method,
         "iteration_s": round(r.iteration_s, 6), "samples_per_s": round(r.samples_per_s, 4),
         "tokens_per_s": round(r.tokens_per_s, 1),
@@ -78,7 +78,7 @@ def plans_table(plans: list[PlanResult], title: str):
     for i, r in enumerate(plans, 1):
         c, b = r.config, r.breakdown
         mem_i = max(range(len(r.stage_memory)), key=lambda s: r.stage_memory[s] / r.stage_usable[s])
-        t.add_row(str(i), f"{c.dims.tp}/{c.dims.pp}/{c.dims.dp}", str(c.mbs), str(c.v), "full" if c.recompute else "-",
+        t.add_row(str(i), f"{c.dims.tp}/{c.dims.pp}/{c.dims.dp}", str(c.mbs), str(c.v), "-" if c.recomputation == "none" else c.recomputation,
                   placement_text(r.placement), "/".join(map(str, r.partition)), f"{r.iteration_s:.3f}",
                   f"{r.samples_per_s:.1f}", _fmt_s(b["compute"]), _fmt_s(b["bubble"]), _fmt_s(b["tp"]),
                   _fmt_s(b["pp"]), _fmt_s(b["dp"]), _fmt_s(b["other"]),

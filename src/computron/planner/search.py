@@ -8,11 +8,12 @@ Enumeration: for each node composition (every sub-multiset of the available node
 them with ``all_nodes``), each tp dividing the GPUs of every node type (and the heads), each
 pp <= layers with dp = GPUs/(tp*pp) dividing the global batch, each distinct ordering of the
 nodes (placements whose stages see identical hardware are merged), each micro-batch size
-dividing the per-replica batch, each v, recomputation only when the plan does not fit without,
-and each partition method (beyond ``max_orderings`` orderings per composition, nodes of a type
-move in blocks). The space is walked best-first by lower bounds that tighten level by level
-(see :func:`search`); nothing whose bound cannot beat the current top-K is built or simulated,
-so the returned plans are the exact optimum of the simulated cost model.
+dividing the per-replica batch, each v, recomputation only when the plan does not fit without
+(selective first, then full), and each partition method (beyond ``max_orderings`` orderings per
+composition, nodes of a type move in blocks). The space is walked best-first by lower bounds
+that tighten level by level (see :func:`search`); nothing whose bound cannot beat the current
+top-K is built or simulated, so the returned plans are the exact optimum of the simulated cost
+model.
 
 Objectives: ``time`` (least iteration time), ``cost`` (least USD per iteration, with an optional
 ``time_limit`` per iteration), ``throughput`` (most samples/s with ``cost_limit`` USD/hour).
@@ -25,7 +26,7 @@ import heapq
 import itertools
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import reduce
 
 from computron.parallel.dims import ParallelDims
@@ -40,6 +41,9 @@ from .layout import check_dims, compositions, distinct_orderings, stage_envs, st
 from .model import TransformerShape
 
 OBJECTIVES = ("time", "cost", "throughput")
+# Recomputation, least first: each keeps less activation memory and is no faster in the cost model
+# (selective runs the attention core's forward again, full the whole layer's).
+RUNGS = ("none", "selective", "full")
 DIVE = 1e18  # subtracted from the heap key of entries explored ahead of their bound
 
 
@@ -53,7 +57,9 @@ class SearchOptions:
     cost_limit: float | None = None  # USD per hour of the nodes used (objective "throughput")
     methods: tuple[str, ...] = METHODS
     virtual_stages: tuple[int, ...] = (1,)  # model chunks per stage to try (interleaved 1F1B when > 1)
-    recompute: str = "auto"  # auto: only when a plan does not fit without; none; full
+    # auto: the first of none, selective, full with which a configuration fits (selective is
+    # skipped with fused attention, where it keeps and costs what none does); or only that one
+    recompute: str = "auto"
     zero1: bool = False
     # Plans with tp > 1 use sequence parallelism: in the cost model it is never slower (the same
     # bytes as reduce-scatter + all-gather instead of all-reduce, a tp-th of the norms' and
@@ -69,8 +75,8 @@ class SearchOptions:
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
             raise PlannerError(f"unknown objective {self.objective!r} ({', '.join(OBJECTIVES)})")
-        if self.recompute not in ("auto", "none", "full"):
-            raise PlannerError(f"recompute must be auto, none or full, got {self.recompute!r}")
+        if self.recompute not in ("auto", *RUNGS):
+            raise PlannerError(f"recompute must be auto, none, selective or full, got {self.recompute!r}")
         bad = [x for x in self.methods if x not in METHODS]
         if bad:
             raise PlannerError(f"unknown partition method(s) {bad} ({', '.join(METHODS)})")
@@ -97,8 +103,15 @@ def objective_value(opts: SearchOptions, time_s: float, price: float) -> float:
     return time_s * price / 3600 if opts.objective == "cost" else time_s
 
 
-def _recompute_options(opts: SearchOptions) -> tuple[bool, ...]:
-    return {"auto": (False, True), "none": (False,), "full": (True,)}[opts.recompute]
+def _recompute_options(m: TransformerShape, opts: SearchOptions) -> tuple[str, ...]:
+    """The recomputation rungs a configuration tries, in order (it takes the first that fits)."""
+    if opts.recompute != "auto":
+        return (opts.recompute,)
+    return ("none", "full") if m.flash_attention else RUNGS
+
+
+def _config(dims: ParallelDims, b: int, v: int, rec: str, opts: SearchOptions, sp: bool) -> PlanConfig:
+    return PlanConfig(dims, b, v, rec == "full", opts.zero1, sp=sp, selective=rec == "selective")
 
 
 def _layouts(m: TransformerShape, n_gpus: int, per_node: list[int], opts: SearchOptions):
@@ -121,16 +134,18 @@ def _layouts(m: TransformerShape, n_gpus: int, per_node: list[int], opts: Search
             yield dims
 
 
-def _tau(m: TransformerShape, nt, tp: int, b: int, cm: CostModel, rec: bool = False, sp: bool = False) -> float:
+def _tau(m: TransformerShape, nt, tp: int, b: int, cm: CostModel, rec: str = "none", sp: bool = False) -> float:
     """Seconds one TP group of node type ``nt`` spends per layer per sample at micro-batch ``b``
-    (forward + backward op, TP all-reduces included, plus the recomputed forward with ``rec``;
-    ``sp``: sequence parallelism)."""
+    (forward + backward op, TP all-reduces included, plus what recomputation ``rec`` runs again:
+    the forward with "full", the attention core's with "selective"; ``sp``: sequence parallelism).
+    Never below the time with less recomputation, so the bounds that ignore it hold."""
     key = ("tau", id(nt), tp, b, rec, sp)
     tau = cm.cache.get(key)
     if tau is None:
         f, bw, _ = cm.layer(nt.gpu, tp, b, sp)
         ftp, btp = costs.layer_tp_comm(m, tp, b, nt.intra_bw, cm.a)
-        tau = cm.cache[key] = (f + bw + ftp + btp + (f + ftp if rec else 0.0)) / b
+        again = f + ftp if rec == "full" else cm.core(nt.gpu, tp, b) if rec == "selective" else 0.0
+        tau = cm.cache[key] = (f + bw + ftp + btp + again) / b
     return tau
 
 
@@ -153,7 +168,7 @@ class _StageTables:
             self.sets.append(nodes)
         return k
 
-    def caps(self, k: int, b: int, v: int, rec: bool) -> list[int]:
+    def caps(self, k: int, b: int, v: int, rec: str) -> list[int]:
         """Per stage index: at most this many layers fit on node set k (its least memory and least
         activation size, so never below what PlanContext finds for any placement)."""
         key = (k, b, v, rec)
@@ -161,11 +176,11 @@ class _StageTables:
         if got is None:
             m, dims, cm, nodes = self.m, self.dims, self.cm, self.sets[k]
             mb = m.global_batch // (dims.dp * b)
-            act = min(cm.layer(n.gpu, dims.tp, b, self.sp)[2] for n in nodes)
+            act = min(cm.layer(n.gpu, dims.tp, b, self.sp, rec == "selective")[2] for n in nodes)
             usable = min(costs.usable_memory(n.gpu, cm.a) for n in nodes)
             got = []
             for s in range(dims.pp):
-                terms = memory_terms(m, dims.tp, b, s, dims.pp, rec, act, self.sp)
+                terms = memory_terms(m, dims.tp, b, s, dims.pp, rec == "full", act, self.sp)
                 inflight = schedule.inflight_closed_form(dims.pp, v, mb, s)
                 got.append(max_layers(terms, usable, m.layers, inflight, mb, v, dims.dp, self.opts.zero1, cm.a))
             self._caps[key] = got
@@ -207,7 +222,7 @@ class _StageTables:
             self._w[key] = got
         return got
 
-    def w(self, k: int, b: int, rec: bool) -> float:
+    def w(self, k: int, b: int, rec: str) -> float:
         """Seconds per layer per micro-batch on node set k (its slowest type)."""
         key = (k, b, rec)
         got = self._w.get(key)
@@ -236,15 +251,15 @@ def _slowest(dims: ParallelDims, cm: CostModel) -> float:
 
 
 def _recompute_choice(m: TransformerShape, sig: tuple[int, ...], b: int, v: int, opts: SearchOptions,
-                      tabs: _StageTables) -> bool | None:
-    """Whether plans whose stage s falls on node set ``sig[s]`` (micro-batch b, v chunks) recompute:
-    not when the memory caps of every stage allow the layers without (``recompute`` auto/none),
-    else yes (auto/full); None when nothing fits (or v does not divide the schedule)."""
+                      tabs: _StageTables) -> str | None:
+    """How plans whose stage s falls on node set ``sig[s]`` (micro-batch b, v chunks) recompute: the
+    first rung of :func:`_recompute_options` whose memory caps allow the layers on every stage;
+    None when nothing fits (or v does not divide the schedule)."""
     dims = tabs.dims
     mb = m.global_batch // (dims.dp * b)
     if v > 1 and (dims.pp == 1 or mb % dims.pp or m.layers < dims.pp * v):
         return None
-    for rec in _recompute_options(opts):
+    for rec in _recompute_options(m, opts):
         lists = {k: tabs.caps(k, b, v, rec) for k in set(sig)}
         caps = [lists[k][s] for s, k in enumerate(sig)]
         if min(caps) >= v and sum(caps) >= m.layers:
@@ -253,20 +268,25 @@ def _recompute_choice(m: TransformerShape, sig: tuple[int, ...], b: int, v: int,
 
 
 def _shared_recompute_choice(m: TransformerShape, sig: tuple[int, ...], b: int, v: int, opts: SearchOptions,
-                             tabs: _StageTables) -> bool | None:
+                             tabs: _StageTables) -> str | None:
     """The first recomputation option when every ordering of the stages on node sets ``sig`` fits
     with it (each set at its least memory cap over the positions), so all make the same
     :func:`_recompute_choice`; None when orderings must be decided one by one."""
     dims = tabs.dims
     if v > 1 and (dims.pp == 1 or m.global_batch // (dims.dp * b) % dims.pp or m.layers < dims.pp * v):
         return None
-    rec = _recompute_options(opts)[0]
-    worst = {k: min(tabs.caps(k, b, v, rec)) for k in set(sig)}
-    caps = [worst[k] for k in sig]
-    return rec if min(caps) >= v and sum(caps) >= m.layers else None
+    rec = _recompute_options(m, opts)[0]
+    return rec if _fits_every_order(m, sig, v, {k: tabs.caps(k, b, v, rec) for k in set(sig)}) else None
 
 
-def _fill_bound(m: TransformerShape, sig: tuple[int, ...], b: int, v: int, rec: bool, tabs: _StageTables,
+def _fits_every_order(m: TransformerShape, sig: tuple[int, ...], v: int, lists: dict) -> bool:
+    """Whether every ordering of the stages on node sets ``sig`` fits with these per-position
+    memory caps (each set at its least over the positions)."""
+    caps = [min(lists[k]) for k in sig]
+    return min(caps) >= v and sum(caps) >= m.layers
+
+
+def _fill_bound(m: TransformerShape, sig: tuple[int, ...], b: int, v: int, rec: str, tabs: _StageTables,
                 cutoff: float = math.inf, rel_tol: float = 1e-3) -> float:
     """:func:`pipeline_min_max` for plans whose stage s falls on node set ``sig[s]`` (micro-batch b,
     v chunks, recomputation ``rec``): the capped bound plus the pipeline's fill and drain."""
@@ -285,7 +305,8 @@ def _family_fill_bound(m: TransformerShape, sig: tuple[int, ...], b: int, v: int
     has its own memory cap, the head and its full fill term, and every other stage its largest
     cap over the other positions and (v = 1) the fill term of the position with the most forwards
     in flight; each stage sends at least 2v - 1 times, at the cheapest link to any set of the
-    family."""
+    family. Recomputation rungs after one with which every ordering fits are not bounded: no
+    ordering takes them (:func:`_recompute_choice`)."""
     p, mb = tabs.dims.pp, m.global_batch // (tabs.dims.dp * b)
     kinds = set(sig)
     out = dict.fromkeys(kinds, math.inf)
@@ -294,7 +315,7 @@ def _family_fill_bound(m: TransformerShape, sig: tuple[int, ...], b: int, v: int
     ov = 2 * v * tabs.cm.a.chunk_overhead_s
     send = {k: (2 * v - 1) * min(tabs._part("send", (k, j), b) for j in kinds) + ov if p > 1 else 0.0 for k in kinds}
     g = _slowest(tabs.dims, tabs.cm)
-    for rec in _recompute_options(opts):
+    for rec in _recompute_options(m, opts):
         lists = {k: tabs.caps(k, b, v, rec) for k in kinds}
         for last in kinds:  # the stage that comes last is put at the end
             order = list(sig)
@@ -307,6 +328,8 @@ def _family_fill_bound(m: TransformerShape, sig: tuple[int, ...], b: int, v: int
             else:
                 k = [0.0] * (p - 1) + [mb * w[-1] - w[-1] / v]
             out[last] = min(out[last], g * pipeline_min_max(m.layers, w, n, mb, v, v, c, cutoff=cutoff / g, k=k))
+        if _fits_every_order(m, sig, v, lists):
+            break
     return out
 
 
@@ -401,8 +424,8 @@ def search(m: TransformerShape, cluster: Cluster, opts: SearchOptions = SearchOp
     - config: partitioned; each partition gets PlanContext.lower_bound and is simulated.
 
     The search stops when the smallest bound left cannot beat the current ``top``-th plan, so the
-    result is the exact optimum of the cost model. With ``recompute="auto"`` the recomputing
-    variant of a configuration is queued only when the configuration fits no partition without.
+    result is the exact optimum of the cost model. With ``recompute="auto"`` a configuration's next
+    recomputation rung is queued only when it fits no partition with the one before.
     """
     t0 = time.perf_counter()
     cm = cm or CostModel(m)
@@ -503,8 +526,7 @@ def search(m: TransformerShape, cluster: Cluster, opts: SearchOptions = SearchOp
                 view_cache[id(orders)] = (orders, views)  # holding orders keeps its id unique
                 stats["views"] += len(views)
             for envs, order in views.items():
-                push(lb0, price, "lazy", (envs, order, PlanConfig(dims, b, v, rec, opts.zero1, sp=tabs.sp), price),
-                     not best)
+                push(lb0, price, "lazy", (envs, order, _config(dims, b, v, rec, opts, tabs.sp), price), not best)
             continue
         if kind == "lazy":
             envs, order, cfg, price = item
@@ -541,8 +563,11 @@ def search(m: TransformerShape, cluster: Cluster, opts: SearchOptions = SearchOp
             bisect.insort(best, (objective_value(opts, r.iteration_s, r.price_per_hour), r.price_per_hour, r),
                           key=lambda x: (x[0], x[1]))
             del best[opts.top:]
-        if not seen and not ctx.cfg.recompute and opts.recompute == "auto":
-            # fits nowhere without recomputation: queue the recomputing variant (slower, so same bound)
-            push(lb0, price, "lazy", (ctx.envs, order, replace(ctx.cfg, recompute=True), price))
+        rungs = _recompute_options(m, opts)
+        nxt = rungs.index(ctx.cfg.recomputation) + 1
+        if not seen and nxt < len(rungs):
+            # fits nowhere with this rung: queue the next (no faster, so the same bound)
+            push(lb0, price, "lazy", (ctx.envs, order, _config(ctx.cfg.dims, ctx.cfg.mbs, ctx.cfg.v, rungs[nxt], opts,
+                                                                ctx.cfg.sp), price))
     stats["seconds"] = time.perf_counter() - t0
     return SearchResult([r for _, _, r in best], stats)

@@ -168,7 +168,7 @@ class Memory:
             into.append(m.name)
         return ok
 
-    def _switch_to(self, m: ModelState, plan: StepPlan) -> bool:
+    def _switch_to(self, m: ModelState, plan: StepPlan, now: float) -> bool:
         """Preempt policy: stop the models that keep ``m`` from starting (those whose requests have
         made the fewest tokens first) until ``m`` can start without recomputing anything, or all are
         stopped. A stopped model is evicted and its requests paused, their blocks kept
@@ -201,6 +201,7 @@ class Memory:
                 for req in reversed(list(c.running.values())):
                     self._preempt(c, req, plan)
             self._yielded[c.name] = m.name
+            c.stopped_at = now
             self._epoch += 1
             self.switches += 1
             found = self._victims(m, self._start_need(m), set(), evict_waiting=True)

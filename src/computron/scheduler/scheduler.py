@@ -17,8 +17,9 @@ Policies:
   No request waits forever: once a request cannot start because memory is held by running
   requests of other models, those models stop admitting requests newer than it, drain, and
   yield their memory.
-- ``preempt``: the default, except that once such a request has waited ``max_wait_s`` the models
-  whose running requests are in its way are stopped instead of drained: their weights are evicted
+- ``preempt``: the default, except that once such a request has waited ``max_wait_s`` (counted from
+  its model's last stop, if that is later: the model that took over runs that long before it is
+  stopped in turn) the models whose running requests are in its way are stopped instead of drained: their weights are evicted
   and their requests paused, their KV blocks kept on the devices, to resume as decodes when the
   model is back. Blocks of paused requests are given up (those requests recompute their cache
   later, cheapest first) only when their memory is needed and evicting idle models does not do.
@@ -373,10 +374,12 @@ class Scheduler(Memory):
             seen.append((key, m))
             if not m.running:
                 if not self._can_start(m) and self._busy_near(m):
-                    if not (self.preempts and now - key >= self.config.max_wait_s and self._switch_to(m, plan)):
+                    since = max(key, m.stopped_at)  # a model stopped for another waits anew
+                    if not (self.preempts and now - since >= self.config.max_wait_s and
+                            self._switch_to(m, plan, now)):
                         hold_after = key
                         if self.preempts:
-                            self.deadline = key + self.config.max_wait_s
+                            self.deadline = since + self.config.max_wait_s
                 break
         for key, m in self._chain(seen, ages):
             if not free_devices:

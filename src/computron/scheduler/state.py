@@ -53,6 +53,7 @@ class ModelState:
     # devices; they run on as decodes once it is back (only while it is offloaded; ``steps`` stands still)
     paused: dict = field(default_factory=dict)
     heap_key: float | None = None  # the oldest arrival this model is queued under in the scheduler's heap
+    stopped_at: float = float("-inf")  # preempt policy: when it was last stopped for another model
     steps: int = 0  # batches it has run: a running request has made ``steps - joined`` tokens
     growth: list = field(default_factory=list)  # heap of (due, tie, request): who needs a block when
     ends: list = field(default_factory=list)  # heap of (step, tie, request): when running requests make their last token

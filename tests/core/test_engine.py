@@ -315,3 +315,45 @@ def test_preempted_requests_recompute_and_match_undisturbed_runs():
     assert eng.stats["preemptions"] >= 1
     assert [r.output_ids for r in reqs] == want
     assert eng.memory()["kv"] == 0
+
+
+@pytest.mark.parametrize("executor", ["inprocess", "workers"])
+@pytest.mark.parametrize("budget,keeps", [(950_000, True), (870_000, True), (950_000, False)])
+def test_paused_requests_keep_their_cache_and_match_undisturbed_runs(executor, budget, keeps):
+    """Two models, room for one and the caches of both: under the preempt policy with no wait, each
+    model's arrival stops the other between decode steps, evicting its weights. Its requests keep
+    their caches and resume as decodes: no token is computed again by a prefill (``prefill_tokens``
+    counts the prompts only). With less room some paused caches are given up (they recompute);
+    with ``preempt_keeps_kv`` off all are. Tokens, greedy and seeded, equal undisturbed runs, and
+    after every step the scheduler books the bytes the executor holds."""
+    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=1.0, seed=3, ignore_eos=True)]
+    jobs = [("tiny-opt", list(range(5 + i, 25 + i)), sp) for i, sp in enumerate(params)] + \
+           [("tiny-llama", list(range(7 + i, 19 + i)), sp) for i, sp in enumerate(params)]
+    ref = make_engine(64 * 2**20, models=["tiny-opt", "tiny-llama"])
+    want = [ref.generate(m, p, sp).output_ids for m, p, sp in jobs]
+    eng = make_engine(budget, models=["tiny-opt", "tiny-llama"], policy="preempt", max_wait_s=0.0,
+                      preempt_keeps_kv=keeps, executor=executor)
+    try:
+        reqs = [eng.submit(*job) for job in jobs[:2]]
+        for _ in range(3):  # tiny-opt's requests are decoding when tiny-llama's arrive
+            eng.step()
+        reqs += [eng.submit(*job) for job in jobs[2:]]
+        while not all(r.done for r in reqs):
+            eng.step()
+            mem = eng.memory()["devices"][0]  # the scheduler books what the executor holds, paused caches too
+            assert mem["kv"] + mem["weights"] == mem["scheduled"]
+        assert [r.output_ids for r in reqs] == want
+        prompts = sum(len(p) for _, p, _ in jobs)
+        if budget == 950_000 and keeps:
+            assert eng.stats["pauses"] > 10 and eng.stats["preemptions"] == 0
+            assert eng.stats["prefill_tokens"] == prompts
+        elif keeps:
+            assert eng.stats["pauses"] > 0 and eng.stats["preemptions"] > 0
+            assert eng.stats["prefill_tokens"] > prompts
+        else:
+            assert eng.stats["pauses"] == 0 and eng.stats["preemptions"] > 10
+            assert eng.stats["prefill_tokens"] > prompts
+        assert eng.memory()["kv"] == 0
+    finally:
+        eng.executor.shutdown()

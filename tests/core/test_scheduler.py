@@ -192,13 +192,15 @@ def test_a_model_with_steady_traffic_does_not_starve_another():
 def test_preempt_policy_serves_the_waiting_model_within_the_bound_and_a_resumes():
     """As above, with a's generations 100 tokens long: draining keeps b waiting until a's older
     requests end; the preempt policy stops a's batch once b has waited max_wait_s, and a's stopped
-    requests recompute and finish with every token."""
+    requests finish with every token: paused, their caches kept (they fit beside b), or, with
+    ``preempt_keeps_kv`` off, recomputed."""
     served = {}
-    for policy in ("default", "preempt"):
-        s = _sched(1_300_000, max_batch_size=4, policy=policy, max_wait_s=10.0)  # one model + its batch's cache
+    for policy, keeps in (("default", True), ("preempt", True), ("preempt-recompute", False)):
+        s = _sched(1_300_000, max_batch_size=4, policy=policy.split("-")[0], max_wait_s=10.0,
+                   preempt_keeps_kv=keeps)  # one model + its batch's cache
         for m in "ab":
             s.add_model(m, 700_000, KVT)
-        n, made, preempted = 0, {}, []
+        n, made, preempted, paused = 0, {}, [], []
         for step in range(3000):
             now = float(step)
             if step % 3 == 0 and step < 120:
@@ -210,6 +212,7 @@ def test_preempt_policy_serves_the_waiting_model_within_the_bound_and_a_resumes(
                 made["b0"] = 0
             p = _run_step(s, now=now)
             preempted += p.preempted
+            paused += p.paused
             for b in p.batches:
                 for rid in b.requests:
                     made[rid] += 1
@@ -220,9 +223,12 @@ def test_preempt_policy_serves_the_waiting_model_within_the_bound_and_a_resumes(
         assert not s.requests, policy
         assert all(v == (3 if k == "b0" else 100) for k, v in made.items())  # nothing lost or repeated
         if policy == "preempt":
-            assert preempted and s.switches >= 1
+            assert paused and not preempted and s.switches >= 1
+        if policy == "preempt-recompute":
+            assert preempted and not paused and s.switches >= 1
     assert served["default"] >= 100  # r0 and r1, older than b, drained first
     assert served["preempt"] <= 5 + 10 + 2  # b waited the bound, then a's batch stopped
+    assert served["preempt-recompute"] <= 5 + 10 + 2
 
 
 def test_kv_blocked_request_makes_others_drain_instead_of_failing():
@@ -339,18 +345,20 @@ def test_requeue_after_a_restart_keeps_every_request_and_its_progress():
     assert s.free_bytes(0) == 150_000 - 100_000
 
 
-@pytest.mark.parametrize("policy", ["default", "preempt", "computron"])
+@pytest.mark.parametrize("policy", ["default", "preempt", "preempt-recompute", "computron"])
 @pytest.mark.parametrize("seed", range(5))
 def test_random_steps_keep_invariants(policy, seed):
     rng = random.Random(seed)
     budget = 512_000
-    s = _sched(budget, policy=policy, max_loaded=2, max_batch_size=rng.randint(1, 6),
-               max_tokens_per_step=rng.randint(8, 64), block_tokens=4, max_wait_s=rng.choice([0.0, 3.0, 20.0]))
+    s = _sched(budget, policy=policy.split("-")[0], max_loaded=2, max_batch_size=rng.randint(1, 6),
+               max_tokens_per_step=rng.randint(8, 64), block_tokens=4, max_wait_s=rng.choice([0.0, 3.0, 20.0]),
+               preempt_keeps_kv=policy == "preempt")
     sizes = {f"m{i}": 512 * rng.randint(100, 600) for i in range(5)}
     for m, b in sizes.items():
         s.add_model(m, b, KVT, pinned=(m == "m0" and seed % 2 == 0))
     lengths, reqs, n = {}, {}, 0
-    on_device, held, made = set(), {}, {}  # what the plans say, tracked here independently
+    on_device, held, made, paused = set(), {}, {}, set()  # what the plans say, tracked here independently
+    kept = resumed = 0
     for step in range(1000):
         for _ in range(rng.choice([0, 0, 1, 2])):
             m = rng.choice(list(sizes))
@@ -367,16 +375,33 @@ def test_random_steps_keep_invariants(policy, seed):
             rid = rng.choice(list(s.requests))
             s.finish(rid)
             held.pop(rid, None)
+            paused.discard(rid)
         plan = _run_step(s, lengths, now=float(step))
         # A model with running requests is never evicted (one whose requests this step preempted may
-        # be: they lost their cache already); a pinned one never.
-        busy = {reqs[r][0] for r in held if r not in plan.preempted}
+        # be: they lost their cache already; or paused: they keep it); a pinned one never.
+        busy = {reqs[r][0] for r in held if r not in plan.preempted and r not in plan.paused and r not in paused}
         assert not (set(plan.evictions) & busy)
         assert "m0" not in plan.evictions or seed % 2
         on_device = (on_device - set(plan.evictions)) | set(plan.loads) | set(plan.prefetch)
         assert on_device == set(s.resident_models())
         for rid in plan.preempted:
             held.pop(rid, None)
+            paused.discard(rid)
+        assert not set(plan.paused) & set(plan.preempted)
+        paused |= set(plan.paused)
+        kept += len(plan.paused)
+        for b in plan.batches:
+            for rid in b.prefill:
+                assert rid not in paused  # a paused request resumes as a decode, its cache as it was
+            for rid in b.decode:
+                if rid in paused:
+                    assert held[rid] == -(-(reqs[rid][1] + made[rid] - 1) // 4)
+                    paused.discard(rid)
+                    resumed += 1
+        # Pausing evicts the model (a paused request's model is off the device until it is loaded
+        # again, and its requests then run on); their blocks stay booked (``held`` keeps them).
+        assert {reqs[r][0] for r in plan.paused} <= set(plan.evictions)
+        assert all(reqs[r][0] not in on_device for r in paused if s.requests[r].state == "paused")
         for b in plan.batches:
             for rid in b.requests:  # its cache holds its prompt and the tokens it had made
                 held[rid] = -(-(reqs[rid][1] + made[rid]) // 4)
@@ -397,7 +422,8 @@ def test_random_steps_keep_invariants(policy, seed):
             break
         _run_step(s, lengths)
     assert not s.requests
-
+    assert s.kv_used[0] == 0
+    assert (kept > 0 and resumed > 0) if policy == "preempt" else kept == 0
 
 @pytest.mark.parametrize("rate", [0.05, 0.5])
 @pytest.mark.parametrize("seed", range(4))
@@ -432,7 +458,7 @@ def test_steady_steps_plan_exactly_what_the_full_search_plans(seed, rate):
         assert shortcuts > 10
 
 
-@pytest.mark.parametrize("policy", ["default", "preempt"])
+@pytest.mark.parametrize("policy", ["default", "preempt", "preempt-recompute"])
 @pytest.mark.parametrize("seed", range(3))
 def test_runs_of_several_steps_keep_the_books(policy, seed):
     """Steps of random lengths (schedule(max_steps=k), as the simulator drives it), under KV
@@ -440,7 +466,8 @@ def test_runs_of_several_steps_keep_the_books(policy, seed):
     block is left booked."""
     rng = random.Random(seed)
     budget = 400_000
-    s = _sched(budget, policy=policy, max_batch_size=rng.randint(2, 8), block_tokens=4, max_wait_s=2.0)
+    s = _sched(budget, policy=policy.split("-")[0], max_batch_size=rng.randint(2, 8), block_tokens=4,
+               max_wait_s=2.0, preempt_keeps_kv=policy == "preempt")
     for i in range(3):
         s.add_model(f"m{i}", 512 * rng.randint(100, 250), KVT)
     n, now = 0, 0.0
@@ -458,7 +485,7 @@ def test_runs_of_several_steps_keep_the_books(policy, seed):
                     s.finish(rid)
         assert s.kv_used[0] >= 0 and s.free_bytes(0) >= 0
         for r in s.requests.values():  # a running request holds the blocks its tokens fill, no more
-            if r.state == "running":
+            if r.state in ("running", "paused"):
                 assert r.blocks == -(-(r.prompt_len + s.generated(r.id) - 1) // 4), r
         if step >= 1500 and not s.requests:
             break

@@ -103,15 +103,18 @@ def test_choices_preempted_for_growth_resume_and_equal_separate_requests():
     assert [r.output_ids for r in reqs] == want
 
 
-def test_choices_stopped_by_the_preempt_policy_recompute_and_equal_separate_requests():
-    """One model fits at a time: a request for another model stops every running choice (no one
-    holds the shared blocks then), the other model runs, and the choices come back: the first
-    recomputes the prompt and its tokens, the others share its blocks again."""
+@pytest.mark.parametrize("keeps", [False, True])
+def test_choices_stopped_by_the_preempt_policy_recompute_and_equal_separate_requests(keeps):
+    """One model fits at a time: a request for another model stops every running choice, the other
+    model runs, and the choices come back. Recomputing (no one holds the shared blocks then), the
+    first recomputes the prompt and its tokens, the others share its blocks again; paused, they
+    keep their caches, the shared blocks included, and decode on."""
     ref = engine(models=("tiny-llama", "tiny-opt"))
     params = seeded(3)
     want = [ref.generate("tiny-llama", PROMPT, p).output_ids for p in params]
     other = ref.generate("tiny-opt", "swap", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-    eng = engine(950_000, models=("tiny-llama", "tiny-opt"), policy="preempt", max_wait_s=0.0)
+    eng = engine(950_000, models=("tiny-llama", "tiny-opt"), policy="preempt", max_wait_s=0.0,
+                 preempt_keeps_kv=keeps)
     reqs = eng.submit_choices("tiny-llama", PROMPT, params)
     late = []
 
@@ -120,7 +123,14 @@ def test_choices_stopped_by_the_preempt_policy_recompute_and_equal_separate_requ
             late.append(eng.submit("tiny-opt", "swap", other.params))
     run(eng, reqs, arrive)
     eng.run_until_done(late)
-    assert eng.stats["preemptions"] >= 3 and eng.stats["evictions"] >= 1
+    stopped = "pauses" if keeps else "preemptions"
+    assert eng.stats[stopped] >= 3 and eng.stats["evictions"] >= 1
+    if keeps:  # no prefill but the prompt's (its blocks once and each choice's last token) and the late one's
+        assert eng.stats["preemptions"] == 0
+        bt = eng.executor.status().kv_block_tokens
+        prompt = len(PROMPT)
+        shared = (prompt - 1) // bt * bt
+        assert eng.stats["prefill_tokens"] == prompt + (len(params) - 1) * (prompt - shared) + len(late[0].prompt_ids)
     assert [r.output_ids for r in reqs] == want and late[0].output_ids == other.output_ids
     assert eng.memory()["kv"] == 0
 

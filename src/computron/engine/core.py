@@ -81,13 +81,14 @@ class EngineCore:
         self.scheduler = Scheduler(SchedulerConfig(
             budgets=tuple(d.capacity for d in st.devices), policy=cfg.policy, max_batch_size=cfg.max_batch_size,
             max_tokens_per_step=cfg.max_tokens_per_step, max_loaded=cfg.max_loaded, prefetch=cfg.prefetch,
-            block_tokens=st.kv_block_tokens, max_wait_s=cfg.max_wait_s))
+            block_tokens=st.kv_block_tokens, max_wait_s=cfg.max_wait_s, preempt_keeps_kv=cfg.preempt_keeps_kv))
         self.models: dict[str, ModelInfo] = {}
         self.requests: dict[str, CoreRequest] = {}
         self._ids = itertools.count()
         self._to_free: list[str] = []
         self.stats = {"swap_ins": 0, "evictions": 0, "swap_in_bytes": 0, "swap_in_seconds": 0.0, "steps": 0,
-                      "preemptions": 0, "prefill_tokens": 0}  # tokens computed by prefills (recomputes included)
+                      "preemptions": 0, "pauses": 0,  # pauses: stopped with their caches kept (no recompute)
+                      "prefill_tokens": 0}  # tokens computed by prefills (recomputes included)
         # listener(kind, model, seconds, nbytes), kind "load" (once its copies ended) or "evict"
         self.listeners: list[Callable[[str, str, float, int], None]] = []
         self.on_token: Callable[[CoreRequest, int], None] | None = None
@@ -382,6 +383,7 @@ class EngineCore:
         if not (plan.evictions or loads or plan.preempted):
             return 0.0
         self._preempted(plan.preempted)  # their caches are released below
+        self.stats["pauses"] += len(plan.paused)  # theirs stay: the executor evicts weights only
         try:
             evicted = self.executor.apply(Residency(list(plan.evictions), loads, list(plan.preempted)))
         except Exception as e:  # a swap that fails fails its requests, never the engine

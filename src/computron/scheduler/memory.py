@@ -1,5 +1,6 @@
-"""The scheduler's memory side: bytes per device, which models may be evicted to make room, and
-switching a device to a model whose request has waited too long (the ``preempt`` policy).
+"""The scheduler's memory side: bytes per device, which models may be evicted (and which paused
+requests' KV blocks given up) to make room, and switching a device to a model whose request has
+waited too long (the ``preempt`` policy).
 
 A mixin of ``Scheduler`` (its state lives there): pure, no torch.
 """
@@ -42,7 +43,7 @@ class Memory:
             if device not in m.devices or not m.has_work:
                 continue
             i = m.devices.index(device)
-            reqs = list(m.running.values()) + list(m.waiting)[:self.config.max_batch_size]
+            reqs = [*m.running.values(), *m.paused.values(), *list(m.waiting)[:self.config.max_batch_size]]
             total += (m.weights[i] if self.counts_bytes else 0) + m.block_bytes[i] * sum(
                 self._blocks(r.prompt_len + r.max_tokens) for r in reqs)
         return min(total, self.config.budgets[device])
@@ -53,6 +54,10 @@ class Memory:
         if self._yielded:  # those that stopped for m may run again
             for name in [k for k, v in self._yielded.items() if v == m.name]:
                 del self._yielded[name]
+        if m.paused:  # they run on where they stopped: their blocks are booked, their heap entries live again
+            for req in m.paused.values():
+                req.state = "running"
+            m.running, m.paused = m.paused, {}
         bw = self.config.load_bandwidth
         m.ready_at = now + max(m.weights) / bw if bw else None
         for d, w in zip(m.devices, m.weights):
@@ -67,12 +72,13 @@ class Memory:
             del self.on_device[d][m.name]
 
     def _victims(self, m: ModelState, need: dict[int, int], keep: set[str], evict_waiting: bool
-                 ) -> list[ModelState] | None:
+                 ) -> tuple[list[ModelState], list[SchedRequest]] | None:
         """Models to evict (least recently used first) so ``need[d]`` more bytes fit on each device d,
-        or None when it cannot be done. Only models with nothing running are candidates."""
+        then, if those are not enough (and ``evict_waiting``), paused requests that give up their KV
+        blocks; None when it cannot be done. Only models with nothing running are candidates."""
         short = {d: n - self.free_bytes(d) for d, n in need.items() if n > self.free_bytes(d)}
         if not short:
-            return []
+            return [], []
         cands = {c.name: c for d in short for c in self.on_device[d].values()
                  if not c.running and not c.pinned and c.name not in keep and c.name not in self._fresh
                  and (evict_waiting or not c.waiting)}
@@ -89,16 +95,48 @@ class Memory:
                     short[d] -= w
                     if short[d] <= 0:
                         del short[d]
-        return None if short else victims
+        paused = self._paused_victims(short) if short and evict_waiting and self.keeps_kv else []
+        return None if short else (victims, paused)
+
+    def _paused_victims(self, short: dict[int, int]) -> list[SchedRequest]:
+        """Paused requests whose blocks cover ``short`` (taken off it), the cheapest to recompute
+        (prompt and tokens made) first. A prompt's shared blocks count once its last holder is chosen."""
+        reqs = sorted((r for c in self.models.values() if c.paused and not short.keys().isdisjoint(c.devices)
+                       for r in c.paused.values()),
+                      key=lambda r: r.prompt_len + self.models[r.model].steps - r.joined)
+        left: dict = {}  # shared prefix -> its holders not chosen yet
+        chosen = []
+        for r in reqs:
+            if not short:
+                break
+            c = self.models[r.model]
+            if short.keys().isdisjoint(c.devices):
+                continue
+            blocks, p = r.blocks, r.prefix
+            if p is not None and p.blocks:
+                left[p] = left.get(p, p.holders) - 1
+                if left[p]:
+                    blocks -= p.blocks
+            chosen.append(r)
+            for d, bb in zip(c.devices, c.block_bytes):
+                if d in short:
+                    short[d] -= blocks * bb
+                    if short[d] <= 0:
+                        del short[d]
+        return chosen
 
     def _make_room(self, m: ModelState, need: dict[int, int], keep: set[str], plan: StepPlan,
                    evict_waiting: bool) -> bool:
-        victims = self._victims(m, need, keep, evict_waiting)
-        if victims is None:
+        found = self._victims(m, need, keep, evict_waiting)
+        if found is None:
             return False
-        for v in victims:
+        for v in found[0]:
             self._set_offloaded(v)
             plan.evictions.append(v.name)
+        for r in found[1]:  # they recompute when their model is back
+            self._preempt(self.models[r.model], r, plan)
+            if r.id in plan.paused:  # paused by this plan: its cache goes now
+                plan.paused.remove(r.id)
         return True
 
     def _make_slot(self, m: ModelState, keep: set[str], plan: StepPlan) -> bool:
@@ -130,16 +168,17 @@ class Memory:
             into.append(m.name)
         return ok
 
-    def _switch_to(self, m: ModelState, plan: StepPlan) -> bool:
-        """Preempt policy: stop the running requests of the models that keep ``m`` from starting
-        (those that lose the fewest tokens first; they recompute later, and ``plan.preempted``
-        says so), until ``m`` can start. False (nothing stopped) when even all of them would not do."""
+    def _switch_to(self, m: ModelState, plan: StepPlan, now: float) -> bool:
+        """Preempt policy: stop the models that keep ``m`` from starting (those whose requests have
+        made the fewest tokens first) until ``m`` can start without recomputing anything, or all are
+        stopped. A stopped model is evicted and its requests paused, their blocks kept
+        (``plan.paused``); what ``m`` still lacks is taken from paused requests, which then recompute
+        (``plan.preempted``); with ``preempt_keeps_kv`` off, stopped requests always recompute. False
+        (nothing stopped) when even stopping them all would not do."""
         blockers = {c.name: c for d in m.devices for c in self.on_device[d].values()
                     if c is not m and c.running and not c.pinned}
         order = sorted(blockers.values(), key=lambda c: sum(c.steps - r.joined for r in c.running.values()))
-        need = self._kv_need(m, self._blocks_at_start(m.waiting[0]))
-        for d, w in zip(m.devices, m.weights):
-            need[d] += w if not m.on_device else 0
+        need = self._start_need(m)
         freed = {d: self.free_bytes(d) for d in need}
         for c in order:  # would stopping them all make room? (evicting them, and idle models, too)
             for d, w, bb in zip(c.devices, c.weights, c.block_bytes):
@@ -147,18 +186,39 @@ class Memory:
                     freed[d] += w + bb * sum(r.blocks for r in c.running.values())
         idle = {d: sum(i.weights[i.devices.index(d)] for i in self.on_device[d].values()
                        if i is not m and not i.running and not i.pinned) for d in need}
+        if self.keeps_kv:  # blocks of requests paused before
+            for c in self.models.values():
+                for d, bb in zip(c.devices, c.block_bytes):
+                    if c.paused and d in idle:
+                        idle[d] += bb * sum(r.blocks for r in c.paused.values())
         if any(freed[d] + idle[d] < n for d, n in need.items()):
             return False
         self._yielded.pop(m.name, None)  # m waits for no one now (no cycle of models holding back)
         for c in order:
-            for req in reversed(list(c.running.values())):
-                self._preempt(c, req, plan)
+            if self.keeps_kv:
+                self._pause(c, plan)
+            else:
+                for req in reversed(list(c.running.values())):
+                    self._preempt(c, req, plan)
             self._yielded[c.name] = m.name
+            c.stopped_at = now
             self._epoch += 1
             self.switches += 1
-            if self._can_start_now(m):
+            found = self._victims(m, self._start_need(m), set(), evict_waiting=True)
+            if found is not None and not found[1]:
                 break
         return True
+
+    def _pause(self, m: ModelState, plan: StepPlan) -> None:
+        """Stop every running request of ``m`` and evict its weights; the requests' KV blocks stay
+        booked on its devices (``steps`` stands still while it is off them, so each resumes with the
+        tokens it had made)."""
+        for req in m.running.values():
+            req.state = "paused"
+        m.paused, m.running = m.running, {}
+        plan.paused.extend(m.paused)
+        self._set_offloaded(m)
+        plan.evictions.append(m.name)
 
     def _yielding(self, m: ModelState) -> bool:
         """Does ``m`` hold back for the model it was preempted for (still not on its devices)?"""
@@ -181,10 +241,7 @@ class Memory:
         return ok
 
     def _can_start_now(self, m: ModelState) -> bool:
-        need = self._kv_need(m, self._blocks_at_start(m.waiting[0]))
-        if not m.on_device:
-            for d, w in zip(m.devices, m.weights):
-                need[d] += w if self.counts_bytes else 0
+        need = self._start_need(m)
         if not self.counts_bytes and not m.on_device and not self._slot_possible(m):
             return False
         return self._victims(m, need, set(), evict_waiting=True) is not None
@@ -205,6 +262,15 @@ class Memory:
 
     def _blocks(self, tokens: int) -> int:
         return -(-tokens // self.config.block_tokens)
+
+    def _start_need(self, m: ModelState) -> dict[int, int]:
+        """Bytes per device ``m`` needs to start: its weights (when not on its devices, and they
+        count) and the blocks of its head request (none to resume paused requests: theirs are booked)."""
+        need = self._kv_need(m, 0 if m.paused else self._blocks_at_start(m.waiting[0]))
+        if not m.on_device and self.counts_bytes:
+            for d, w in zip(m.devices, m.weights):
+                need[d] += w
+        return need
 
     def _blocks_at_start(self, req: SchedRequest) -> int:
         """Blocks a waiting request needs to start: its prompt, and what it made before a preemption."""

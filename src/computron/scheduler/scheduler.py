@@ -17,8 +17,13 @@ Policies:
   No request waits forever: once a request cannot start because memory is held by running
   requests of other models, those models stop admitting requests newer than it, drain, and
   yield their memory.
-- ``preempt``: the default, except that once such a request has waited ``max_wait_s`` the running
-  requests in its way are stopped (they recompute later) instead of drained.
+- ``preempt``: the default, except that once such a request has waited ``max_wait_s`` (counted from
+  its model's last stop, if that is later: the model that took over runs that long before it is
+  stopped in turn) the models whose running requests are in its way are stopped instead of drained: their weights are evicted
+  and their requests paused, their KV blocks kept on the devices, to resume as decodes when the
+  model is back. Blocks of paused requests are given up (those requests recompute their cache
+  later, cheapest first) only when their memory is needed and evicting idle models does not do.
+  With ``preempt_keeps_kv`` off, stopped requests always recompute.
 - ``computron``: the original Computron, for comparison: at most ``max_loaded`` models per
   device (a count, not bytes; the weights live outside the budget), first come first served
   across models, no prefetch.
@@ -49,6 +54,7 @@ class SchedulerConfig:
     load_bandwidth: float | None = None  # bytes/s per device, to estimate when a load ends
     block_tokens: int = 16  # tokens per block of the paged KV cache
     max_wait_s: float = 1.0  # preempt policy: a request kept from starting this long preempts what blocks it
+    preempt_keeps_kv: bool = True  # preempt policy: stopped requests keep their KV blocks while they fit
 
     def __post_init__(self) -> None:
         if isinstance(self.budgets, int):
@@ -71,6 +77,7 @@ class Scheduler(Memory):
         self.config = config
         self.counts_bytes = config.policy != "computron"  # computron: weights live outside the budget
         self.preempts = config.policy == "preempt"
+        self.keeps_kv = self.preempts and config.preempt_keeps_kv
         # preempt policy: a model whose running requests were stopped for another's (name ->
         # that other) admits nothing until the other is on its devices; and when the oldest
         # blocked request's wait runs out (a full search is due then, even in a steady run)
@@ -120,7 +127,7 @@ class Scheduler(Memory):
     def remove_model(self, name: str) -> None:
         m = self._model(name)
         if m.has_work:
-            raise ValueError(f"model {name!r} still has {len(m.waiting) + len(m.running)} requests")
+            raise ValueError(f"model {name!r} still has {len(m.waiting) + len(m.running) + len(m.paused)} requests")
         if m.on_device:
             self._set_offloaded(m)
         del self.models[name]
@@ -135,7 +142,8 @@ class Scheduler(Memory):
 
     def model_stats(self, name: str) -> dict:
         m = self._model(name)
-        return {"state": m.state, "waiting": len(m.waiting), "running": len(m.running), "pinned": m.pinned,
+        return {"state": m.state, "waiting": len(m.waiting), "running": len(m.running), "paused": len(m.paused),
+                "pinned": m.pinned,
                 "devices": list(m.devices)}
 
     def _model(self, name: str) -> ModelState:
@@ -176,8 +184,8 @@ class Scheduler(Memory):
             return
         m = self.models[req.model]
         self._epoch += 1
-        if req.state == "running":
-            del m.running[req_id]
+        if req.state in ("running", "paused"):
+            del (m.running if req.state == "running" else m.paused)[req_id]
             self._take_blocks(m, -req.blocks)
             self._hold(m, req, False)
         else:
@@ -197,7 +205,7 @@ class Scheduler(Memory):
     def generated(self, req_id: str) -> int:
         """Tokens a request has made so far."""
         r = self.requests[req_id]
-        return self.models[r.model].steps - r.joined if r.state == "running" else r.done
+        return self.models[r.model].steps - r.joined if r.state in ("running", "paused") else r.done
 
     # ---- residency -----------------------------------------------------------------------------
     def loaded(self, name: str) -> None:
@@ -216,12 +224,13 @@ class Scheduler(Memory):
 
     def requeue(self, name: str) -> list[str]:
         """The model's weights and KV caches are gone from its devices (its workers were restarted),
-        its requests are not: every running one waits again at the head of its queue, in arrival
-        order, and recomputes its cache (prompt and tokens made) when it runs again; the model is
-        offloaded. Returns the requeued requests' ids."""
+        its requests are not: every running or paused one waits again at the head of its queue, in
+        arrival order, and recomputes its cache (prompt and tokens made) when it runs again; the model
+        is offloaded. Returns the requeued requests' ids."""
         m = self._model(name)
         plan = StepPlan()
-        for req in sorted(m.running.values(), key=lambda r: r.arrival, reverse=True):  # the oldest ends first
+        stopped = sorted([*m.running.values(), *m.paused.values()], key=lambda r: r.arrival, reverse=True)
+        for req in stopped:  # the oldest ends first
             self._preempt(m, req, plan)
         if m.on_device:
             self._set_offloaded(m)
@@ -365,10 +374,12 @@ class Scheduler(Memory):
             seen.append((key, m))
             if not m.running:
                 if not self._can_start(m) and self._busy_near(m):
-                    if not (self.preempts and now - key >= self.config.max_wait_s and self._switch_to(m, plan)):
+                    since = max(key, m.stopped_at)  # a model stopped for another waits anew
+                    if not (self.preempts and now - since >= self.config.max_wait_s and
+                            self._switch_to(m, plan, now)):
                         hold_after = key
                         if self.preempts:
-                            self.deadline = key + self.config.max_wait_s
+                            self.deadline = since + self.config.max_wait_s
                 break
         for key, m in self._chain(seen, ages):
             if not free_devices:
@@ -419,15 +430,17 @@ class Scheduler(Memory):
                 return
 
     def _fail_head(self, m: ModelState, plan: StepPlan, why: str) -> None:
+        for req in list(m.paused.values())[::-1]:  # they cannot resume either: they wait (first) and fail in turn
+            self._preempt(m, req, plan)
         head = m.waiting[0]
         plan.failed.append((head.id, why))
         self.finish(head.id)
 
     def _preempt(self, m: ModelState, req: SchedRequest, plan: StepPlan) -> None:
-        """Stop a running request: free its blocks; it waits at the head of its queue and will
-        recompute its cache (prompt and the tokens it made) when it runs again."""
+        """Stop a running (or paused) request: free its blocks; it waits at the head of its queue and
+        will recompute its cache (prompt and the tokens it made) when it runs again."""
+        del (m.running if req.state == "running" else m.paused)[req.id]
         req.done, req.state = m.steps - req.joined, "waiting"
-        del m.running[req.id]
         self._take_blocks(m, -req.blocks)
         self._hold(m, req, False)
         req.blocks = 0

@@ -33,7 +33,7 @@ class SchedRequest:
     joined: int = 0  # its model's step count when it was admitted (tokens made = steps since)
     done: int = 0  # tokens it had made when it was preempted (it recomputes them when it resumes)
     due: int = -1  # the tie of its live entry in its model's growth heap (when it needs one more block)
-    state: str = "waiting"  # waiting | running | finished
+    state: str = "waiting"  # waiting | running | paused (its model evicted, its blocks kept) | finished
     prefix: SharedPrefix | None = None  # blocks of its prompt it shares with the other choices of that prompt
 
 
@@ -49,7 +49,11 @@ class ModelState:
     last_used: int = -1  # step count of its last batch (least recently used is evicted first)
     waiting: deque = field(default_factory=deque)
     running: dict = field(default_factory=dict)  # req_id -> SchedRequest, in admission order
+    # preempt policy: requests stopped with the model's eviction whose KV blocks stay booked on its
+    # devices; they run on as decodes once it is back (only while it is offloaded; ``steps`` stands still)
+    paused: dict = field(default_factory=dict)
     heap_key: float | None = None  # the oldest arrival this model is queued under in the scheduler's heap
+    stopped_at: float = float("-inf")  # preempt policy: when it was last stopped for another model
     steps: int = 0  # batches it has run: a running request has made ``steps - joined`` tokens
     growth: list = field(default_factory=list)  # heap of (due, tie, request): who needs a block when
     ends: list = field(default_factory=list)  # heap of (step, tie, request): when running requests make their last token
@@ -60,11 +64,11 @@ class ModelState:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.paused)
 
     def oldest(self) -> float | None:
         """Arrival of its oldest outstanding request (running or waiting), None when idle."""
-        first = next(iter(self.running.values()), None)
+        first = next(iter(self.running.values()), None) or next(iter(self.paused.values()), None)
         a = first.arrival if first is not None else None
         if self.waiting and (a is None or self.waiting[0].arrival < a):
             a = self.waiting[0].arrival
@@ -90,8 +94,9 @@ class StepPlan:
     """What one engine step does: evict, then load, then run one batch per model.
 
     Batches of one step use disjoint devices. ``prefetch``: loads issued for a later step,
-    overlapped with this step's compute. ``preempted``: running requests stopped to free KV
-    cache (they wait again and recompute). ``failed``: requests that can never run, with the
+    overlapped with this step's compute. ``preempted``: running (or paused) requests stopped to free
+    KV cache (they wait again and recompute). ``paused``: running requests stopped with their
+    model's eviction whose caches stay on the devices (they resume as decodes). ``failed``: requests that can never run, with the
     reason (the scheduler has already dropped them). ``steps``: decode steps the (single, decode-only)
     batch runs back to back; more than one only when ``schedule`` was allowed several.
     """
@@ -101,6 +106,7 @@ class StepPlan:
     prefetch: list[str] = field(default_factory=list)
     batches: list[Batch] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    paused: list[str] = field(default_factory=list)
     failed: list[tuple[str, str]] = field(default_factory=list)
     steps: int = 1
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import sys
 
 POLICIES = ("default", "preempt", "computron")
+RECOMPUTE = "preempt-recompute"  # the preempt policy with preempt_keeps_kv off: stopped requests always recompute
 PRESETS = {  # name: (models resident at once, per-model rates)
     "3m-1-1-1": (2, (1, 1, 1)), "3m-10-1-1": (2, (10, 1, 1)), "3m-10-10-1": (2, (10, 10, 1)),
     "6m-1x6": (4, (1,) * 6), "6m-10-10-1-1-1-1": (4, (10, 10, 1, 1, 1, 1)), "6m-10x4-1-1": (4, (10,) * 4 + (1, 1)),
@@ -39,7 +40,9 @@ def add_parser(sub) -> None:
                    help="a workload of the original Computron simulation (rates, copies, models resident)")
     add_workload_args(p, source_required=False)
     p.add_argument("--calibration", default="cpu", help="cpu, h200-rough, or a calibration JSON file")
-    p.add_argument("--policy", choices=POLICIES, default="default")
+    p.add_argument("--policy", choices=POLICIES + (RECOMPUTE,), default="default",
+                   help=f"{RECOMPUTE}: the preempt policy, its stopped requests recomputing their caches "
+                        "instead of keeping them")
     p.add_argument("--budget", metavar="SIZE", help="device memory budget, e.g. 40GiB (default: the calibration's)")
     p.add_argument("--max-loaded", type=int, default=1, help="computron policy: models resident at once")
     p.add_argument("--max-wait", type=float, default=1.0, help="preempt policy: seconds a request may be kept "
@@ -47,7 +50,8 @@ def add_parser(sub) -> None:
     p.add_argument("--sweep", choices=("rate", "cv", "budget"), default=None,
                    help="run every policy at each of --values and plot SLO attainment against it")
     p.add_argument("--values", default=None, help="the sweep's values, comma-separated (sizes for budget)")
-    p.add_argument("--policies", default=",".join(POLICIES), help="the policies a sweep compares (default: all)")
+    p.add_argument("--policies", default=",".join(POLICIES),
+                   help=f"the policies a sweep compares (default: {','.join(POLICIES)}; {RECOMPUTE} too)")
     p.add_argument("--out", default=None, help="JSON output (default: bench/results/sim_<policy|sweep>.json)")
     p.set_defaults(func=main)
 
@@ -85,7 +89,9 @@ def run_once(args, specs, cfg_kw, cal, policy: str):
     from ..workload.args import slo_report, workload_from_args
     from .run import Simulation
 
-    sim = Simulation(specs, cal, EngineConfig(device="cpu", policy=policy, max_wait_s=args.max_wait, **cfg_kw))
+    sim = Simulation(specs, cal, EngineConfig(device="cpu", policy="preempt" if policy == RECOMPUTE else policy,
+                                              preempt_keeps_kv=policy != RECOMPUTE, max_wait_s=args.max_wait,
+                                              **cfg_kw))
     trace = workload_from_args(args, [s.name for s in specs])
     result = sim.run(trace)
     summary = result.summary()
@@ -181,4 +187,4 @@ def _print(summary: dict, policy: str, cal: str) -> None:
     print_summary(f"sim: policy {policy}, calibration {cal}", summary, summary.get("slo"))
     st = summary["stats"]
     print(f"simulated {summary['end_time']:.1f} s in {summary['steps']} steps; swap-ins {st.get('swap_ins', 0)}, "
-          f"evictions {st.get('evictions', 0)}, preemptions {st.get('preemptions', 0)}")
+          f"evictions {st.get('evictions', 0)}, preemptions {st.get('preemptions', 0)}, pauses {st.get('pauses', 0)}")

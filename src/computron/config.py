@@ -102,7 +102,9 @@ class EngineConfig:
     cuda_graphs: bool = True  # replay each model's decode step as a CUDA graph (GPU only)
     prefetch: bool = True
     max_wait_s: float = 1.0  # preempt policy: a request kept waiting this long by others' running requests preempts them
-    preempt_keeps_kv: bool = True  # preempt policy: stopped requests keep their KV cache on the device while it fits (else recompute)
+    # preempt policy: stopped requests keep their KV cache on the device while it fits, instead of
+    # recomputing it (off by default: measured worse in the simulator's hot/cold sweep, docs/engine.md)
+    preempt_keeps_kv: bool = False
     # A steady decode batch runs up to this many steps per call, each step's tokens fed to the next on
     # the device (one wait for the device per run); a request arriving meanwhile waits for the run's end.
     decode_steps: int = 1

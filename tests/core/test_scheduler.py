@@ -195,7 +195,7 @@ def test_preempt_policy_serves_the_waiting_model_within_the_bound_and_a_resumes(
     requests finish with every token: paused, their caches kept (they fit beside b), or, with
     ``preempt_keeps_kv`` off, recomputed."""
     served = {}
-    for policy, keeps in (("default", True), ("preempt", True), ("preempt-recompute", False)):
+    for policy, keeps in (("default", False), ("preempt-keep-kv", True), ("preempt", False)):
         s = _sched(1_300_000, max_batch_size=4, policy=policy.split("-")[0], max_wait_s=10.0,
                    preempt_keeps_kv=keeps)  # one model + its batch's cache
         for m in "ab":
@@ -222,13 +222,13 @@ def test_preempt_policy_serves_the_waiting_model_within_the_bound_and_a_resumes(
                 break
         assert not s.requests, policy
         assert all(v == (3 if k == "b0" else 100) for k, v in made.items())  # nothing lost or repeated
-        if policy == "preempt":
+        if policy == "preempt-keep-kv":
             assert paused and not preempted and s.switches >= 1
-        if policy == "preempt-recompute":
+        if policy == "preempt":
             assert preempted and not paused and s.switches >= 1
     assert served["default"] >= 100  # r0 and r1, older than b, drained first
-    assert served["preempt"] <= 5 + 10 + 2  # b waited the bound, then a's batch stopped
-    assert served["preempt-recompute"] <= 5 + 10 + 2
+    assert served["preempt-keep-kv"] <= 5 + 10 + 2  # b waited the bound, then a's batch stopped
+    assert served["preempt"] <= 5 + 10 + 2
 
 
 def test_kv_blocked_request_makes_others_drain_instead_of_failing():
@@ -345,14 +345,14 @@ def test_requeue_after_a_restart_keeps_every_request_and_its_progress():
     assert s.free_bytes(0) == 150_000 - 100_000
 
 
-@pytest.mark.parametrize("policy", ["default", "preempt", "preempt-recompute", "computron"])
+@pytest.mark.parametrize("policy", ["default", "preempt", "preempt-keep-kv", "computron"])
 @pytest.mark.parametrize("seed", range(5))
 def test_random_steps_keep_invariants(policy, seed):
     rng = random.Random(seed)
     budget = 512_000
     s = _sched(budget, policy=policy.split("-")[0], max_loaded=2, max_batch_size=rng.randint(1, 6),
                max_tokens_per_step=rng.randint(8, 64), block_tokens=4, max_wait_s=rng.choice([0.0, 3.0, 20.0]),
-               preempt_keeps_kv=policy == "preempt")
+               preempt_keeps_kv=policy == "preempt-keep-kv")
     sizes = {f"m{i}": 512 * rng.randint(100, 600) for i in range(5)}
     for m, b in sizes.items():
         s.add_model(m, b, KVT, pinned=(m == "m0" and seed % 2 == 0))
@@ -423,7 +423,7 @@ def test_random_steps_keep_invariants(policy, seed):
         _run_step(s, lengths)
     assert not s.requests
     assert s.kv_used[0] == 0
-    assert (kept > 0 and resumed > 0) if policy == "preempt" else kept == 0
+    assert (kept > 0 and resumed > 0) if policy == "preempt-keep-kv" else kept == 0
 
 @pytest.mark.parametrize("rate", [0.05, 0.5])
 @pytest.mark.parametrize("seed", range(4))
@@ -458,7 +458,7 @@ def test_steady_steps_plan_exactly_what_the_full_search_plans(seed, rate):
         assert shortcuts > 10
 
 
-@pytest.mark.parametrize("policy", ["default", "preempt", "preempt-recompute"])
+@pytest.mark.parametrize("policy", ["default", "preempt", "preempt-keep-kv"])
 @pytest.mark.parametrize("seed", range(3))
 def test_runs_of_several_steps_keep_the_books(policy, seed):
     """Steps of random lengths (schedule(max_steps=k), as the simulator drives it), under KV
@@ -467,7 +467,7 @@ def test_runs_of_several_steps_keep_the_books(policy, seed):
     rng = random.Random(seed)
     budget = 400_000
     s = _sched(budget, policy=policy.split("-")[0], max_batch_size=rng.randint(2, 8), block_tokens=4,
-               max_wait_s=2.0, preempt_keeps_kv=policy == "preempt")
+               max_wait_s=2.0, preempt_keeps_kv=policy == "preempt-keep-kv")
     for i in range(3):
         s.add_model(f"m{i}", 512 * rng.randint(100, 250), KVT)
     n, now = 0, 0.0

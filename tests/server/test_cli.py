@@ -67,6 +67,7 @@ def test_flags_override_file_override_defaults(tmp_path, monkeypatch):
         build_config(parse("serve", "--decode-steps", "0"))
     eng = build_config(parse("serve", "--workers-listen", "10.0.0.1:29600", "--local-devices", "2")).engine
     assert (eng.workers_listen, eng.local_devices) == ("10.0.0.1:29600", 2)
+    assert not eng.preempt_keeps_kv and build_config(parse("serve", "--preempt-keep-kv")).engine.preempt_keeps_kv
 
 
 def test_serve_errors_exit_2(capsys):

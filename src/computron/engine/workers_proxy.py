@@ -164,7 +164,7 @@ class _Worker:
 
     def _death(self) -> WorkerDied:
         if self.proc is not None:
-            self.proc.join(2.0)
+            self.proc.join(5.0)  # it is going (its pipe closed or its sentinel fired): its exit code, loaded or not
         return self.dead or WorkerDied(self.device, self.proc.exitcode if self.proc is not None else None,
                                        self.where)
 

@@ -54,7 +54,7 @@ class SchedulerConfig:
     load_bandwidth: float | None = None  # bytes/s per device, to estimate when a load ends
     block_tokens: int = 16  # tokens per block of the paged KV cache
     max_wait_s: float = 1.0  # preempt policy: a request kept from starting this long preempts what blocks it
-    preempt_keeps_kv: bool = True  # preempt policy: stopped requests keep their KV blocks while they fit
+    preempt_keeps_kv: bool = False  # preempt policy: stopped requests keep their KV blocks while they fit
 
     def __post_init__(self) -> None:
         if isinstance(self.budgets, int):

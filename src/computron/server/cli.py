@@ -41,9 +41,9 @@ def add_parsers(subparsers) -> None:
                    help="scheduling and swap policy (preempt: a request kept waiting --max-wait seconds by "
                         "other models' running requests preempts them)")
     p.add_argument("--max-wait", type=float, metavar="SECONDS", help="preempt policy's bound on waiting (default 1)")
-    p.add_argument("--preempt-recompute", action="store_true", default=None,
-                   help="preempt policy: stopped requests recompute their caches (by default they keep them "
-                        "on the device while their memory is not needed)")
+    p.add_argument("--preempt-keep-kv", action="store_true", default=None,
+                   help="preempt policy: stopped requests keep their caches on the device while their memory "
+                        "is not needed, instead of recomputing them")
     p.add_argument("--decode-steps", type=int, metavar="K",
                    help="decode steps a steady batch runs per engine call, fed on the device (default 1); "
                         "tokens stream K at a time and a new request waits for the run to end")
@@ -128,8 +128,8 @@ def build_config(args) -> ComputronConfig:
         eng.policy = args.policy
     if args.max_wait is not None:
         eng.max_wait_s = args.max_wait
-    if getattr(args, "preempt_recompute", None):
-        eng.preempt_keeps_kv = False
+    if getattr(args, "preempt_keep_kv", None):
+        eng.preempt_keeps_kv = True
     if getattr(args, "executor", None) is not None:
         eng.executor = args.executor
     if getattr(args, "decode_steps", None) is not None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import sys
 
 POLICIES = ("default", "preempt", "computron")
-RECOMPUTE = "preempt-recompute"  # the preempt policy with preempt_keeps_kv off: stopped requests always recompute
+KEEP_KV = "preempt-keep-kv"  # the preempt policy with preempt_keeps_kv on: stopped requests keep their caches
 PRESETS = {  # name: (models resident at once, per-model rates)
     "3m-1-1-1": (2, (1, 1, 1)), "3m-10-1-1": (2, (10, 1, 1)), "3m-10-10-1": (2, (10, 10, 1)),
     "6m-1x6": (4, (1,) * 6), "6m-10-10-1-1-1-1": (4, (10, 10, 1, 1, 1, 1)), "6m-10x4-1-1": (4, (10,) * 4 + (1, 1)),
@@ -40,9 +40,9 @@ def add_parser(sub) -> None:
                    help="a workload of the original Computron simulation (rates, copies, models resident)")
     add_workload_args(p, source_required=False)
     p.add_argument("--calibration", default="cpu", help="cpu, h200-rough, or a calibration JSON file")
-    p.add_argument("--policy", choices=POLICIES + (RECOMPUTE,), default="default",
-                   help=f"{RECOMPUTE}: the preempt policy, its stopped requests recomputing their caches "
-                        "instead of keeping them")
+    p.add_argument("--policy", choices=POLICIES + (KEEP_KV,), default="default",
+                   help=f"{KEEP_KV}: the preempt policy, its stopped requests keeping their caches on the "
+                        "device while they fit instead of recomputing them")
     p.add_argument("--budget", metavar="SIZE", help="device memory budget, e.g. 40GiB (default: the calibration's)")
     p.add_argument("--max-loaded", type=int, default=1, help="computron policy: models resident at once")
     p.add_argument("--max-wait", type=float, default=1.0, help="preempt policy: seconds a request may be kept "
@@ -51,7 +51,7 @@ def add_parser(sub) -> None:
                    help="run every policy at each of --values and plot SLO attainment against it")
     p.add_argument("--values", default=None, help="the sweep's values, comma-separated (sizes for budget)")
     p.add_argument("--policies", default=",".join(POLICIES),
-                   help=f"the policies a sweep compares (default: {','.join(POLICIES)}; {RECOMPUTE} too)")
+                   help=f"the policies a sweep compares (default: {','.join(POLICIES)}; {KEEP_KV} too)")
     p.add_argument("--out", default=None, help="JSON output (default: bench/results/sim_<policy|sweep>.json)")
     p.set_defaults(func=main)
 
@@ -89,8 +89,8 @@ def run_once(args, specs, cfg_kw, cal, policy: str):
     from ..workload.args import slo_report, workload_from_args
     from .run import Simulation
 
-    sim = Simulation(specs, cal, EngineConfig(device="cpu", policy="preempt" if policy == RECOMPUTE else policy,
-                                              preempt_keeps_kv=policy != RECOMPUTE, max_wait_s=args.max_wait,
+    sim = Simulation(specs, cal, EngineConfig(device="cpu", policy="preempt" if policy == KEEP_KV else policy,
+                                              preempt_keeps_kv=policy == KEEP_KV, max_wait_s=args.max_wait,
                                               **cfg_kw))
     trace = workload_from_args(args, [s.name for s in specs])
     result = sim.run(trace)

@@ -191,3 +191,13 @@ def test_request_that_cannot_fit_beside_a_pinned_model_is_503_and_health_counts_
     assert complete(admin, "blocked").status_code == 200  # unpinned: it swaps in
     assert api(admin, "DELETE", "/admin/models/blocked").status_code == 200
     assert api(admin, "GET", "/health").json()["models"] == 1
+
+
+def test_engine_counters_of_preemption_are_exported():
+    """Preemptions (recompute) and pauses (caches kept) are read from the engine's own counters."""
+    from computron.server.metrics import _EngineTotals
+
+    totals = _EngineTotals()
+    totals.stats = {"preemptions": 3, "pauses": 2, "steps": 7}
+    got = {m.name: m.samples[0].value for m in totals.collect()}
+    assert (got["computron_preemptions"], got["computron_pauses"], got["computron_engine_steps"]) == (3, 2, 7)

@@ -40,6 +40,10 @@ class _EngineTotals:
                 ("computron_swap_in_bytes", "swap_in_bytes", "Bytes of weights swapped in"),
                 ("computron_swap_in_seconds", "swap_in_seconds", "Seconds spent copying weights in"),
                 ("computron_engine_steps", "steps", "Engine steps run"),
+                ("computron_preemptions", "preemptions", "Running requests stopped to recompute their caches later "
+                 "(preempt policy, memory for a growing request, a restarted worker)"),
+                ("computron_pauses", "pauses", "Running requests stopped with their caches kept on the device "
+                 "(preempt policy with --preempt-keep-kv)"),
                 ("computron_prefill_tokens", "prefill_tokens", "Prompt tokens computed by prefills (recomputes "
                  "after preemption included; the choices of one prompt share its prefill)")):
             yield CounterMetricFamily(name, doc, value=s.get(key, 0))

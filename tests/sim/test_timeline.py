@@ -116,3 +116,13 @@ def test_executor_status_follows_the_clock():
     assert sim.core.model_state("tiny-opt") == "resident"
     sim.core.offload("tiny-opt")
     assert sim.executor.status().models == {} and sim.executor.status().devices[0].weights == 0
+
+
+def test_the_computron_policy_loads_before_it_computes():
+    """The legacy executor's swap-in waits for its whole load before returning: the first token
+    comes after the full copy and then the whole prefill (no overlap of copy and compute)."""
+    res = simulate([(1.0, "tiny-opt", 16, 5)], ["tiny-opt"], CAL, EngineConfig(policy="computron"))
+    (r,) = res.records
+    first = 1.0 + W_OPT / 1e8 + CAL.prefill_fixed_s + 16 * CAL.prefill_token_s
+    assert r.first_token == approx(first) and first > cold_prefill_end(OPT, 1.0, 16)
+    assert r.finish == approx(first + 4 * (CAL.decode_fixed_s + CAL.decode_seq_s))

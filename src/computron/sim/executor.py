@@ -11,7 +11,9 @@ It answers every call of ``engine/executor.py`` as the in-process executor would
   bandwidth``;
 - ``execute``: one token per sequence (a fixed id, never EOS) in a completed future; the clock
   moves to the end of the slowest batch (batches of one step run on disjoint devices at once). A
-  cold batch computes layer group *i* once group *i* has landed, so compute overlaps the copy;
+  cold batch computes layer group *i* once group *i* has landed, so compute overlaps the copy
+  (the legacy executor of the ``computron`` policy blocks in ``apply`` until its load has landed,
+  as its swap-in synchronises its load stream);
 - ``status``: the arena's capacity per device (the same formula as the in-process executor, so
   the scheduler gets the same budgets), bytes of weights and KV blocks in use, and which models are
   loading or resident at the clock's time; ``wait_loads`` moves the clock to the end of every copy.
@@ -58,6 +60,10 @@ class SimExecutor:
         self.budget = cfg.gpu_memory_budget if cfg.gpu_memory_budget is not None else calibration.device_memory
         self.capacity = arena_capacity(self.budget, cfg.workspace_bytes)
         self.block_tokens = cfg.kv_block_tokens
+        # The legacy executor (the computron policy's) waits for a load to end before it returns (the
+        # engine stands still, every model's batches with it) and computes after it; ours returns at
+        # once and computes layer group i once group i has landed.
+        self.overlap = (cfg.executor or ("legacy" if cfg.policy == "computron" else "inprocess")) != "legacy"
         self.n_devices = devices
         self.token = token
         self.models: dict[str, _Model] = {}
@@ -115,6 +121,8 @@ class SimExecutor:
             m = self.models[name]
             if m.ready is None:
                 self._load(m)
+                if not self.overlap:  # the legacy executor waits for its load stream: the engine stands still
+                    self.clock.advance_to(m.load_end)
         return evicted
 
     def _load(self, m: _Model) -> None:
@@ -195,8 +203,8 @@ class SimExecutor:
                                           f"{self.weights[d]} + {kv[d]} > {cap} bytes")
                 tokens[s.req_id] = tok
             compute = batch_time(self.cal, m.nbytes, prefill, decode)
-            if m.load_end > now:  # cold: group i computes once group i has landed
-                finish = pipelined_finish(now, compute, m.groups, m.ready)
+            if m.load_end > now:  # cold: group i computes once group i has landed (legacy: once all have)
+                finish = pipelined_finish(now, compute, m.groups, m.ready) if self.overlap else m.load_end + compute
             else:
                 compute *= k  # a run is warm: k equal steps
                 finish = now + compute

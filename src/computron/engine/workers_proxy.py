@@ -76,6 +76,7 @@ class _Worker:
         self.closing = False
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # sends and the table of calls in flight
+        self._reaping = threading.Lock()
         self._pending: dict[int, tuple[Future, Callable | None]] = {0: (Future(), None)}
         self._started = self._pending[0][0]
         self._thread = threading.Thread(target=self._receive, name=f"computron-worker-{device}-rx", daemon=True)
@@ -164,7 +165,10 @@ class _Worker:
 
     def _death(self) -> WorkerDied:
         if self.proc is not None:
-            self.proc.join(5.0)  # it is going (its pipe closed or its sentinel fired): its exit code, loaded or not
+            # It is going (its pipe closed or its sentinel fired). One thread at a time reaps it: a second
+            # waitpid of the same process fails and would read its exit code as None.
+            with self._reaping:
+                self.proc.join(5.0)
         return self.dead or WorkerDied(self.device, self.proc.exitcode if self.proc is not None else None,
                                        self.where)
 
@@ -254,6 +258,8 @@ class _Worker:
                 self.dead = self.dead or cause
         if self.proc is None:
             hang_up(self.conn)
-        elif self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5.0)
+            return
+        with self._reaping:
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(5.0)

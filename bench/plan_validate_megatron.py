@@ -131,10 +131,11 @@ def summary(rs: list[dict]) -> dict:
             "not_fitting": sum(1 for r in rs if r.get("fits") is False)}
 
 
-FITTED = ("chunk_overhead_s", "dp_jitter")  # with the A100's gemm_eff; gemm_half_dim is set, not fitted
+FITTED = ("chunk_overhead_s", "dp_jitter", "gemm_half_dim")  # with the A100's gemm_eff
 GRID = {"gemm_eff": [0.80, 0.82, 0.84, 0.85, 0.86, 0.87, 0.88, 0.90],  # the A100's asymptote (hardware.py)
         "chunk_overhead_s": [0, 5e-4, 1e-3, 1.25e-3, 1.5e-3, 1.75e-3, 2e-3, 3e-3],
-        "dp_jitter": [0, 0.01, 0.02, 0.025, 0.03, 0.035, 0.04, 0.045, 0.05, 0.06]}
+        "dp_jitter": [0, 0.01, 0.02, 0.025, 0.03, 0.035, 0.04, 0.045, 0.05, 0.06],
+        "gemm_half_dim": [32, 48, 64, 96, 128, 160, 192, 256]}
 
 
 def fit() -> Assumptions:
@@ -180,7 +181,6 @@ def main() -> int:
                      HELD: sorted({f"{r['source'].split(',')[0]} {r['model']}" for r in rs if r["set"] == HELD})},
            "fitted_constants": {"a100 gemm_eff": GPU_TYPES["a100-80gb"].gemm_eff,
                                  **{k: getattr(DEFAULT, k) for k in FITTED}},
-           "set_constants": {"gemm_half_dim": DEFAULT.gemm_half_dim},
            "calibration": sets[CAL], "held_out": sets[HELD], "rows": rs}
     path = os.path.join(HERE, "results", "plan_validate_megatron.json")
     with open(path, "w") as f:

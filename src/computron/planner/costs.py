@@ -36,11 +36,11 @@ class Assumptions:
     memory_reserve_gib: float = 1.0  # CUDA context + NCCL buffers
     scatter_gather: bool = True  # Megatron's p2p scatter/gather over TP ranks
     # fitted on the calibration rows of bench/plan_validate_megatron.py (docs/planner.md, Accuracy)
-    gemm_half_dim: float = 64.0  # GEMM dimension at which efficiency is half of the GPU's asymptote
-    chunk_overhead_s: float = 2e-3  # per pipeline chunk op (forward or backward), pp > 1: its
+    gemm_half_dim: float = 160.0  # GEMM dimension at which efficiency is half of the GPU's asymptote
+    chunk_overhead_s: float = 1.5e-3  # per pipeline chunk op (forward or backward), pp > 1: its
     # blocking send/recv rendezvous, stream waits and the schedule's host-side step; interleaving
     # with v chunks pays it v times per micro-batch where plain 1F1B pays it once
-    dp_jitter: float = 0.05  # relative spread (std) of one data-parallel replica's pipeline time
+    dp_jitter: float = 0.03  # relative spread (std) of one data-parallel replica's pipeline time
 
     def __post_init__(self) -> None:
         if self.bytes_per_param not in (16, 18, 20):

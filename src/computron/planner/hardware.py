@@ -45,8 +45,8 @@ class GpuType:
 _GPU_TABLE = {
     "v100": (125.0, 32, 900, 0.75, False),  # V100 SXM2 32GB
     "a10": (125.0, 24, 600, 0.60, True),  # 150 W card, sustains well under peak
-    "a100-40gb": (312.0, 40, 1555, 0.86, True),  # A100 SXM4 40GB (asymptote fitted, docs/planner.md)
-    "a100-80gb": (312.0, 80, 2039, 0.86, True),  # A100 SXM4 80GB (asymptote fitted, docs/planner.md)
+    "a100-40gb": (312.0, 40, 1555, 0.87, True),  # A100 SXM4 40GB (asymptote fitted, docs/planner.md)
+    "a100-80gb": (312.0, 80, 2039, 0.87, True),  # A100 SXM4 80GB (asymptote fitted, docs/planner.md)
     "l4": (121.0, 24, 300, 0.50, True),  # 72 W card, power-limited
     "h100": (989.0, 80, 3350, 0.72, True),  # H100 SXM5
     "h200": (989.0, 141, 4800, 0.72, True),  # H200 SXM

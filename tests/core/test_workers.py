@@ -30,14 +30,6 @@ def make_engine(budget, models=MODELS, **kw):
     return eng
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 @pytest.fixture(scope="module")
 def workers():
     eng = make_engine(ONE_FITS, executor="workers")
@@ -102,7 +94,7 @@ def test_worker_errors_keep_their_message(workers, tmp_path):
     assert workers.generate("tiny-opt", "hi", GREEDY).finish_reason == "length"
 
 
-def test_killed_worker_fails_its_requests_and_comes_back():
+def test_killed_worker_fails_its_requests_and_comes_back(alive):
     eng = make_engine(64 * 2**20, models=["tiny-opt", "tiny-llama"], executor="workers")
     try:
         ref = make_engine(64 * 2**20, models=["tiny-opt", "tiny-llama"])
@@ -140,7 +132,7 @@ def test_killed_worker_fails_its_requests_and_comes_back():
     assert not any(alive(p) for p in pids)
 
 
-def test_parent_death_ends_the_worker():
+def test_parent_death_ends_the_worker(alive):
     code = textwrap.dedent("""
         import os, sys
         from computron.config import EngineConfig
@@ -198,7 +190,44 @@ def test_core_lost_devices_offload_models_and_keep_the_executors_reason():
     assert eng.generate("tiny-opt", "abc", GREEDY).output_ids == want
 
 
-def test_shutdown_leaves_no_child(workers):  # last: it stops the module's engine
+class ResetsDevice(LosesDevice):
+    """Its next step runs, then says device 0 was reset (a restarted world): the step's tokens came
+    back, but the caches they were written into are gone."""
+
+    def execute(self, batches):
+        if not self.lose:
+            return self.inner.execute(batches)
+        self.lose = False
+        result = self.inner.execute(batches).result()
+        self.inner.free([s.req_id for b in batches for s in b.seqs])
+        self.inner.apply(Residency(evict=list(self.inner.status().models)))
+        result.reset_devices = [0]
+        fut = Future()
+        fut.set_result(result)
+        return fut
+
+
+def test_core_reset_devices_requeue_and_drop_the_steps_tokens():
+    """A request on a reset device is not failed: it waits again and recomputes; the token the lost
+    step made is dropped (its cache went with the device), so the output equals an undisturbed run."""
+    cfg = EngineConfig(device="cpu", gpu_memory_budget=64 * 2**20, workspace_bytes=50_000)
+    ex = ResetsDevice(make_executor(cfg))
+    eng = Engine(cfg, executor=ex)
+    eng.register_model("tiny-opt")
+    long = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    want = eng.generate("tiny-opt", "abc", long).output_ids
+    r = eng.submit("tiny-opt", "abc", long)
+    eng.step(), eng.step()
+    made = len(r.output_ids)
+    ex.lose = True
+    eng.step()
+    assert len(r.output_ids) == made and eng.model_state("tiny-opt") == "offloaded"
+    eng.run_until_done([r])
+    assert r.error is None and r.output_ids == want
+    assert eng.core.stats["preemptions"] == 1
+
+
+def test_shutdown_leaves_no_child(workers, alive):  # last: it stops the module's engine
     pid = workers.executor.worker_pids()[0]
     workers.executor.shutdown()
     workers.executor.shutdown()  # twice is fine

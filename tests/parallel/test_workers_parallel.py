@@ -14,14 +14,6 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=6, temperature=1.0, top_k=40, seed=11, ignore_eos=True)
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 PROMPTS = ["hello", "the quick brown fox", "swap me in", "1 2 3", "Ünïcödé ✓", "abc"]
 
 
@@ -117,7 +109,7 @@ def test_runs_of_several_steps_give_the_tokens_of_single_steps():
         eng.executor.shutdown()
 
 
-def test_killed_worker_restarts_the_world_and_its_models_work_again():
+def test_killed_worker_restarts_the_world_and_its_models_work_again(alive):
     """SIGKILL of one of two workers while a tp=2 model decodes: its requests fail at once with the
     reason, every worker is restarted in a new process group, and afterwards the tp=2 model and a
     model on the other device give the tokens of a single-device engine. Then, with one model

@@ -30,6 +30,23 @@ def test_plan_accuracy_writes_rows_summary_and_png(tmp_path, capsys):
     assert "3 configurations: time error" in capsys.readouterr().out
 
 
+def test_plan_accuracy_profiles_the_trainers_layer_first(tmp_path):
+    out = tmp_path / "acc"
+    assert main(["bench", "plan-accuracy", "--device", "cpu", "--gpu", "a100-80gb", "--profile", "auto",
+                 "--config", "tiny-llama:1:4:16", "--config", "tiny-llama:2:4:16", "--config", "tiny-llama:2:4:32",
+                 "--warmup", "0", "--steps", "1", "--out", str(out)]) == 0
+    rows = json.loads((tmp_path / "acc.json").read_text())["rows"]
+    # one profile per model and sequence length, measured at the micro-batches the configurations use
+    prof = [json.loads((tmp_path / f"acc_profile_tiny-llama_s{s}.json").read_text()) for s in (16, 32)]
+    assert [sorted(e["mbs"] for e in p["entries"] if e.get("part", "layer") == "layer") for p in prof] == [[1, 2], [2]]
+    assert [sorted(e["mbs"] for e in p["entries"] if e.get("part") == "head") for p in prof] == [[1, 2], [2]]
+    assert {p["layer"] for p in prof} == {"runtime"} and prof[1]["model"]["seq_len"] == 32
+    assert [r["profile"] for r in rows] == [str(tmp_path / "acc_profile_tiny-llama_s16.json")] * 2 + \
+        [str(tmp_path / "acc_profile_tiny-llama_s32.json")]
+    for r in rows:  # predicted from the measured layer (a CPU's layer is far slower than the A100 roofline's)
+        assert r["predicted_s"] > 2 * r["roofline_s"] > 0
+
+
 def test_configurations_and_rank_correlation():
     assert Config.parse("gpt2-xl:4:16:1024:full") == Config("gpt2-xl", 4, 16, 1024, True)
     with pytest.raises(ValueError, match="expected MODEL:MBS:GLOBAL_BATCH:SEQ_LEN"):

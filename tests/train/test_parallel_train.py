@@ -109,6 +109,18 @@ def test_four_ranks_mix_tp_pp_and_dp_pp(tmp_path):
         _assert_same(got[key], _reference(cfg), key)
 
 
+def test_bf16_pipeline_folds_its_gradients_into_the_float32_masters(tmp_path):
+    cfg = replace(BASE, model="tiny-llama", dims={"pp": 2}, dtype="bfloat16")
+    (losses, params), = _run(2, [("pp2_bf16", cfg)], tmp_path).values()
+    ref_losses, ref = _reference(cfg)  # one process, the same bf16 micro-batches in a loop
+    assert losses == pytest.approx(ref_losses, rel=1e-3)
+    assert params.keys() == ref.keys()
+    for name, p in ref.items():
+        assert p.dtype == torch.float32, name
+        tol = dict(rtol=2e-2, atol=1e-4) if name.startswith("grad.") else dict(rtol=1e-3, atol=5e-2 * BASE.lr)
+        torch.testing.assert_close(params[name], p, **tol, msg=lambda m: f"{name}: {m}")
+
+
 def _dies_or_hangs(how):
     import os
     import time

@@ -101,6 +101,12 @@ class CostModel:
             self._cache[key] = hit
         return hit
 
+    def head(self, gpu: GpuType, tp: int, mbs: int) -> tuple[float, float]:
+        """(fwd s, bwd s) of the last stage's final norm, logits and loss on one TP rank: measured
+        where the profile has them, else the roofline (``costs.head_compute``)."""
+        got = self.profile.lookup_head(gpu.name, tp, mbs) if self.profile else None
+        return got if got is not None else costs.head_compute(self.model, gpu, tp, mbs, self.a)
+
     def core(self, gpu: GpuType, tp: int, mbs: int) -> float:
         """Seconds selective recomputation adds to one layer's backward (costs.attention_core_forward)."""
         key = ("core", gpu.name, tp, mbs)
@@ -314,7 +320,7 @@ class PlanContext:
             tp_ar = costs.tp_allreduce(m, t, b, node.intra_bw, a)
             ef, eb, e_tp = ef + x + tp_ar, eb + y, e_tp + tp_ar
         if s == p - 1:
-            x, y = costs.head_compute(m, gpu, t, b, a)
+            x, y = self.cm.head(gpu, t, b)
             ce = 3 * costs.ring_allreduce(4.0 * b * m.seq_len, t, node.intra_bw * a.intra_eff, a.intra_latency_s)
             ef, eb, e_tp = ef + x + ce, eb + y, e_tp + ce
         nxt, prv = self.envs[s], self.envs[(s - 1) % p]

@@ -3,7 +3,8 @@
 What flows through: a JSON or YAML profile file becomes a :class:`ProfileTable`; the cost model
 asks it ``lookup(gpu, tp, mbs)`` and gets (forward s, backward s, activation bytes) of one layer
 on one TP rank, communication excluded, or None when that GPU/tp was not measured (the roofline
-is used then). Between measured micro-batch sizes times are interpolated linearly; outside them
+is used then); ``lookup_head`` the same for the last stage's norm, logits and loss, where the
+profile has entries with ``"part": "head"``. Between measured micro-batch sizes times are interpolated linearly; outside them
 they are scaled in proportion to the micro-batch size from the nearest measurement.
 """
 
@@ -27,14 +28,31 @@ def model_shape(m: TransformerShape) -> dict:
             "seq_len": m.seq_len, "flash_attention": bool(m.flash_attention)}
 
 
+def _interpolate(rows: list[tuple], mbs: int) -> tuple:
+    """The measurement at ``mbs`` from rows sorted by micro-batch size ``(mbs, x, y, ...)``: exact,
+    linear between two sizes, or in proportion to the size from the nearest one (None stays None)."""
+    sizes = [r[0] for r in rows]
+    i = bisect_left(sizes, mbs)
+    if i < len(rows) and sizes[i] == mbs:
+        return rows[i][1:]
+    if 0 < i < len(rows):
+        (b0, *v0), (b1, *v1) = rows[i - 1], rows[i]
+        w = (mbs - b0) / (b1 - b0)
+        return tuple(None if a is None or b is None else a + w * (b - a) for a, b in zip(v0, v1))
+    b0, *v0 = rows[0] if i == 0 else rows[-1]
+    return tuple(None if a is None else a * mbs / b0 for a in v0)
+
+
 @dataclass
 class ProfileTable:
-    """Measured layer costs for one GPU type: ``entries[tp]`` = sorted [(mbs, fwd_s, bwd_s, act_bytes)]."""
+    """Measured costs for one GPU type: ``entries[tp]`` = sorted [(mbs, fwd_s, bwd_s, act_bytes)] of one
+    layer; ``heads[tp]`` = sorted [(mbs, fwd_s, bwd_s)] of the last stage's norm, logits and loss."""
 
     gpu: str
     shape: dict
     entries: dict[int, list[tuple[int, float, float, float | None]]] = field(default_factory=dict)
     source: str = ""
+    heads: dict[int, list[tuple[int, float, float]]] = field(default_factory=dict)
 
     def check_model(self, m: TransformerShape) -> None:
         """Raise when the profile was measured for another layer shape."""
@@ -47,19 +65,13 @@ class ProfileTable:
         """(fwd_s, bwd_s, act_bytes) for one layer, or None when this GPU type / tp was not measured."""
         if gpu != self.gpu or tp not in self.entries:
             return None
-        rows = self.entries[tp]
-        sizes = [r[0] for r in rows]
-        i = bisect_left(sizes, mbs)
-        if i < len(rows) and sizes[i] == mbs:
-            return rows[i][1:]
-        if 0 < i < len(rows):
-            (b0, f0, g0, a0), (b1, f1, g1, a1) = rows[i - 1], rows[i]
-            w = (mbs - b0) / (b1 - b0)
-            act = None if a0 is None or a1 is None else a0 + w * (a1 - a0)
-            return f0 + w * (f1 - f0), g0 + w * (g1 - g0), act
-        b0, f0, g0, a0 = rows[0] if i == 0 else rows[-1]
-        r = mbs / b0
-        return f0 * r, g0 * r, None if a0 is None else a0 * r
+        return _interpolate(self.entries[tp], mbs)
+
+    def lookup_head(self, gpu: str, tp: int, mbs: int) -> tuple[float, float] | None:
+        """(fwd_s, bwd_s) of the head and loss on one TP rank, or None when not measured."""
+        if gpu != self.gpu or tp not in self.heads:
+            return None
+        return _interpolate(self.heads[tp], mbs)
 
 
 def table_from_dict(data: dict, source: str = "", gpu: str | None = None) -> ProfileTable:
@@ -67,19 +79,23 @@ def table_from_dict(data: dict, source: str = "", gpu: str | None = None) -> Pro
     if not isinstance(data, dict) or "entries" not in data:
         raise PlannerError(f"profile {source}: not a planner profile (no 'entries'; expected format {FORMAT})")
     entries: dict[int, list] = {}
+    heads: dict[int, list] = {}
     for e in data["entries"]:
         try:
+            if e.get("part", "layer") == "head":
+                heads.setdefault(int(e["tp"]), []).append((int(e["mbs"]), float(e["fwd_s"]), float(e["bwd_s"])))
+                continue
             row = (int(e["mbs"]), float(e["fwd_s"]), float(e["bwd_s"]),
                    None if e.get("act_bytes") is None else float(e["act_bytes"]))
             entries.setdefault(int(e["tp"]), []).append(row)
         except (KeyError, TypeError, ValueError) as err:
             raise PlannerError(f"profile {source}: bad entry {e!r} ({err})") from None
-    for rows in entries.values():
+    for rows in (*entries.values(), *heads.values()):
         rows.sort()
     name = (gpu or data.get("gpu") or "").lower()
     if not name:
         raise PlannerError(f"profile {source}: no GPU type recorded; pass the GPU type it was measured on")
-    return ProfileTable(name, dict(data.get("model", {})), entries, source)
+    return ProfileTable(name, dict(data.get("model", {})), entries, source, heads)
 
 
 def load_profile(path: str, gpu: str | None = None) -> ProfileTable:

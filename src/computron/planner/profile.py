@@ -2,12 +2,17 @@
 
 What flows through: a TransformerShape, TP degrees and micro-batch sizes go in; a profile dict (the
 file format measured.py reads) comes out, one entry per (tp, mbs) with the median forward and
-backward seconds of one layer shard and the bytes it saves for backward.
+backward seconds of one layer shard and the bytes it saves for backward, and (runtime layers, tp=1)
+one ``"part": "head"`` entry per mbs for the last stage's norm, logits and loss.
 
-The layer is a self-contained GPT/Llama-style block built from torch.nn, sharded the way
-Megatron shards it over ``tp`` ranks (heads/tp query heads, K/V heads per rank, FFN/tp), with no
-communication (the planner adds TP all-reduces from its own model). This is the only planner
-module that imports torch, and only inside its functions.
+The layer is the one this project's training runtime runs (``computron.models``' decoder layer,
+bf16 weights, fused attention) as ``computron train`` runs it: its backward includes adding the bf16
+gradients into float32 accumulators, as the trainer does after every micro-batch. A shape the runtime
+cannot run (dropout, unfused attention: Megatron-style GPT-3 configurations) is measured on a
+self-contained torch.nn block instead (``build_layer``). Both are sharded the way Megatron shards
+over ``tp`` ranks (heads/tp query heads, K/V heads per rank, FFN/tp), with no communication (the
+planner adds TP all-reduces from its own model). This is the only planner module that imports
+torch, and only inside its functions.
 """
 
 from __future__ import annotations
@@ -36,6 +41,117 @@ def planner_gpu_name(device_name: str, memory_bytes: float = 0.0) -> str:
     if re.search(r"\bl4\b", low):
         return "l4"
     return "unknown"
+
+
+def runtime_layer(m: TransformerShape, tp: int, device, dtype):
+    """The training runtime's decoder layer for one TP shard of ``m`` taking ``[mbs, seq, hidden]``,
+    or None when the runtime cannot run the shape (dropout, or attention that is not fused)."""
+    if m.dropout or not m.flash_attention:
+        return None
+    import torch
+    from torch import nn
+
+    from ..models.config import ModelConfig
+    from ..models.transformer import DecoderLayer, DenseBatch, bind_weights, init_std, rope_tables
+
+    llama = m.family == "llama"
+    cfg = ModelConfig(m.name, "llama" if llama else "gpt2", m.vocab, m.hidden, 1, m.heads // tp, m.ffn // tp,
+                      m.seq_len, num_kv_heads=m.kv_heads_per_rank(tp), head_size=m.head_dim,
+                      norm="rmsnorm" if llama else "layernorm", position="rope" if llama else "learned",
+                      activation="silu" if llama else "gelu_new", gated_mlp=m.gated, attn_bias=m.biases,
+                      mlp_bias=m.biases, norm_bias=m.biases, dtype="bfloat16")
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer, self.rope = DecoderLayer(cfg, 0), {}
+            weights = {}
+            for n, p in self.layer.named_parameters():
+                std = init_std(n, cfg)
+                t = torch.ones(p.shape) if std is None else torch.randn(p.shape) * std
+                weights[n] = t.to(device=device, dtype=dtype)
+            bind_weights(self.layer, weights)
+            for p in self.layer.parameters():
+                p.requires_grad_(True)
+
+        def forward(self, x):
+            b, s, h = x.shape
+            batch = DenseBatch(b)
+            if llama:  # the trainer computes these once per micro-batch, not per layer
+                if (b, s) not in self.rope:
+                    self.rope[b, s] = rope_tables(cfg, torch.arange(s, device=x.device).repeat(b), x.dtype)
+                batch.rope = self.rope[b, s]
+            return self.layer(x.reshape(b * s, h), batch).view(b, s, h)
+
+    return Layer()
+
+
+def runtime_head(m: TransformerShape, device, dtype):
+    """The training runtime's last-stage head at tp=1 (final norm, logits over the vocabulary padded
+    as the trainer pads it, the trainer's summed cross-entropy) as a module taking hidden states
+    ``[N, hidden]`` and targets ``[N]`` to the loss, or None when the runtime cannot run the shape."""
+    if m.dropout or not m.flash_attention:
+        return None
+    import torch
+    from torch import nn
+
+    from ..models.config import ModelConfig
+    from ..models.transformer import DecoderLM, bind_weights, init_std
+    from ..train.job import HEAD_ALIGN, SoftmaxCrossEntropy
+
+    llama = m.family == "llama"
+    cfg = ModelConfig(m.name, "llama" if llama else "gpt2", m.vocab, m.hidden, 0, m.heads, m.ffn, m.seq_len,
+                      num_kv_heads=m.kv, norm="rmsnorm" if llama else "layernorm", norm_bias=m.biases,
+                      tie_embeddings=m.tie_embeddings, dtype="bfloat16")
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm = DecoderLM(cfg, first=False, last=True)
+            weights = {}
+            for n, p in self.lm.named_parameters():
+                std = init_std(n, cfg)
+                weights[n] = (torch.ones(p.shape) if std is None else torch.randn(p.shape) * std).to(device, dtype)
+            bind_weights(self.lm, weights)
+            for p in self.lm.parameters():
+                p.requires_grad_(True)
+
+        def forward(self, x, targets):
+            return SoftmaxCrossEntropy.apply(self.lm.head(x, HEAD_ALIGN), targets)
+
+    return Head()
+
+
+def measure_head(head, mbs: int, m: TransformerShape, device, dtype, warmup: int = 3, repeats: int = 10) -> dict:
+    """Median forward and backward seconds of ``head`` (``runtime_head``) on ``mbs`` sequences, its
+    parameters' gradients added into float32 accumulators in the backward, as the trainer does."""
+    import torch
+
+    n = mbs * m.seq_len
+    x = torch.randn(n, m.hidden, device=device, dtype=dtype, requires_grad=True)
+    targets = torch.randint(0, m.vocab, (n,), device=device)
+    weights = list(head.parameters())
+    acc = [torch.zeros_like(p, dtype=torch.float32) for p in weights]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fwd, bwd = [], []
+    for i in range(warmup + repeats):
+        sync()
+        t0 = time.perf_counter()
+        loss = head(x, targets)
+        sync()
+        t1 = time.perf_counter()
+        loss.backward()
+        for a, p in zip(acc, weights):
+            a.add_(p.grad)
+        sync()
+        t2 = time.perf_counter()
+        if i >= warmup:
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+        x.grad = None
+        for p in weights:
+            p.grad = None
+    return {"part": "head", "mbs": mbs, "fwd_s": statistics.median(fwd), "bwd_s": statistics.median(bwd)}
 
 
 def build_layer(m: TransformerShape, tp: int, device, dtype):
@@ -90,33 +206,55 @@ def build_layer(m: TransformerShape, tp: int, device, dtype):
     return Layer().to(device=device, dtype=dtype)
 
 
-def measure(layer, mbs: int, m: TransformerShape, device, dtype, warmup: int = 3, repeats: int = 10) -> dict:
+def measure(layer, mbs: int, m: TransformerShape, device, dtype, warmup: int = 3, repeats: int = 10,
+            accumulate: bool = False, depth: int | None = None) -> dict:
     """Median forward and backward seconds of ``layer`` on a (mbs, seq, hidden) input, and the bytes
-    of the tensors autograd saves (activations, parameters excluded)."""
+    of the tensors autograd saves (activations, parameters excluded). ``depth`` copies of the layer
+    run in a chain, timed as a whole and divided by ``depth``: as in a model, the host queues a
+    layer's kernels while the GPU runs the previous one (one layer between two synchronisations
+    measures the host's launch time and the GPU's time added up, which small layers are dominated
+    by). Default: 4 copies, fewer for layers of over 1 GiB of weights. ``accumulate``: the backward
+    also adds each parameter's gradient into a float32 accumulator (the trainer's micro-batch loop)."""
+    import copy
+
     import torch
 
     cuda = device.type == "cuda"
+    if depth is None:
+        size = sum(p.numel() * p.element_size() for p in layer.parameters())
+        depth = 4 if size <= 2**30 else 2 if size <= 4 * 2**30 else 1
+    layers = [layer] + [copy.deepcopy(layer) for _ in range(depth - 1)]
     x = torch.randn(mbs, m.seq_len, m.hidden, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn_like(x)
-    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    weights = [p for one in layers for p in one.parameters()]
+    params = {p.untyped_storage().data_ptr() for p in weights}
+    acc = [torch.zeros_like(p, dtype=torch.float32) for p in weights] if accumulate else []
 
     def clock():
         if cuda:
             torch.cuda.synchronize(device)
         return time.perf_counter()
 
+    def chain(y):
+        for one in layers:
+            y = one(y)
+        return y
+
     fwd, bwd = [], []
     for i in range(warmup + repeats):
         t0 = clock()
-        y = layer(x)
+        y = chain(x)
         t1 = clock()
         y.backward(grad)
+        for a, p in zip(acc, weights):
+            a.add_(p.grad)
         t2 = clock()
         if i >= warmup:
-            fwd.append(t1 - t0)
-            bwd.append(t2 - t1)
+            fwd.append((t1 - t0) / depth)
+            bwd.append((t2 - t1) / depth)
         x.grad = None
-        layer.zero_grad(set_to_none=True)
+        for p in weights:
+            p.grad = None
     seen: dict[int, int] = {}
 
     def pack(t):
@@ -126,8 +264,8 @@ def measure(layer, mbs: int, m: TransformerShape, device, dtype, warmup: int = 3
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = layer(x)
-    act = float(sum(seen.values()))
+        y = chain(x)
+    act = float(sum(seen.values())) / depth
     peak = None
     if cuda:
         del y
@@ -154,18 +292,26 @@ def run_profile(m: TransformerShape, tps: list[int], sizes: list[int], device: s
     else:
         device_name, detected = platform.processor() or platform.machine() or "cpu", "cpu"
     torch.manual_seed(0)
-    entries = []
+    entries, kind = [], "runtime"
     for tp in tps:
-        layer = build_layer(m, tp, dev, dtype)
+        layer = runtime_layer(m, tp, dev, dtype)
+        if layer is None:
+            layer, kind = build_layer(m, tp, dev, dtype), "reference"
         for b in sizes:
-            e = {"tp": tp, **measure(layer, b, m, dev, dtype, warmup, repeats)}
+            e = {"tp": tp, **measure(layer, b, m, dev, dtype, warmup, repeats, accumulate=kind == "runtime")}
             entries.append(e)
             log(f"tp={tp} mbs={b}: forward {e['fwd_s'] * 1e3:.3f} ms, backward {e['bwd_s'] * 1e3:.3f} ms, "
                 f"saved activations {e['act_bytes'] / 2**20:.1f} MiB")
         del layer
+        head = runtime_head(m, dev, dtype) if tp == 1 else None  # tp > 1: the roofline's head (logits gathered)
+        for b in sizes if head is not None else ():
+            e = {"tp": tp, **measure_head(head, b, m, dev, dtype, warmup, repeats)}
+            entries.append(e)
+            log(f"tp={tp} mbs={b}: head and loss forward {e['fwd_s'] * 1e3:.3f} ms, backward {e['bwd_s'] * 1e3:.3f} ms")
+        del head
         if cuda:
             torch.cuda.empty_cache()
     return {"format": FORMAT, "gpu": (gpu or detected).lower(), "device_name": device_name,
-            "dtype": str(dtype).replace("torch.", ""), "model": {"name": m.name, **model_shape(m)},
+            "dtype": str(dtype).replace("torch.", ""), "model": {"name": m.name, **model_shape(m)}, "layer": kind,
             "torch": torch.__version__, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "warmup": warmup, "repeats": repeats, "entries": entries}

@@ -91,7 +91,8 @@ def predict(shape, gpu: str, cfg: Config, profile: str | None) -> tuple[float, f
 
     from ..parallel.sharding import stage_layers
 
-    cm = CostModel(shape, Assumptions(bytes_per_param=16), load_profile(profile, gpu) if profile else None)
+    # the trainer keeps bf16 weight copies, float32 gradients, masters and AdamW moments: 18 bytes a parameter
+    cm = CostModel(shape, Assumptions(bytes_per_param=18), load_profile(profile, gpu) if profile else None)
     dims = ParallelDims(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp)
     placement = (load_cluster(f"{gpu}:{cfg.world}x1").node_types[0],)
     ctx = PlanContext(cm, stage_envs(placement, dims, cm.a),
@@ -134,7 +135,14 @@ def _measure_here(cfg: Config, device: str, dtype: str, warmup: int, steps: int)
     recs = [tr.train_step() for _ in range(warmup + steps)][warmup:]
     out = {"time_s": statistics.median(r["time_s"] for r in recs), "peak_bytes": max(max(r["peak_bytes"]) for r in recs),
            "tflops_per_gpu": statistics.median(r["tflops_per_gpu"] for r in recs)}
-    del tr
+    del tr, recs
+    import gc
+
+    import torch
+
+    gc.collect()  # the trainer's cycles (hooks, colocation callbacks) hold its GPU memory until collected:
+    if torch.cuda.is_available():  # the next configuration's peak would count it
+        torch.cuda.empty_cache()
     return out
 
 
@@ -187,18 +195,49 @@ def spearman(x: list[float], y: list[float]) -> float:
     return num / den if den else 0.0
 
 
+def profile_layers(configs: list[Config], gpu: str, device: str, dtype: str, out: str, log=print) -> dict:
+    """``plan profile`` of this device for every (model, sequence length, tp) the configurations use, at
+    their micro-batch sizes, written beside ``out``; {(model, seq_len): profile path}."""
+    from ..models import resolve_model
+    from ..planner.profile import run_profile
+
+    want: dict[tuple[str, int], tuple[set, set]] = {}
+    for c in configs:
+        tps, sizes = want.setdefault((c.model, c.seq_len), (set(), set()))
+        tps.add(c.tp)
+        sizes.add(c.mbs)
+    paths = {}
+    for (model, seq), (tps, sizes) in want.items():
+        shape = shape_of(resolve_model(model, dtype="float32")[0], seq, 1)
+        data = run_profile(shape, sorted(tps), sorted(sizes), device, gpu, log=lambda s: log(f"profile {model} s={seq} {s}"))
+        if data["dtype"] != dtype:
+            raise ValueError(f"the profile ran in {data['dtype']}, the trainer in {dtype}")
+        paths[model, seq] = f"{out}_profile_{model.replace('/', '_')}_s{seq}.json"
+        with open(paths[model, seq], "w") as f:
+            json.dump(data, f, indent=1)
+    return paths
+
+
 def run(configs: list[Config], gpu: str, device: str, dtype: str, profile: str | None, warmup: int, steps: int,
-        log=print) -> dict:
+        log=print, out: str | None = None) -> dict:
+    """Measure and predict every configuration. ``profile``: a ``plan profile`` file, ``auto`` (profile
+    this device first, one file per model and sequence length, beside ``out``), or None (the roofline).
+    With a profile each row also carries the roofline's prediction."""
+    profiles = profile_layers(configs, gpu, device, dtype, out or "plan_accuracy", log) if profile == "auto" else {}
     rows = []
     for cfg in configs:
         got = measure(cfg, device, dtype, warmup, steps)
-        pred_s, pred_mem = predict(shape_of(got.pop("shape"), cfg.seq_len, cfg.global_batch), gpu, cfg, profile)
+        shape = shape_of(got.pop("shape"), cfg.seq_len, cfg.global_batch)
+        prof = profiles.get((cfg.model, cfg.seq_len)) if profile == "auto" else profile
+        pred_s, pred_mem = predict(shape, gpu, cfg, prof)
         row = {"config": cfg.label, "model": cfg.model, "mbs": cfg.mbs, "global_batch": cfg.global_batch,
                "seq_len": cfg.seq_len, "recompute": cfg.recompute, "tp": cfg.tp, "pp": cfg.pp, "dp": cfg.dp,
                "v": cfg.v, "zero1": cfg.zero1, "measured_s": got["time_s"], "predicted_s": pred_s,
                "time_error": pred_s / got["time_s"] - 1, "measured_bytes": got["peak_bytes"],
                "predicted_bytes": pred_mem, "memory_error": pred_mem / got["peak_bytes"] - 1,
-               "tflops_per_gpu": got["tflops_per_gpu"]}
+               "tflops_per_gpu": got["tflops_per_gpu"], "profile": prof}
+        if prof:
+            row["roofline_s"], row["roofline_bytes"] = predict(shape, gpu, cfg, None)
         rows.append(row)
         log(f"{cfg.label:40s} measured {row['measured_s']:.4f} s predicted {pred_s:.4f} s "
             f"({row['time_error']:+.1%}); memory {row['measured_bytes'] / 2**30:.2f} GiB predicted "
@@ -249,7 +288,9 @@ def add_bench_parser(bsub) -> None:
                    help="a configuration (repeat it; default: ten GPT-shaped ones, 125M to 1.5B, one GPU each); "
                         "a layout of several ranks runs on as many local devices")
     p.add_argument("--gpu", default=None, help="the planner's GPU type of this device (default: detected)")
-    p.add_argument("--profile", default=None, help="a 'plan profile' JSON of this GPU (default: the roofline)")
+    p.add_argument("--profile", default=None,
+                   help="a 'plan profile' JSON of this GPU, 'auto' (profile the trainer's layer here first, for every "
+                        "model and sequence length), or 'roofline' (no profile); default: auto on a GPU, else roofline")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"), help="default: bf16 on GPU, fp32 on CPU")
     p.add_argument("--warmup", type=int, default=2)
@@ -285,7 +326,9 @@ def cmd(args) -> int:
             print(f"error: {'; '.join(too_big)}: more ranks than the {have} GPU(s) here", file=sys.stderr)
             return 2
     dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
-    result = run(configs, gpu, args.device, dtype, args.profile, args.warmup, args.steps)
+    profile = args.profile or ("auto" if args.device.startswith("cuda") else "roofline")
+    result = run(configs, gpu, args.device, dtype, None if profile == "roofline" else profile, args.warmup, args.steps,
+                 out=args.out)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out + ".json").write_text(json.dumps(result, indent=1) + "\n")
     plot(result, args.out + ".png")

@@ -29,7 +29,7 @@ def add_parser(sub) -> None:
     p.add_argument("--weight-decay", type=float, default=d.weight_decay)
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (auto: cuda when there is one)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-                   help="auto: bfloat16 autocast on the GPU, float32 on the CPU")
+                   help="auto: bfloat16 on the GPU (bf16 weight copies, float32 masters, gradients and AdamW), float32 on the CPU")
     p.add_argument("--checkpoint", default=None, help="directory for safetensors checkpoints")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint when it holds one")
     p.add_argument("--colocate", default=None, metavar="ADDRESS", help="the arbiter's socket path or host:port")

@@ -17,7 +17,7 @@ class TrainConfig:
     lr: float = 3e-4
     weight_decay: float = 0.0
     device: str = "cpu"
-    dtype: str = "float32"  # float32, or bfloat16 (autocast, GPU)
+    dtype: str = "float32"  # float32, or bfloat16 (bf16 weight copies, float32 masters and gradients)
     seed: int = 0
     synthetic_tokens: int = 1 << 16
     checkpoint: str | None = None  # directory

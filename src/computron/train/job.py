@@ -5,8 +5,11 @@ micro-batches whose size may change from one micro-batch to the next (colocation
 ``colocate/client.py``). A micro-batch's loss is its summed token cross-entropy divided by the
 global batch's token count, and its gradients (``autograd.grad``, so an abandoned micro-batch
 leaves nothing behind) are added into the accumulators; so the update is the same whatever the
-split. Weights, gradients and AdamW moments are float32 on the job's device (CPU or GPU); on the
-GPU ``--dtype bfloat16`` runs the forward and backward under bf16 autocast.
+split. Master weights, gradients and AdamW moments are float32 on the job's device (CPU or GPU).
+With ``--dtype bfloat16`` (GPU) the model computes with bf16 copies of the weights, refreshed once per
+step after the update (not once per micro-batch, as autocast would cast them), and each micro-batch's
+bf16 gradients are added into the float32 accumulators: 18 bytes per parameter, as the planner's
+``bytes_per_param=18``. AdamW runs fused on the GPU.
 
 Parallelism (``dist.py`` for the process layout): one process per rank. Data parallelism gives
 each replica its slice of ``step_samples`` (the same global batch, so the loss scaling holds) and
@@ -37,7 +40,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from ..colocate.client import Colocation
@@ -72,22 +74,46 @@ class _Stage(nn.Module):
     """One model chunk as a step calls it: token ids ``[m, t]`` (first chunk) or hidden states
     ``[m, t, hidden]`` in; hidden states, or logits ``[m, t, vocab]`` (last chunk), out."""
 
-    def __init__(self, model: DecoderLM, bf16: bool):
+    def __init__(self, model: DecoderLM, dtype: torch.dtype):
         super().__init__()
-        self.model, self.bf16 = model, bf16
+        self.model, self.dtype = model, dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         model, (m, t) = self.model, x.shape[:2]
         positions = torch.arange(t, device=x.device).repeat(m)
         batch = DenseBatch(m)
         if model.cfg.position == "rope":
-            batch.rope = rope_tables(model.cfg, positions, torch.float32)
-        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-            h = model.embed(x.reshape(-1), positions) if model.first else x.reshape(m * t, -1)
-            for layer in model.layers:
-                h = layer(h, batch)
-            out = model.head(h, HEAD_ALIGN) if model.last else h
+            batch.rope = rope_tables(model.cfg, positions, self.dtype)
+        h = model.embed(x.reshape(-1), positions) if model.first else x.reshape(m * t, -1)
+        for layer in model.layers:
+            h = layer(h, batch)
+        out = model.head(h, HEAD_ALIGN) if model.last else h
         return out.view(m, t, -1)
+
+
+class SoftmaxCrossEntropy(torch.autograd.Function):
+    """Summed token cross-entropy of logits ``[N, vocab]`` (any float dtype), computed in float32 in
+    place: one float32 copy of the logits becomes their softmax (kept for the backward) and then, in
+    the backward, the gradient, returned in the logits' dtype. Peak (4 + e) bytes a logit where
+    ``F.cross_entropy(logits.float())`` holds the copy, its log-softmax and two gradients (16 + e).
+    The backward reuses the saved softmax, so it runs once (no ``retain_graph``)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = logits.float() if logits.dtype != torch.float32 else logits.clone()
+        x -= x.amax(-1, keepdim=True)
+        picked = x.gather(-1, targets[:, None]).squeeze(-1)
+        total = x.exp_().sum(-1)
+        x /= total[:, None]
+        ctx.save_for_backward(x, targets)
+        ctx.dtype = logits.dtype
+        return (total.log() - picked).sum()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        p, targets = ctx.saved_tensors
+        p[torch.arange(len(targets), device=p.device), targets] -= 1.0
+        return p.mul_(grad).to(ctx.dtype), None
 
 
 def _all_reduce(tensors: list[torch.Tensor], group) -> None:
@@ -96,6 +122,12 @@ def _all_reduce(tensors: list[torch.Tensor], group) -> None:
     dist.all_reduce(flat, group=group)
     for x, y in zip(tensors, flat.split([x.numel() for x in tensors])):
         x.copy_(y.view_as(x))
+
+
+def _fold_grad(master: torch.Tensor, work: torch.Tensor) -> None:
+    """Add ``work``'s gradient (bf16) into ``master``'s float32 one and drop it."""
+    master.grad = work.grad.float() if master.grad is None else master.grad.add_(work.grad)
+    work.grad = None
 
 
 class Trainer:
@@ -108,10 +140,12 @@ class Trainer:
         self.model_cfg, ckpt_dir = resolve_model(cfg.model, dtype="float32")
         self.micro_batches = self._check()
         self.mesh = Mesh.build(self.dims, cfg.timeout_s)
+        self.compute_dtype = getattr(torch, cfg.dtype)
+        self.params: dict[str, torch.Tensor] = {}  # global name -> float32 master weight (its .grad accumulates)
+        self.work: list[torch.Tensor] = []  # the model's parameters in self.params' order (bf16 copies, or the masters)
         self.chunks = self._build(ckpt_dir)
         self.model = self.chunks[0][1]
-        self.stages = [_Stage(m, cfg.dtype == "bfloat16") for _, m in self.chunks]
-        self.params = {shard.global_name(n): p for shard, m in self.chunks for n, p in m.named_parameters()}
+        self.stages = [_Stage(m, self.compute_dtype) for _, m in self.chunks]
         self.opt = self._optimizer()
         self.schedule = self._schedule() if self.dims.pp > 1 else None
         self.data = (TokenData.from_text(cfg.data, load_tokenizer(ckpt_dir, self.model_cfg), cfg.seq_len, cfg.seed)
@@ -166,10 +200,16 @@ class Trainer:
         for c in range(v):
             shard, model, _ = build_rank(self.model_cfg, chunk_dims, (c * dims.pp + m.stage) * dims.tp + m.t,
                                          seed=self.cfg.seed, checkpoint=ckpt_dir, partition=self.cfg.partition)
-            bind_weights(model, {n: p.detach().to(self.device, copy=True) for n, p in model.named_parameters()})
-            for n, p in model.named_parameters():
-                p.requires_grad_(True)
+            weights = {n: p.detach().to(self.device, torch.float32, copy=True) for n, p in model.named_parameters()}
+            mixed = self.compute_dtype != torch.float32
+            bind_weights(model, {n: t.to(self.compute_dtype) for n, t in weights.items()} if mixed else weights)
+            for n, w in model.named_parameters():
+                w.requires_grad_(True)
                 g = shard.global_name(n)
+                p = self.params[g] = nn.Parameter(weights[n]) if mixed else w
+                self.work.append(w)
+                if mixed:  # the pipeline's backward leaves bf16 gradients on w: fold each into the master's
+                    w.register_post_accumulate_grad_hook(functools.partial(_fold_grad, p))
                 cut = self.cuts[g] = shard.cut(n, shapes[g])
                 if shard.replicated(n, shapes[g]):
                     self._replicated.append(p)  # norms, learned positions: gradient summed over the group
@@ -186,6 +226,8 @@ class Trainer:
 
     def _optimizer(self) -> torch.optim.Optimizer:
         params, kw = list(self.params.values()), dict(lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+        if self.device.type == "cuda":
+            kw["fused"] = True  # one kernel over all parameters (torch's default runs several per tensor group)
         if self.cfg.zero1 and self.dims.dp > 1:
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -212,6 +254,9 @@ class Trainer:
 
     def offload(self, device: torch.device) -> None:
         """Move weights, gradients and optimizer state to ``device`` (pause: off the GPU; resume: back)."""
+        for w, p in zip(self.work, self.params.values()):
+            if w is not p:
+                w.data = w.data.to(device)
         for p in self.params.values():
             p.data = p.data.to(device)
             if p.grad is not None:
@@ -226,30 +271,33 @@ class Trainer:
         """Summed token cross-entropy over the global batch's token count (the update is the same
         whatever the split into micro-batches and replicas)."""
         total = self.cfg.global_batch * self.cfg.seq_len
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum") / total
+        return SoftmaxCrossEntropy.apply(logits.flatten(0, 1), targets.flatten()) / total
 
-    def _micro(self, ids: list[int]) -> tuple[float, list[torch.Tensor]]:
+    def _micro(self, ids: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         inputs, targets = self.data.batch(ids)
         loss = self._loss(self.stages[0](inputs.to(self.device)), targets.to(self.device))
-        grads = torch.autograd.grad(loss, list(self.params.values()))
-        return float(loss.detach()), grads
+        grads = torch.autograd.grad(loss, self.work)
+        return loss.detach(), grads  # a tensor: reading it here would stop the host until the GPU is done
 
     def _accumulate(self, ids: list[int]) -> tuple[float, list[int]]:
         """One replica's batch in micro-batches (the size colocation allows), gradients added up."""
-        pos, loss, sizes = 0, 0.0, []
+        pos, loss, sizes, masters = 0, 0.0, [], list(self.params.values())
         while pos < len(ids):
             m = min(self.colo.micro_batch(self.cfg.micro_batch), len(ids) - pos)
             with self.colo.step(m) as s:
                 part, grads = self._micro(ids[pos:pos + m])
             if s.abandoned:
                 continue  # the same samples again, in the micro-batch that fits now
-            for p, g in zip(self.params.values(), grads):
-                p.grad = g if p.grad is None else p.grad.add_(g)
+            if masters[0].grad is None:
+                for p, g in zip(masters, grads):
+                    p.grad = g.float()
+            else:
+                torch._foreach_add_([p.grad for p in masters], grads)
             del grads
             loss += part
             sizes.append(m)
             pos += m
-        return loss, sizes
+        return float(loss), sizes
 
     def _pipeline(self, ids: list[int]) -> tuple[float, list[int]]:
         """One replica's batch through the pipeline schedule (equal micro-batches)."""
@@ -277,6 +325,13 @@ class Trainer:
             _all_reduce([self.params["embed_tokens"].grad], m.embed)
         if self.dims.dp > 1:
             _all_reduce([p.grad for p in params], m.dp)
+
+    def _refresh(self) -> None:
+        """The model's bf16 weights from the updated masters (nothing to do when they are the masters)."""
+        pairs = [(w, p) for w, p in zip(self.work, self.params.values()) if w is not p]
+        if pairs:
+            with torch.no_grad():
+                torch._foreach_copy_([w for w, _ in pairs], [p for _, p in pairs])
 
     def _world_sum(self, x: float) -> float:
         if not self.mesh.distributed:
@@ -312,6 +367,7 @@ class Trainer:
         loss, sizes = (self._pipeline if self.schedule else self._accumulate)(ids[m.d * per:(m.d + 1) * per])
         self._sync_grads()
         self.opt.step()
+        self._refresh()
         # every tensor rank of the last stage holds the same loss: tensor rank 0's counts
         loss = self._world_sum(loss if m.stage == dims.pp - 1 and m.t == 0 else 0.0)
         if cuda:
@@ -393,6 +449,8 @@ class Trainer:
                 p.copy_(views[name])
                 st = {k.split(".", 1)[0]: v.to(self.device) for k, v in moments.items() if k.split(".", 1)[1] == name}
                 if st:
-                    st["step"] = st["step"].cpu()  # AdamW keeps its step count on the CPU
+                    if not self.opt.defaults.get("fused"):
+                        st["step"] = st["step"].cpu()  # unfused AdamW keeps its step count on the CPU
                     self.opt.state[p] = st
+        self._refresh()
         self.step_no = int(state["step"])

@@ -1,0 +1,44 @@
+"""``plan profile`` measures the training runtime's own layer where the runtime can run the shape."""
+
+import torch
+
+from computron.models.presets import get_preset
+from computron.parallel.dims import ParallelDims
+from computron.parallel.shard_model import build_rank
+from computron.planner.model import TransformerShape
+from computron.planner.profile import run_profile, runtime_layer
+from computron.train.accuracy import shape_of
+
+
+def test_the_runtime_layer_is_the_trainers_shard_of_the_same_model():
+    cfg = get_preset("tiny-llama")  # GQA: 4 query heads, 2 key/value heads
+    shape = shape_of(cfg, 16, 8)
+    for tp in (1, 2):
+        _, model, _ = build_rank(cfg.with_(dtype="float32"), ParallelDims(tp=tp), 0)
+        want = {n: p.shape for n, p in model.layers[0].named_parameters()}
+        layer = runtime_layer(shape, tp, torch.device("cpu"), torch.float32)
+        assert {n.removeprefix("layer."): p.shape for n, p in layer.named_parameters()} == want
+        x = torch.randn(2, 16, cfg.hidden_size)
+        assert layer(x).shape == x.shape and torch.isfinite(layer(x)).all()
+
+
+def test_profile_records_which_layer_it_measured():
+    llama = TransformerShape("l", "llama", 2, 64, 4, 172, 256, 16, 8, kv_heads=2, flash_attention=True)
+    got = run_profile(llama, [1, 2], [1, 2], device="cpu", warmup=1, repeats=2, log=lambda s: None)
+    layers = [e for e in got["entries"] if e.get("part", "layer") == "layer"]
+    heads = [e for e in got["entries"] if e.get("part") == "head"]
+    assert got["layer"] == "runtime" and len(layers) == 4
+    assert all(e["fwd_s"] > 0 and e["bwd_s"] > 0 and e["act_bytes"] > 0 for e in layers)
+    # the head and loss measured at tp=1, and the cost model takes them instead of the roofline
+    assert [(e["tp"], e["mbs"]) for e in heads] == [(1, 1), (1, 2)] and all(e["bwd_s"] > 0 for e in heads)
+    from computron.planner.estimate import CostModel
+    from computron.planner.hardware import GPU_TYPES
+    from computron.planner.measured import table_from_dict
+
+    cm = CostModel(llama, profile=table_from_dict(got, gpu="a100-80gb"))
+    gpu = GPU_TYPES["a100-80gb"]
+    assert cm.head(gpu, 1, 2) == (heads[1]["fwd_s"], heads[1]["bwd_s"])
+    assert cm.head(gpu, 2, 2) != cm.head(gpu, 1, 2)  # tp=2 not measured: the roofline
+    gpt = TransformerShape("g", "gpt", 2, 64, 4, 256, 256, 16, 8, dropout=True)  # the runtime has no dropout
+    assert runtime_layer(gpt, 1, torch.device("cpu"), torch.float32) is None
+    assert run_profile(gpt, [1], [1], device="cpu", warmup=1, repeats=2, log=lambda s: None)["layer"] == "reference"

@@ -88,6 +88,11 @@ class TransformerShape:
     def bytes_per_elem(self) -> int:
         return DTYPE_BYTES[self.dtype]
 
+    def context_shard(self, cp: int) -> TransformerShape:
+        """What one of ``cp`` context-parallel ranks computes on: s/cp tokens of every sequence
+        (per-token costs and activations; parameters are counted on the whole model)."""
+        return self if cp == 1 else replace(self, seq_len=self.seq_len // cp)
+
     def kv_heads_per_rank(self, tp: int) -> int:
         """K/V heads each TP rank holds: kv/tp, or 1 (replicated) when tp exceeds kv."""
         return max(self.kv // tp, 1)

@@ -239,9 +239,9 @@ def test_progress_bar_only_on_a_terminal(monkeypatch, capsys):
     argv = ["search", "--model", "gpt2-345m", "--cluster", "a100-80gb:8x1,v100:8x1", "--top", "1"]
     code, _, err = run(argv, capsys)
     assert code == 0 and err == ""  # stderr is not a terminal here: nothing
-    bar = cli._progress()
+    bar = cli._Progress()
     monkeypatch.setattr(cli.sys.stderr, "isatty", lambda: True)
-    monkeypatch.setattr(cli._progress, "DELAY_S", 0.0)
+    monkeypatch.setattr(cli._Progress, "DELAY_S", 0.0)
     with bar as cb:
         assert cb is bar
         cb(1.0, 2.0, {"simulated": 3})

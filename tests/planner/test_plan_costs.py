@@ -321,3 +321,12 @@ def test_tp_overlap_hides_each_half_behind_its_gemm():
     assert costs.layer_tp_comm(GPT, 4, 1, 300e9, a, none) == pytest.approx((2 * x, 2 * x))
     some = dict(none, qkv=x / 4)  # hides half of one half forward, all of it backward (2x window)
     assert costs.layer_tp_comm(GPT, 4, 1, 300e9, a, some) == pytest.approx((2 * x - x / 4, 2 * x - x / 2))
+
+
+def test_fp8_keeps_the_gemm_inputs_in_one_byte():
+    m = preset("llama-2-70b")
+    t, b, s, h, f = 8, 1, m.seq_len, m.hidden, m.ffn
+    M = b * s
+    for sp in (False, True):
+        saved = costs.activation_bytes(m, t, b, sp) - costs.activation_bytes(m, t, b, sp, fp8=True)
+        assert saved == pytest.approx(M * (2 * h / (t if sp else 1) + h / t + f / t))

@@ -74,6 +74,10 @@ def test_context_parallel_rings_in_the_rank_layout():
     # tp=8 cp=2: the context ring joins the two nodes, one NIC per member
     (env,) = stage_envs((a100, a100), ParallelDims(dp=1, tp=8, pp=1, cp=2), A)
     assert env.cp_bw == pytest.approx(25e9 * A.inter_eff) and env.cp_latency == A.inter_latency_s
+    # tp=2 cp=8: 4 ring members on each node, but a step's blocks cross between the nodes on one
+    # GPU's NIC share: the crossing link sets the step
+    (env,) = stage_envs((a100, a100), ParallelDims(dp=1, tp=2, pp=1, cp=8), A)
+    assert env.cp_bw == pytest.approx(25e9 * A.inter_eff)
     with pytest.raises(ValueError, match="tp\\*cp\\*dp\\*pp = 32"):
         stage_envs((a100, a100), ParallelDims(dp=2, tp=8, pp=1, cp=2), A)
 

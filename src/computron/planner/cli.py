@@ -193,7 +193,7 @@ def _search_options(args, **extra):
                          cp=args.cp, fp8=args.fp8, tp_overlap=args.tp_overlap, **extra)
 
 
-class _progress:
+class _Progress:
     """A progress bar on stderr for searches that run longer than a second, only when stderr is a
     terminal: the search's lower bound left against the best plan found (it ends at 100%)."""
 
@@ -256,7 +256,7 @@ def cmd_search(args) -> int:
     cm = _cost_model(args, m)
     opts = _search_options(args, objective=args.objective, top=args.top, time_limit=args.time_limit,
                            cost_limit=args.cost_limit, all_nodes=args.all_nodes)
-    with _progress() as progress:
+    with _Progress() as progress:
         res = search(m, cluster, opts, cm, progress=progress)
     con = _console()
     st = res.stats

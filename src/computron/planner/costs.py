@@ -393,7 +393,8 @@ def optimizer_step(params_rank: float, gpu: GpuType, dp: int, zero: int, a: Assu
 
 
 # ---------------------------------------------------------------- memory
-def activation_bytes(m: TransformerShape, t: int, b: int, sp: bool = False, selective: bool = False) -> float:
+def activation_bytes(m: TransformerShape, t: int, b: int, sp: bool = False, selective: bool = False,
+                     fp8: bool = False) -> float:
     """Activations one layer keeps for backward, per micro-batch, per TP rank (Korthikanti et al. 2022).
 
     GPT with dropout and standard attention gives ``s*b*h*(10 + 24/t + 5*a*s/(h*t))``. In general:
@@ -405,6 +406,10 @@ def activation_bytes(m: TransformerShape, t: int, b: int, sp: bool = False, sele
     Sequence parallelism (``sp``) shards the replicated part over the t ranks along the sequence;
     selective recomputation drops the scores (recomputed, :func:`attention_core_forward`). For GPT
     these give Korthikanti's ``sbh(34/t + 5as/(ht))``, ``sbh(10 + 24/t)`` and ``sbh * 34/t``.
+
+    ``fp8``: Transformer Engine keeps the inputs of the four weight GEMMs as their fp8 casts, 1
+    byte instead of e: the QKV and MLP-up inputs (h each, replicated unless ``sp``), the
+    attention output (h/t) and the MLP-down input (f/t).
     """
     e, s, h = m.bytes_per_elem, m.seq_len, m.hidden
     M = b * s
@@ -417,7 +422,8 @@ def activation_bytes(m: TransformerShape, t: int, b: int, sp: bool = False, sele
         sc = 0.0
     else:
         sc = heads * s * s * ((2 * e + 1) if m.dropout else e)
-    return rep + sh + sc
+    low = (e - 1) * M * (2 * h / (t if sp else 1) + h / t + m.ffn / t) if fp8 else 0.0
+    return rep + sh + sc - low
 
 
 def layer_input_bytes(m: TransformerShape, b: int, t: int = 1, sp: bool = False) -> float:

@@ -105,7 +105,7 @@ class CostModel:
         hit = self._cache.get(key)
         if hit is None:
             m = self.model.context_shard(cp)
-            act = costs.activation_bytes(m, tp, mbs, sp, selective)
+            act = costs.activation_bytes(m, tp, mbs, sp, selective, fp8)
             got = self.profile.lookup(gpu.name, tp, mbs) if self.profile and cp == 1 and not fp8 else None
             if got is not None:
                 saved = 0.0
@@ -134,7 +134,7 @@ class CostModel:
         compute, forward TP communication, backward TP communication, what recomputation ``rec``
         runs again, activation bytes kept). What depends on the placement (ZeRO and ring-attention
         traffic) is not here: PlanContext adds it; the search's bounds use this alone."""
-        key = ("ops", id(node), tp, mbs, sp, rec, cp, fp8, tp_overlap)
+        key = ("ops", node.gpu.name, node.intra_bw, tp, mbs, sp, rec, cp, fp8, tp_overlap)
         hit = self._cache.get(key)
         if hit is None:
             m = self.model.context_shard(cp)

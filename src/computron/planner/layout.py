@@ -2,7 +2,7 @@
 
 What flows through: a placement (an ordered tuple of node types, one entry per node) and a
 ``ParallelDims`` go in; per stage, a :class:`StageEnv` comes out: its GPU/node types, the bus
-bandwidth of its data-parallel ring, of its context-parallel ring, of its links to the
+bandwidth of its data-parallel ring, of the links of its context-parallel ring, of its links to the
 neighbouring stages and, for the first stage, of the tied-embedding link to the last stage.
 
 Rank layout (Megatron's tp-cp-dp-pp order): GPUs are numbered node after node in placement
@@ -171,9 +171,10 @@ def stage_envs(placement: tuple[NodeType, ...], dims: ParallelDims, a: Assumptio
         here = {nodes[node_of[r]] for r in range(base, base + G)}
         dp_bw, dp_lat = _ring_bw(Counter(node_of[base + i * tp] for i in range(dp * cp)), nodes, a)
         cp_bw, cp_lat = 0.0, 0.0
-        if cp > 1:
-            rings = [_ring_bw(Counter(node_of[base + (i * cp + j) * tp] for j in range(cp)), nodes, a) for i in range(dp)]
-            cp_bw, cp_lat = min(x for x, _ in rings), max(y for _, y in rings)
+        if cp > 1:  # each ring step, every rank sends one block to the next: the slowest neighbour link
+            ring = [[node_of[base + (i * cp + j) * tp] for j in range(cp)] for i in range(dp)]
+            cp_bw, cr = _pair_bw({(r[j], r[(j + 1) % cp]) for r in ring for j in range(cp)}, nodes, a)
+            cp_lat = a.inter_latency_s if cr else a.intra_latency_s
         nb = ((s + 1) % pp) * G
         nxt_bw, crosses = _pair_bw({(node_of[base + k], node_of[nb + k]) for k in range(G)}, nodes, a)
         emb_bw, emb_lat = 0.0, 0.0

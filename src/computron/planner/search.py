@@ -445,9 +445,13 @@ def _gatherings(group, opts: SearchOptions, cm: CostModel, stats: dict):
         stats["block_size"] = max(stats["block_size"], k)
         orderings = cm.cache[key] = [tuple(nts[n] for n in o) for o in names]
     stats["placements"] += len(orderings)
-    by_types: dict = {}
-    for order in orderings:
-        by_types.setdefault(stage_node_names(order, dims.world_size // dims.pp, dims.pp), []).append(order)
+    G = dims.world_size // dims.pp  # layouts with the same stage size and pp gather alike (tp, cp differ)
+    key = ("gathered", key[1], G, dims.pp)
+    by_types = cm.cache.get(key)
+    if by_types is None:
+        by_types = cm.cache[key] = {}
+        for order in orderings:
+            by_types.setdefault(stage_node_names(order, G, dims.pp), []).append(order)
     yield from by_types.items()
 
 
@@ -488,7 +492,7 @@ def search(m: TransformerShape, cluster: Cluster, opts: SearchOptions = SearchOp
         heap.append((objective_value(opts, lb, price), lb, next(seq), "group", g))
     heapq.heapify(heap)
     intern: dict = {}
-    view_cache: dict = {}  # id(placements of a gathering) -> (them, {stage views: placement})
+    view_cache: dict = {}  # (id(placements of a gathering), dims) -> (them, {stage views: placement})
     best: list[tuple[float, float, PlanResult]] = []
     keys = set()
 
@@ -571,13 +575,13 @@ def search(m: TransformerShape, cluster: Cluster, opts: SearchOptions = SearchOp
                     push(lb, price, "gathering", (group, tabs, sig, orders, b, v, rec, cut))
                     continue
                 lb0 = max(lb, lb0)
-            views = view_cache.get(id(orders), (None, None))[1]
+            views = view_cache.get((id(orders), dims), (None, None))[1]
             if views is None:
                 stats["gatherings"] += 1
                 views = {}
                 for order in orders:
                     views.setdefault(stage_envs(order, dims, cm.a, intern), order)
-                view_cache[id(orders)] = (orders, views)  # holding orders keeps its id unique
+                view_cache[(id(orders), dims)] = (orders, views)  # holding orders keeps its id unique
                 stats["views"] += len(views)
             for envs, order in views.items():
                 push(lb0, price, "lazy", (envs, order, _config(dims, b, v, rec, opts, tabs.sp), price), not best)

@@ -26,20 +26,27 @@ variants). Only the calibration rows may be used to choose the cost model's fitt
     python bench/plan_validate_megatron.py         -> bench/results/plan_validate_megatron.json
     python bench/plan_validate_megatron.py --fit   (least-squares fit of the fitted constants
                                                     of costs.Assumptions on the calibration rows)
+    python bench/plan_validate_megatron.py --reference-src /tmp/ref/src
+                                                   (also predicts every row with another copy of
+                                                    the sources, in the same run, and records both)
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import itertools
 import json
 import math
 import os
+import subprocess
 import sys
+import tempfile
 from dataclasses import replace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "src"))
+# --src DIR: predict with another copy of the sources (the reference run)
+sys.path.insert(0, sys.argv[sys.argv.index("--src") + 1] if "--src" in sys.argv else os.path.join(HERE, "..", "src"))
 
 from computron.parallel.dims import ParallelDims  # noqa: E402
 from computron.planner.costs import DEFAULT, Assumptions  # noqa: E402
@@ -158,7 +165,13 @@ def fit() -> Assumptions:
 
 
 def main() -> int:
-    if "--fit" in sys.argv:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--fit", action="store_true", help="fit the fitted constants on the calibration rows")
+    ap.add_argument("--reference-src", help="another copy of src/ whose predictions are recorded in the same run")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "plan_validate_megatron.json"))
+    ap.add_argument("--src", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.fit:
         fit()
         return 0
     rs = rows()
@@ -176,13 +189,26 @@ def main() -> int:
         print(f"{r['set'][:5]:5s} {r['source'][:30]:30s} {r['model']:>7s} tp={r['tp']} pp={r['pp']:2d} dp={r['dp']:3d} "
               f"mbs={r['mbs']:2d} v={r['v']}: published {r['published_s']:7.2f} s, {pred}{flag}")
     sets = {name: summary([r for r in rs if r["set"] == name]) for name in (CAL, HELD)}
+    ref_sets = None
+    if args.reference_src:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "ref.json")
+            subprocess.run([sys.executable, os.path.abspath(__file__), "--src", args.reference_src, "--out", out],
+                           check=True, stdout=subprocess.DEVNULL)
+            with open(out) as f:
+                ref = json.load(f)
+        for r, x in zip(rs, ref["rows"]):
+            r["reference_predicted_s"] = x["predicted_s"]
+        ref_sets = {CAL: ref["calibration"], HELD: ref["held_out"]}
     out = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "split": {CAL: sorted({f"{r['source'].split(',')[0]} {r['model']}" for r in rs if r["set"] == CAL}),
                      HELD: sorted({f"{r['source'].split(',')[0]} {r['model']}" for r in rs if r["set"] == HELD})},
            "fitted_constants": {"a100 gemm_eff": GPU_TYPES["a100-80gb"].gemm_eff,
                                  **{k: getattr(DEFAULT, k) for k in FITTED}},
            "calibration": sets[CAL], "held_out": sets[HELD], "rows": rs}
-    path = os.path.join(HERE, "results", "plan_validate_megatron.json")
+    if ref_sets:
+        out.update(reference=args.reference_src, reference_calibration=ref_sets[CAL], reference_held_out=ref_sets[HELD])
+    path = args.out
     with open(path, "w") as f:
         json.dump(out, f, indent=2)
         f.write("\n")
@@ -190,6 +216,10 @@ def main() -> int:
         if s["rows"]:
             print(f"{name}: {s['rows']} rows, mean |error| {s['mean_abs_error']:.1%}, max {s['max_abs_error']:.1%}, "
                   f"mean signed {s['mean_signed_error']:+.1%}, not fitting {s['not_fitting']}")
+            if ref_sets:
+                q = ref_sets[name]
+                print(f"  reference, same run: mean |error| {q['mean_abs_error']:.1%}, max {q['max_abs_error']:.1%}, "
+                      f"mean signed {q['mean_signed_error']:+.1%}, not fitting {q['not_fitting']}")
     print(f"-> {path}")
     return 0
 

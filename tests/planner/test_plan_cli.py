@@ -200,3 +200,50 @@ def test_search_cost_objective_from_cli(tmp_path, capsys):
     plans = json.loads(j.read_text())["plans"]
     assert all(p["iteration_s"] <= 5 for p in plans)
     assert [p["cost_per_iteration"] for p in plans] == sorted(p["cost_per_iteration"] for p in plans)
+
+
+def test_zero_stages_and_the_zero1_alias(tmp_path, capsys):
+    j = tmp_path / "p.json"
+    base = ["search", "--model", "gpt2-345m", "--cluster", "a100-80gb:8x1,v100:8x1", "--top", "4", "--json", str(j)]
+    assert run(base + ["--zero", "0"], capsys)[0] == 0
+    assert {p["zero"] for p in json.loads(j.read_text())["plans"]} == {0}
+    assert run(base + ["--zero1"], capsys)[0] == 0
+    plans = json.loads(j.read_text())["plans"]
+    assert {p["zero"] for p in plans if p["dp"] > 1} == {1} and all(p["zero1"] == (p["zero"] == 1) for p in plans)
+    code, _, err = run(base + ["--zero", "4"], capsys)
+    assert code == 2 and "ZeRO stages" in err
+
+
+def test_estimate_zero3_cp_fp8_and_tp_overlap(tmp_path, capsys):
+    j = tmp_path / "e.json"
+    est = ["estimate", "--model", "llama-3-8b", "--cluster", "h100:8x2", "--tp", "4", "--pp", "1", "--dp", "2",
+           "--mbs", "1", "--global-batch", "16", "--sequence-parallel", "--recompute", "selective", "--json", str(j)]
+    code, out, _ = run(est + ["--cp", "2", "--zero", "3", "--fp8", "--tp-overlap"], capsys)
+    assert code == 0 and "cp=2" in out and "zero=3" in out and "fp8=on" in out and "tp-overlap=on" in out
+    row = json.loads(j.read_text())
+    assert (row["cp"], row["zero"], row["fp8"], row["tp_overlap"]) == (2, 3, True, True) and "cp_s" in row
+    code, _, err = run(est[:-2] + ["--cp", "2", "--tp-overlap", "--fp8"] + ["--zero", "1"], capsys)
+    assert code == 0
+    a100 = [x if x != "h100:8x2" else "a100-80gb:8x2" for x in est]
+    code, _, err = run(a100 + ["--cp", "2", "--fp8"], capsys)
+    assert code == 2 and "no fp8" in err
+    no_sp = [x for x in est if x != "--sequence-parallel"]
+    code, _, err = run(no_sp + ["--cp", "2", "--tp-overlap"], capsys)
+    assert code == 2 and "needs sequence parallelism" in err
+    code, _, err = run(["estimate", "--model", "gpt3-1.3b", "--cluster", "a100-80gb:8x2", "--tp", "1", "--pp", "1",
+                        "--dp", "8", "--cp", "2", "--mbs", "1"], capsys)
+    assert code == 2 and "fused attention" in err
+
+
+def test_progress_bar_only_on_a_terminal(monkeypatch, capsys):
+    argv = ["search", "--model", "gpt2-345m", "--cluster", "a100-80gb:8x1,v100:8x1", "--top", "1"]
+    code, _, err = run(argv, capsys)
+    assert code == 0 and err == ""  # stderr is not a terminal here: nothing
+    bar = cli._Progress()
+    monkeypatch.setattr(cli.sys.stderr, "isatty", lambda: True)
+    monkeypatch.setattr(cli._Progress, "DELAY_S", 0.0)
+    with bar as cb:
+        assert cb is bar
+        cb(1.0, 2.0, {"simulated": 3})
+        assert bar.bar is not None and bar.bar.tasks[0].completed == pytest.approx(0.5)
+    assert "best 2.000 s" in capsys.readouterr().err

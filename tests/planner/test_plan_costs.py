@@ -236,3 +236,97 @@ def test_selective_recompute_time_is_the_attention_core_forward():
     soft = 4.5 * e * heads * s * s / (2039e9 * a.hbm_eff)
     assert costs.attention_core_forward(GPT, A100, t, b, a) == pytest.approx(gemm + soft)
     assert costs.attention_core_forward(replace(GPT, flash_attention=True), A100, t, b, a) == 0.0
+
+
+def test_state_bytes_by_zero_stage():
+    P, n = 1e9, 8
+    a = Assumptions()
+    assert costs.state_bytes(P, n, 0, a) == pytest.approx(16e9)
+    assert costs.state_bytes(P, n, True, a) == costs.state_bytes(P, n, 1, a) == pytest.approx((2 + 2 + 12 / n) * P)
+    assert costs.state_bytes(P, n, 2, a) == pytest.approx((2 + (2 + 12) / n) * P)
+    assert costs.state_bytes(P, n, 3, a) == pytest.approx(16 / n * P)
+    assert costs.state_bytes(P, n, 2, Assumptions(bytes_per_param=20)) == pytest.approx((2 + (6 + 12) / n) * P)
+    # fp8 weight copies (weight + transpose, 1 byte each) on every unsharded weight
+    assert costs.state_bytes(P, n, 1, a, fp8=True) == pytest.approx((2 + 2 + 12 / n + 2) * P)
+    assert costs.state_bytes(P, n, 3, a, fp8=True) == pytest.approx(16 / n * P)
+    # stage 3 gathers two layers (16-bit, + fp8 copies) and, on the end stages, the embedding
+    assert costs.zero_working_bytes(10.0, 5.0, 1, a) == 0.0
+    assert costs.zero_working_bytes(10.0, 5.0, 2, a) == pytest.approx(10 * 2)
+    assert costs.zero_working_bytes(10.0, 5.0, 3, a) == pytest.approx(10 * 2 + 25 * 2)
+    assert costs.zero_working_bytes(10.0, 5.0, 3, a, fp8=True) == pytest.approx(10 * 2 + 25 * 4)
+
+
+def test_dp_sync_by_zero_stage_is_the_zero_papers_volume():
+    P, n, bw = 1e9, 8, 1e10
+    a = Assumptions()
+    half = 7 / 8 * 2e9 / bw  # one reduce-scatter or all-gather of P 2-byte elements
+    assert costs.dp_allreduce(P, n, bw, 0.0, a, 0) == pytest.approx(2 * half)
+    assert costs.dp_allreduce(P, n, bw, 0.0, a, 1) == pytest.approx(2 * half)  # the same 2 Psi
+    assert costs.dp_allreduce(P, n, bw, 0.0, a, 2) == pytest.approx(half)  # grads went during the backward
+    assert costs.dp_allreduce(P, n, bw, 0.0, a, 3) == 0.0
+    # fp32 gradients: reduce-scatter 4 bytes, all-gather the 2-byte weights
+    assert costs.dp_allreduce(P, n, bw, 0.0, Assumptions(bytes_per_param=18), 1) == pytest.approx(3 * half)
+    assert costs.dp_allreduce(P, n, bw, 1e-5, a, 1) == pytest.approx(costs.ring_allreduce(2 * P, n, bw, 1e-5))
+    # per layer per micro-batch: stage 2 reduce-scatters in backward; 3 also gathers twice: 3 Psi
+    assert costs.zero_layer_comm(P, n, bw, 0.0, 1, a) == (0.0, 0.0)
+    assert costs.zero_layer_comm(P, n, bw, 0.0, 2, a) == pytest.approx((0.0, half))
+    f, b = costs.zero_layer_comm(P, n, bw, 0.0, 3, a)
+    assert (f, b) == pytest.approx((half, 2 * half)) and f + b == pytest.approx(3 * half)
+    assert costs.optimizer_step(1e9, A100, 4, 2, Assumptions(kernel_overhead_s=0.0)) == pytest.approx(
+        1e9 / 4 * 40 / (2039e9 * 0.8))
+
+
+def test_context_parallel_attention_and_ring():
+    m = replace(GPT, flash_attention=True, seq_len=4096)
+    local = m.context_shard(4)
+    assert local.seq_len == 1024 and local.layer_params(2) == m.layer_params(2)
+    full, _ = costs.flash_attention_fwd(m, 2, 1)
+    part, by = costs.flash_attention_fwd(local, 2, 1, cp=4)
+    assert part == pytest.approx(full / 4)  # each rank: a quarter of the causal work
+    assert by == pytest.approx(8 * 2 * (2 + 8) * 1024 * 64)  # its Q, O and every K, V block
+    # the ring: 3 steps of 2*b*(s/cp)*k*d*e bytes, hidden behind the attention
+    step = 2 * 1024 * 8 * 64 * 2 / 1e9 + 1e-6
+    assert costs.cp_ring_exposed(local, 2, 1, 4, 0.0, 1e9, 1e-6) == pytest.approx((3 * step, 6 * step))
+    assert costs.cp_ring_exposed(local, 2, 1, 4, 3 * step, 1e9, 1e-6) == pytest.approx((0.0, 0.0))
+    assert costs.cp_ring_exposed(local, 2, 1, 4, step, 1e9, 1e-6) == pytest.approx((2 * step, 3.5 * step))
+    assert costs.cp_ring_exposed(m, 2, 1, 1, 0.0, 1e9, 1e-6) == (0.0, 0.0)
+    # a rank's activations are those of its s/cp tokens
+    assert costs.activation_bytes(local, 2, 1) < costs.activation_bytes(m, 2, 1) / 3.9
+
+
+def test_fp8_gemms_at_the_fp8_rate_with_their_casts():
+    h100 = GPU_TYPES["h100"]
+    assert h100.fp8_tflops == 1979.0 and GPU_TYPES["h200"].fp8_tflops == 1979.0 and not A100.fp8_tflops
+    with pytest.raises(ValueError, match="no fp8"):
+        costs.layer_parts(GPT, A100, 1, 1, fp8=True)
+    a = Assumptions(kernel_overhead_s=0.0)
+    big = TransformerShape("b", "llama", 1, 8192, 64, 28672, 32000, 4096, 8, kv_heads=8, dtype="bfloat16")
+    lo, hi = costs.layer_parts(big, h100, 1, 1, a, fp8=True), costs.layer_parts(big, h100, 1, 1, a)
+    name, n, M, K, N = costs.layer_gemm_shapes(big, 1, 1)[2]  # mlp_up, compute-bound
+    eff = costs.gemm_efficiency(h100, M, K, N, a)
+    assert hi[name] == pytest.approx(2 * M * K * N / (989e12 * eff))
+    assert lo[name] == pytest.approx(2 * M * K * N / (1979e12 * eff * a.fp8_eff_ratio))
+    assert lo["attn"] == hi["attn"]  # attention stays in 16 bits
+    casts = 3 * 4096 * (8192 + 8192 + 8192 + 28672)  # (e + 1) bytes per GEMM input element
+    assert (lo["elem"] - hi["elem"]) * h100.hbm_bw * a.hbm_eff == pytest.approx(casts)
+
+
+def test_tp_overlap_hides_each_half_behind_its_gemm():
+    a = Assumptions()
+    x = costs.tp_allreduce(GPT, 4, 1, 300e9, a)
+    assert costs.layer_tp_comm(GPT, 4, 1, 300e9, a) == pytest.approx((2 * x, 2 * x))
+    big = {n: 1.0 for n in costs.LINEAR}
+    assert costs.layer_tp_comm(GPT, 4, 1, 300e9, a, big) == (0.0, 0.0)  # every half hidden
+    none = {n: 0.0 for n in costs.LINEAR}
+    assert costs.layer_tp_comm(GPT, 4, 1, 300e9, a, none) == pytest.approx((2 * x, 2 * x))
+    some = dict(none, qkv=x / 4)  # hides half of one half forward, all of it backward (2x window)
+    assert costs.layer_tp_comm(GPT, 4, 1, 300e9, a, some) == pytest.approx((2 * x - x / 4, 2 * x - x / 2))
+
+
+def test_fp8_keeps_the_gemm_inputs_in_one_byte():
+    m = preset("llama-2-70b")
+    t, b, s, h, f = 8, 1, m.seq_len, m.hidden, m.ffn
+    M = b * s
+    for sp in (False, True):
+        saved = costs.activation_bytes(m, t, b, sp) - costs.activation_bytes(m, t, b, sp, fp8=True)
+        assert saved == pytest.approx(M * (2 * h / (t if sp else 1) + h / t + f / t))

@@ -61,3 +61,35 @@ def test_placement_text_roundtrip():
     assert placement_text(p) == "a100-80gb,v100*2,a100-80gb"
     with pytest.raises(ValueError, match="cluster has 2"):
         parse_placement("v100*3", cl)
+
+
+def test_context_parallel_rings_in_the_rank_layout():
+    cl = parse_compact("a100-80gb:8x2")
+    a100 = cl.node_types[0]
+    # tp=2 cp=4: a context group is 4 consecutive TP groups, inside one node
+    (env,) = stage_envs((a100, a100), ParallelDims(dp=2, tp=2, pp=1, cp=4), A)
+    assert env.cp_bw == pytest.approx(300e9 * A.intra_eff) and env.cp_latency == A.intra_latency_s
+    # gradients are reduced over the dp*cp = 8 ranks of a TP shard: 4 on each node -> 4 NICs
+    assert env.dp_bw == pytest.approx(4 * 25e9 * A.inter_eff)
+    # tp=8 cp=2: the context ring joins the two nodes, one NIC per member
+    (env,) = stage_envs((a100, a100), ParallelDims(dp=1, tp=8, pp=1, cp=2), A)
+    assert env.cp_bw == pytest.approx(25e9 * A.inter_eff) and env.cp_latency == A.inter_latency_s
+    # tp=2 cp=8: 4 ring members on each node, but a step's blocks cross between the nodes on one
+    # GPU's NIC share: the crossing link sets the step
+    (env,) = stage_envs((a100, a100), ParallelDims(dp=1, tp=2, pp=1, cp=8), A)
+    assert env.cp_bw == pytest.approx(25e9 * A.inter_eff)
+    with pytest.raises(ValueError, match="tp\\*cp\\*dp\\*pp = 32"):
+        stage_envs((a100, a100), ParallelDims(dp=2, tp=8, pp=1, cp=2), A)
+
+
+def test_context_parallelism_needs_fused_attention_and_even_chunks():
+    from computron.planner.layout import check_dims
+    from computron.planner.model import preset
+
+    with pytest.raises(ValueError, match="fused attention"):
+        check_dims(preset("gpt3-13b"), ParallelDims(tp=1, cp=2), [8])
+    m = preset("llama-3-8b")
+    check_dims(m, ParallelDims(tp=1, cp=4), [8])
+    with pytest.raises(ValueError, match="divisible by 2\\*cp"):
+        check_dims(m, ParallelDims(tp=1, cp=3), [8])
+    assert ParallelDims(dp=2, tp=2, pp=2, cp=2).world_size == 16 and str(ParallelDims(cp=2)).endswith("cp=2")

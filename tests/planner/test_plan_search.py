@@ -17,12 +17,15 @@ from computron.planner.partition import capped_min_max
 from computron.planner.search import SearchOptions, _layouts, block_orderings, divisors, search
 
 SMALL = TransformerShape("small", "gpt", layers=8, hidden=1024, heads=16, ffn=4096, vocab=32000, seq_len=1024, global_batch=32)
+LONG = TransformerShape("long", "llama", layers=16, hidden=4096, heads=32, ffn=11008, vocab=32000, seq_len=16384,
+                        global_batch=8, kv_heads=8, dtype="bfloat16")
 
 
 def brute_force(m, cluster, opts):
-    """Simulate every plan the search could return (all placements, dims, mbs, v, methods), keeping
-    for each configuration the recomputation 'auto' makes (the first of none, selective, full with
-    which it fits; selective tried with fused attention too) or the one asked for; sorted times."""
+    """Simulate every plan the search could return (all placements, dims with cp, mbs, v, methods),
+    keeping for each configuration the first memory rung with which it fits: ZeRO stages 1, 2, 3
+    (or those asked for; 0 with a single rank per shard) with no recomputation, then with selective
+    (tried with fused attention too), then full (or the recomputation asked for); sorted times."""
     cm = CostModel(m)
     comp = {n.name: n.count for n in cluster.node_types}
     nts = {n.name: n for n in cluster.node_types}
@@ -30,13 +33,18 @@ def brute_force(m, cluster, opts):
     gpus = cluster.total_gpus
     for order in distinct_orderings(comp):
         placement = tuple(nts[x] for x in order)
+        if opts.fp8 and not all(n.gpu.fp8_tflops for n in placement):
+            continue
         for dims in _layouts(m, gpus, [n.gpus_per_node for n in cluster.node_types], opts):
+            zeros = (0,) if dims.dp * dims.cp == 1 else (opts.zero or (1, 2, 3))
+            recs = ("none", "selective", "full") if opts.recompute == "auto" else (opts.recompute,)
+            sp = opts.sequence_parallel and dims.tp > 1
             for mbs, v in itertools.product(divisors(m.global_batch // dims.dp), opts.virtual_stages):
-                for rec in ("none", "selective", "full") if opts.recompute == "auto" else (opts.recompute,):
+                for rec, zero in itertools.product(recs, zeros):
                     try:
                         ctx = PlanContext(cm, stage_envs(placement, dims, cm.a),
-                                          PlanConfig(dims, mbs, v, rec == "full", sp=opts.sequence_parallel and dims.tp > 1,
-                                                     selective=rec == "selective"))
+                                          PlanConfig(dims, mbs, v, rec == "full", zero, sp=sp, selective=rec == "selective",
+                                                     fp8=opts.fp8, tp_overlap=opts.tp_overlap and sp))
                     except PlannerError:
                         break  # v does not fit this schedule (micro-batches vs pp, layers vs chunks)
                     got = [(ctx.partition(x), x) for x in opts.methods]
@@ -60,6 +68,9 @@ def brute_force(m, cluster, opts):
     # recomputation (the top 3 mix none and selective)
     (replace(SMALL, seq_len=16384, global_batch=8), "a100-80gb:4x1,a10:4x1"),
     (replace(SMALL, seq_len=8192, global_batch=8), "a10:4x2"),
+    # long sequences with fused attention: context parallelism (cp 2 and 4) is searched; ZeRO-2/3
+    # are what fit on the A10s
+    (replace(LONG, layers=8), "a100-80gb:4x1,a10:4x1"),
 ])
 def test_branch_and_bound_finds_the_brute_force_optimum(model, spec):
     cluster = parse_compact(spec)
@@ -75,6 +86,25 @@ def test_branch_and_bound_finds_the_brute_force_optimum(model, spec):
         res = search(model, cluster, opts)
         assert [r.iteration_s for r in res.plans] == pytest.approx(brute_force(model, cluster, opts)[:3])
         assert all(r.config.recomputation == rec for r in res.plans)
+    for extra in ({"zero": (0,)}, {"zero": (3,)}, {"zero": (0, 2)}, {"tp_overlap": True}):
+        opts = SearchOptions(all_nodes=True, top=3, **extra)
+        res = search(model, cluster, opts)
+        assert [r.iteration_s for r in res.plans] == pytest.approx(brute_force(model, cluster, opts)[:3])
+        allowed = extra.get("zero") or (1, 2, 3)  # stage 0 only where one rank holds each shard
+        assert all(r.config.zero in allowed if r.config.shard > 1 else r.config.zero == 0 for r in res.plans)
+
+
+@pytest.mark.parametrize("model,spec", [
+    (SMALL, "h100:4x1,l4:4x1"),
+    (replace(LONG, layers=8), "h100:4x1,l4:4x1"),
+])
+def test_branch_and_bound_finds_the_brute_force_optimum_in_fp8(model, spec):
+    cluster = parse_compact(spec)
+    for extra in ({}, {"tp_overlap": True}):
+        opts = SearchOptions(all_nodes=True, top=3, fp8=True, **extra)
+        res = search(model, cluster, opts)
+        assert res.plans and all(r.config.fp8 for r in res.plans)
+        assert [r.iteration_s for r in res.plans] == pytest.approx(brute_force(model, cluster, opts)[:3])
 
 
 def test_capped_min_max_by_hand():
@@ -202,7 +232,7 @@ def test_family_fill_bound_holds_for_every_stage_order():
                     least = _fill_bound(m, sig, b, v, rec, tabs, rel_tol=1e-9)  # the least T, to 1e-9
                     assert fam[sig[-1]] <= least * (1 + 1e-9)
                     checked[v] += 1
-                    checked[rec] += 1
+                    checked[rec[1]] += 1
     assert checked[1] > 100 and checked[2] > 50 and min(checked[x] for x in ("none", "selective", "full")) > 10
 
 
@@ -213,8 +243,8 @@ def test_sequence_parallelism_is_searched_and_fits_what_replicated_norms_do_not(
     m = TransformerShape("mid", "llama", layers=16, hidden=5120, heads=40, ffn=13824, vocab=32000, seq_len=16384,
                          global_batch=16, dtype="bfloat16")
     cluster = parse_compact("a10:4x2")
-    assert not search(m, cluster, SearchOptions(top=1, recompute="none", sequence_parallel=False)).plans
-    best = search(m, cluster, SearchOptions(top=1, recompute="none")).plans
+    assert not search(m, cluster, SearchOptions(top=1, recompute="none", sequence_parallel=False, cp=(1,))).plans
+    best = search(m, cluster, SearchOptions(top=1, recompute="none", cp=(1,))).plans
     assert best and best[0].config.dims.tp > 1 and best[0].config.sp and best[0].feasible
 
 
@@ -230,3 +260,48 @@ def test_selective_recomputation_finds_a_plan_none_then_full_misses():
     assert not search(m, cluster, SearchOptions(top=1, recompute="none")).plans
     full = search(m, cluster, SearchOptions(top=1, recompute="full")).plans[0]
     assert best.iteration_s < full.iteration_s
+
+
+def test_zero_stages_are_rungs_before_recomputation():
+    """32 layers of 4096 on 8 A10s, no pipeline: memory binds, and the search takes for each
+    configuration the first ZeRO stage that fits (never 0, which 1 beats) before recomputing,
+    agreeing with the brute force, with the stages asked for too; the best plan is a ZeRO-2 one
+    whose gradient reduce-scatter runs under the backward."""
+    m = TransformerShape("z", "llama", layers=32, hidden=4096, heads=32, ffn=11008, vocab=32000, seq_len=1024,
+                         global_batch=16, kv_heads=8, dtype="bfloat16")
+    cluster = parse_compact("a10:4x2")
+    for extra in ({}, {"zero": (0, 1)}, {"zero": (3,)}):
+        opts = SearchOptions(all_nodes=True, top=3, pp=(1,), **extra)
+        res = search(m, cluster, opts)
+        assert [r.iteration_s for r in res.plans] == pytest.approx(brute_force(m, cluster, opts)[:3])
+    best = search(m, cluster, SearchOptions(top=3, pp=(1,))).plans
+    assert best[0].config.zero == 2 and best[0].config.recomputation == "none"
+    assert all(r.config.zero >= 1 for r in best if r.config.shard > 1)
+    only1 = search(m, cluster, SearchOptions(top=1, pp=(1,), zero=(1,))).plans[0]
+    assert only1.iteration_s > best[0].iteration_s
+
+
+def test_context_parallel_degrees_rule():
+    from computron.planner.search import cp_degrees
+
+    assert cp_degrees(preset("gpt3-13b"), SearchOptions()) == (1,)  # no fused attention
+    assert cp_degrees(preset("llama-2-7b"), SearchOptions()) == (1,)  # 4K tokens: cp would keep 2K
+    assert cp_degrees(preset("llama-3-8b"), SearchOptions()) == (1, 2)  # 8K
+    assert cp_degrees(replace(preset("llama-3-8b"), seq_len=131072), SearchOptions()) == (1, 2, 4, 8, 16, 32)
+    assert cp_degrees(preset("llama-3-8b"), SearchOptions(cp=(4,))) == (4,)
+    res = search(replace(LONG, layers=8), parse_compact("a100-80gb:4x1,a10:4x1"), SearchOptions(all_nodes=True, top=1))
+    assert res.plans[0].config.dims.cp > 1  # 16K tokens: splitting the sequence wins here
+
+
+def test_fp8_needs_fp8_gpus_everywhere():
+    m = replace(SMALL, flash_attention=True)
+    assert search(m, parse_compact("h100:8x1"), SearchOptions(top=1, fp8=True, all_nodes=True)).plans
+    mixed = search(m, parse_compact("h100:8x1,a100-80gb:8x1"), SearchOptions(top=5, fp8=True))
+    assert mixed.plans and all(set(r.placement) == {"h100"} for r in mixed.plans)
+
+
+def test_progress_is_reported_with_a_bound_below_the_best():
+    seen = []
+    res = search(preset("gpt2-1.5b"), parse_compact("a100-80gb:8x2,v100:8x2"), SearchOptions(top=1),
+                 progress=lambda bound, best, stats: seen.append((bound, best)))
+    assert seen and all(b <= res.plans[0].iteration_s * (1 + 1e-9) or best == math.inf for b, best in seen)

@@ -1,13 +1,16 @@
 """One stage's time, as the planner assembles it from compute and TP communication, against a hand computation."""
 
+from dataclasses import replace
+
 import pytest
 
 from computron.parallel.dims import ParallelDims
+from computron.planner import costs
 from computron.planner.costs import Assumptions
 from computron.planner.estimate import CostModel, PlanConfig, PlanContext
 from computron.planner.hardware import parse_compact
 from computron.planner.layout import stage_envs
-from computron.planner.model import TransformerShape
+from computron.planner.model import TransformerShape, preset
 
 # GPT family: no fused attention, dropout on; 4 layers of h=1024, 16 heads, f=4096, s=512.
 M = TransformerShape("g", "gpt", layers=4, hidden=1024, heads=16, ffn=4096, vocab=50000, seq_len=512, global_batch=4)
@@ -132,3 +135,57 @@ def test_published_sequence_parallel_selective_run_fits_and_is_faster():
     assert out["sel"].iteration_s < out["full"].iteration_s
     assert out["sel"].iteration_s == pytest.approx(13.75, rel=0.10)
     assert out["sel"].breakdown["recompute"] < 0.2 * out["full"].breakdown["recompute"]
+
+
+def _one(m, spec, dims, **kw):
+    cm = CostModel(m)
+    cl = parse_compact(spec)
+    node = cl.node_types[0]
+    placement = (node,) * (dims.world_size // node.gpus_per_node)
+    ctx = PlanContext(cm, stage_envs(placement, dims, cm.a), PlanConfig(dims, 1, **kw))
+    return ctx.result(ctx.partition("balanced", respect_memory=False), "balanced", placement)
+
+
+def test_zero_stages_trade_memory_for_traffic():
+    m = replace(preset("llama-2-7b"), global_batch=64)
+    dims = ParallelDims(dp=16, tp=1, pp=1)
+    r = [_one(m, "a100-80gb:8x2", dims, zero=z) for z in range(4)]
+    mem = [max(x.stage_memory) for x in r]
+    assert mem[0] > mem[1] > mem[2] > mem[3]
+    assert not r[0].feasible and r[3].feasible  # 7B at 16 bytes a parameter does not fit an 80 GB GPU
+    assert r[1].breakdown["other"] < r[0].breakdown["other"]  # a 16th of the optimizer step
+    # stage 2 reduce-scatters the gradients under the backward: half of stage 1's tail is left
+    assert r[2].breakdown["dp"] < r[1].breakdown["dp"]
+    # stage 3: nothing after the step; each micro-batch's forward and backward wait for their first
+    # layer's gather (prefetching hides the others behind compute here)
+    env = stage_envs((parse_compact("a100-80gb:8x2").node_types[0],) * 2, dims, Assumptions())[0]
+    ag, _ = costs.zero_layer_comm(m.layer_params(1), 16, env.dp_bw, env.dp_latency, 3)
+    mb = 64 // 16
+    assert r[3].breakdown["dp"] >= 2 * mb * ag > 0
+    assert PlanConfig(dims, 1, 1, False, True).zero == 1  # the former zero1 flag, positionally
+    with pytest.raises(ValueError, match="ZeRO stage"):
+        PlanConfig(dims, 1, zero=4)
+
+
+def test_context_parallelism_divides_activations_and_adds_ring_traffic():
+    m = replace(preset("llama-3-8b"), seq_len=32768, global_batch=8)
+    one = _one(m, "h100:8x1", ParallelDims(dp=1, tp=8, pp=1), sp=True, recompute=True)
+    four = _one(m, "h100:8x4", ParallelDims(dp=1, tp=8, pp=1, cp=4), sp=True, recompute=True)
+    assert max(four.stage_memory) < max(one.stage_memory)
+    assert four.iteration_s < one.iteration_s / 2  # a quarter of the work per rank, less the ring's
+    assert four.breakdown["cp"] >= 0.0 and four.config.dims.world_size == 32
+
+
+def test_fp8_and_tp_overlap_are_faster_where_they_apply():
+    m = replace(preset("llama-2-13b"), global_batch=16)
+    dims = ParallelDims(dp=1, tp=8, pp=1)
+    base = _one(m, "h100:8x1", dims, sp=True, recompute=True)
+    fp8 = _one(m, "h100:8x1", dims, sp=True, recompute=True, fp8=True)
+    ovl = _one(m, "h100:8x1", dims, sp=True, recompute=True, tp_overlap=True)
+    assert fp8.iteration_s < base.iteration_s and fp8.breakdown["compute"] < base.breakdown["compute"]
+    assert max(fp8.stage_memory) > max(base.stage_memory)  # the fp8 weight copies
+    assert ovl.breakdown["tp"] < base.breakdown["tp"] and ovl.iteration_s < base.iteration_s
+    with pytest.raises(ValueError, match="no fp8"):
+        _one(m, "a100-80gb:8x1", dims, sp=True, fp8=True)
+    with pytest.raises(ValueError, match="needs sequence parallelism"):
+        PlanConfig(dims, 1, tp_overlap=True)

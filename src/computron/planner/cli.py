@@ -34,6 +34,16 @@ def _ints(text: str) -> tuple[int, ...]:
     return vals
 
 
+def _stages(text: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        vals = ()
+    if not vals or any(v not in (0, 1, 2, 3) for v in vals):
+        raise argparse.ArgumentTypeError(f"expected ZeRO stages among 0,1,2,3, got {text!r}")
+    return vals
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help=f"preset name ({', '.join(PRESETS)}) or a YAML file")
     p.add_argument("--seq-len", type=int, help="override the model's sequence length")
@@ -46,7 +56,12 @@ def _cost_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bytes-per-param", type=int, choices=(16, 18, 20), default=16,
                    help="weights+grads+Adam bytes per parameter (16 fp16 grads, 18 fp32 grads, 20 both)")
     p.add_argument("--memory-margin", type=float, default=0.10, help="fraction of GPU memory kept free")
-    p.add_argument("--zero1", action="store_true", help="shard optimizer state over data-parallel ranks")
+    p.add_argument("--zero1", dest="zero", action="store_const", const=(1,),
+                   help="alias of --zero 1 (optimizer state sharded over the data-parallel ranks)")
+    p.add_argument("--fp8", action="store_true",
+                   help="the layers' weight GEMMs in fp8 (Transformer Engine's recipe; GPUs with fp8 only)")
+    p.add_argument("--tp-overlap", action="store_true",
+                   help="TP all-gathers/reduce-scatters overlapped with the GEMMs (needs sequence parallelism)")
 
 
 def _search_args(p: argparse.ArgumentParser) -> None:
@@ -57,6 +72,10 @@ def _search_args(p: argparse.ArgumentParser) -> None:
                    help="activation recomputation: auto = the first of none, selective, full with which a plan fits")
     p.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
                    help="plans with tp > 1 keep norms and dropouts replicated (default: sequence parallelism)")
+    p.add_argument("--zero", type=_stages, default=None,
+                   help="ZeRO stages to try in turn, the first with which a plan fits (default 1,2,3; 0 = none)")
+    p.add_argument("--cp", type=_ints, help="context-parallel degrees (default: 1, and 2, 4, ... while each rank "
+                                            "keeps >= 4096 tokens of a sequence, for models with fused attention)")
     p.add_argument("--tp", type=_ints, help="restrict tensor-parallel degrees, e.g. 1,2,4")
     p.add_argument("--pp", type=_ints, help="restrict pipeline degrees")
     p.add_argument("--mbs", type=_ints, help="restrict micro-batch sizes")
@@ -98,6 +117,9 @@ def _fill(plan: argparse.ArgumentParser) -> None:
     e.add_argument("--cluster", required=True, help="YAML file or compact spec")
     for k in ("tp", "pp", "dp", "mbs"):
         e.add_argument(f"--{k}", type=int, required=True)
+    e.add_argument("--cp", type=int, default=1, help="context-parallel degree (ring attention)")
+    e.add_argument("--zero", type=lambda x: _stages(x)[0], choices=(0, 1, 2, 3), default=0,
+                   help="ZeRO stage: 1 optimizer state, 2 + gradients, 3 + weights (FSDP) sharded")
     e.add_argument("--virtual-stages", type=int, default=1, help="model chunks per stage (interleaved 1F1B)")
     e.add_argument("--recompute", choices=("none", "selective", "full"), default="none",
                    help="activation recomputation: selective recomputes the attention core only")
@@ -166,9 +188,47 @@ def _search_options(args, **extra):
 
     methods = tuple(x.strip() for x in args.partition.split(",") if x.strip())
     return SearchOptions(methods=methods, virtual_stages=args.virtual_stages, recompute=args.recompute,
-                         zero1=args.zero1, sequence_parallel=args.sequence_parallel, tp=args.tp, pp=args.pp,
-                         mbs=args.mbs, max_mbs=args.max_mbs,
-                         max_orderings=args.max_orderings, **extra)
+                         sequence_parallel=args.sequence_parallel, tp=args.tp, pp=args.pp,
+                         mbs=args.mbs, max_mbs=args.max_mbs, max_orderings=args.max_orderings, zero=args.zero,
+                         cp=args.cp, fp8=args.fp8, tp_overlap=args.tp_overlap, **extra)
+
+
+class _Progress:
+    """A progress bar on stderr for searches that run longer than a second, only when stderr is a
+    terminal: the search's lower bound left against the best plan found (it ends at 100%)."""
+
+    DELAY_S = 1.0
+
+    def __init__(self):
+        self.bar = self.task = None
+        self.t0 = 0.0
+
+    def __enter__(self):
+        import time
+
+        self.t0 = time.perf_counter()
+        return self if sys.stderr.isatty() else None
+
+    def __call__(self, bound: float, best: float, stats: dict) -> None:
+        import time
+
+        if self.bar is None:
+            if time.perf_counter() - self.t0 < self.DELAY_S:
+                return
+            from rich.console import Console
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.bar = Progress(TextColumn("searching"), BarColumn(), TextColumn("{task.description}"),
+                                TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+            self.task = self.bar.add_task("", total=1.0)
+            self.bar.start()
+        done = bound / best if best < float("inf") and best > 0 else 0.0
+        self.bar.update(self.task, completed=min(done, 1.0),
+                        description=f"bound {bound:.3f} s / best {best:.3f} s, {stats['simulated']} simulated")
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.stop()
 
 
 def _default_placement(cluster: Cluster, gpus: int):
@@ -196,7 +256,8 @@ def cmd_search(args) -> int:
     cm = _cost_model(args, m)
     opts = _search_options(args, objective=args.objective, top=args.top, time_limit=args.time_limit,
                            cost_limit=args.cost_limit, all_nodes=args.all_nodes)
-    res = search(m, cluster, opts, cm)
+    with _Progress() as progress:
+        res = search(m, cluster, opts, cm, progress=progress)
     con = _console()
     st = res.stats
     blocks = f", nodes placed in blocks of {st['block_size']}" if st["block_size"] > 1 else ""
@@ -237,14 +298,15 @@ def cmd_estimate(args) -> int:
     cluster = load_cluster(args.cluster)
     cm = _cost_model(args, m)
     try:
-        dims = ParallelDims(dp=args.dp, tp=args.tp, pp=args.pp)
+        dims = ParallelDims(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp)
     except ValueError as e:
         raise PlannerError(str(e)) from None
     check_dims(m, dims, [])  # the model's constraints first, then the nodes'
     placement = parse_placement(args.placement, cluster) if args.placement else _default_placement(cluster, dims.world_size)
     check_dims(m, dims, sorted({n.gpus_per_node for n in placement}))
-    cfg = PlanConfig(dims, args.mbs, args.virtual_stages, args.recompute == "full", args.zero1, args.dp_overlap,
-                     args.sequence_parallel, args.recompute == "selective")
+    zero = args.zero[0] if isinstance(args.zero, tuple) else args.zero  # --zero1 gives (1,)
+    cfg = PlanConfig(dims, args.mbs, args.virtual_stages, args.recompute == "full", zero, args.dp_overlap,
+                     args.sequence_parallel, args.recompute == "selective", args.fp8, args.tp_overlap)
     ctx = PlanContext(cm, stage_envs(placement, dims, cm.a), cfg)
     counts = _explicit_counts(args.partition)
     if counts is not None:
@@ -257,7 +319,8 @@ def cmd_estimate(args) -> int:
     r = ctx.result(counts, method, placement)
     con = _console()
     con.print(f"{m.name}: ParallelDims({dims}) mbs={cfg.mbs} micro-batches={r.micro_batches} v={cfg.v} "
-              f"recompute={args.recompute} sp={'on' if cfg.sp else 'off'} on {placement_text(placement)} layers {list(counts)}")
+              f"recompute={args.recompute} zero={cfg.zero} sp={'on' if cfg.sp else 'off'} fp8={'on' if cfg.fp8 else 'off'} "
+              f"tp-overlap={'on' if cfg.tp_overlap else 'off'} on {placement_text(placement)} layers {list(counts)}")
     con.print(report.breakdown_table(r))
     con.print(report.stages_table(r))
     con.print(f"{r.samples_per_s:.2f} samples/s, {r.tokens_per_s:,.0f} tokens/s, {r.model_tflops_per_gpu:.1f} model "

@@ -6,6 +6,9 @@ stages, schedules or placements: estimate.py composes these into a plan's time.
 
 Notation: s sequence length, h hidden, a heads, d = h/a, k K/V heads per TP rank, f FFN size,
 V vocabulary, e bytes per element (2 for fp16/bf16), M = b*s tokens in a micro-batch.
+Context parallelism (cp ranks share each sequence) reaches these functions as a shape whose
+``seq_len`` is already s/cp (:meth:`TransformerShape.context_shard`); only the fused attention,
+whose queries still see every key, is told ``cp``.
 Every assumed constant lives in :class:`Assumptions`; docs/planner.md gives its reason.
 """
 
@@ -41,6 +44,7 @@ class Assumptions:
     # blocking send/recv rendezvous, stream waits and the schedule's host-side step; interleaving
     # with v chunks pays it v times per micro-batch where plain 1F1B pays it once
     dp_jitter: float = 0.03  # relative spread (std) of one data-parallel replica's pipeline time
+    fp8_eff_ratio: float = 0.9  # fp8 GEMM efficiency relative to the GPU's bf16 GEMM efficiency
 
     def __post_init__(self) -> None:
         if self.bytes_per_param not in (16, 18, 20):
@@ -57,9 +61,11 @@ _NORMAL = NormalDist()
 
 
 # ---------------------------------------------------------------- compute (roofline)
-def roofline(flops: float, nbytes: float, gpu: GpuType, dtype: str, a: Assumptions, eff: float | None = None) -> float:
-    """One kernel: ``max(F / (peak * eff), bytes / (hbm_bw * hbm_eff)) + kernel_overhead``."""
-    peak = gpu.peak_flops(dtype) * (gpu.gemm_eff if eff is None else eff)
+def roofline(flops: float, nbytes: float, gpu: GpuType, dtype: str, a: Assumptions, eff: float | None = None,
+             fp8: bool = False) -> float:
+    """One kernel: ``max(F / (peak * eff), bytes / (hbm_bw * hbm_eff)) + kernel_overhead`` (``fp8``:
+    the GPU's fp8 peak)."""
+    peak = gpu.peak_flops(dtype, fp8) * (gpu.gemm_eff if eff is None else eff)
     return max(flops / peak, nbytes / (gpu.hbm_bw * a.hbm_eff)) + a.kernel_overhead_s
 
 
@@ -111,11 +117,15 @@ def layer_gemms(m: TransformerShape, t: int, b: int) -> list[tuple[str, float, f
     return [(name, *gemm_cost(n, M, K, N, m.bytes_per_elem)) for name, n, M, K, N in layer_gemm_shapes(m, t, b)]
 
 
-def flash_attention_fwd(m: TransformerShape, t: int, b: int) -> tuple[float, float]:
-    """Fused causal attention: ``FLOPs = 4*b*(a/t)*s^2*d / 2`` (masked blocks skipped), bytes of Q,K,V,O."""
+def flash_attention_fwd(m: TransformerShape, t: int, b: int, cp: int = 1) -> tuple[float, float]:
+    """Fused causal attention: ``FLOPs = 4*b*(a/t)*s^2*d / 2`` (masked blocks skipped), bytes of Q,K,V,O.
+
+    Under context parallelism ``m.seq_len`` is a rank's s/cp queries, which meet all cp*s/cp keys
+    (load-balanced causal chunks give every rank the same half of the work): FLOPs times cp, K and
+    V read once per ring step."""
     heads = b * m.heads / t
     s, d = m.seq_len, m.head_dim
-    return heads * 4.0 * s * s * d * 0.5, heads * m.bytes_per_elem * 4 * s * d
+    return heads * 4.0 * s * s * cp * d * 0.5, heads * m.bytes_per_elem * (2 + 2 * cp) * s * d
 
 
 def elementwise_bytes(m: TransformerShape, t: int, b: int, sp: bool = False) -> float:
@@ -141,24 +151,58 @@ def elementwise_bytes(m: TransformerShape, t: int, b: int, sp: bool = False) -> 
 ELEMENTWISE_KERNELS = 8  # norms, residual adds, dropouts, activation, softmax: kernels per layer forward
 
 
+LINEAR = ("qkv", "proj", "mlp_up", "mlp_down")  # the layer's weight GEMMs (fp8 with ``fp8``)
+
+
+def layer_parts(m: TransformerShape, gpu: GpuType, t: int, b: int, a: Assumptions = DEFAULT, sp: bool = False,
+                cp: int = 1, fp8: bool = False) -> dict[str, float]:
+    """Forward seconds of one layer's parts on one TP rank: each GEMM by name (roofline at its
+    shape's :func:`gemm_efficiency`), ``attn`` (fused attention) and ``elem`` (elementwise bytes /
+    (hbm_bw * hbm_eff) + kernel overheads).
+
+    ``fp8`` (Transformer Engine's recipe): the four weight GEMMs run at the GPU's fp8 peak times
+    ``gemm_efficiency * fp8_eff_ratio`` and read 1-byte inputs; attention, the head and the
+    elementwise kernels stay in 16 bits; each GEMM input is cast to fp8 first (read e, write 1
+    byte per element: the extra ``elem`` traffic); its backward casts the output gradients alike.
+    """
+    e = m.bytes_per_elem
+    out = {}
+    for name, n, M, K, N in layer_gemm_shapes(m, t, b):
+        eff = gemm_efficiency(gpu, M, K, N, a)
+        low = fp8 and name in LINEAR
+        fl, by = gemm_cost(n, M, K, N, e)
+        if low:
+            by, eff = n * (M * K + K * N + e * M * N), eff * a.fp8_eff_ratio
+        out[name] = roofline(fl, by, gpu, m.dtype, a, eff=eff, fp8=low)
+    out["attn"] = 0.0
+    if m.flash_attention:
+        fl, by = flash_attention_fwd(m, t, b, cp)
+        out["attn"] = roofline(fl, by, gpu, m.dtype, a, eff=gpu.gemm_eff * a.flash_eff_ratio)
+    elem = elementwise_bytes(m, t, b, sp)
+    kernels = ELEMENTWISE_KERNELS
+    if fp8:
+        shapes = {name: (M, K) for name, _, M, K, _ in layer_gemm_shapes(m, t, b) if name in LINEAR}
+        elem += (e + 1) * sum(M * K for M, K in shapes.values())
+        kernels += len(shapes)
+    out["elem"] = elem / (gpu.hbm_bw * a.hbm_eff) + kernels * a.kernel_overhead_s
+    return out
+
+
 def layer_compute(m: TransformerShape, gpu: GpuType, t: int, b: int, a: Assumptions = DEFAULT,
-                  sp: bool = False) -> tuple[float, float]:
+                  sp: bool = False, cp: int = 1, fp8: bool = False) -> tuple[float, float]:
     """(forward, backward) seconds of one layer's compute on one TP rank, communication excluded.
 
-    forward = sum of roofline(GEMM, at its shape's :func:`gemm_efficiency`) + fused attention + elementwise bytes / (hbm_bw * hbm_eff);
-    backward = 2 x forward GEMMs (data and weight gradients) + 2.5 x fused attention (FlashAttention-2
-    backward recomputes the scores) + 2 x elementwise traffic.
+    forward = the sum of :func:`layer_parts`; backward = 2 x forward GEMMs (data and weight
+    gradients) + 2.5 x fused attention (FlashAttention-2 backward recomputes the scores) + 2 x
+    elementwise traffic.
     """
-    gemm = 0.0
-    for _, n, M, K, N in layer_gemm_shapes(m, t, b):
-        fl, by = gemm_cost(n, M, K, N, m.bytes_per_elem)
-        gemm += roofline(fl, by, gpu, m.dtype, a, eff=gemm_efficiency(gpu, M, K, N, a))
-    attn = 0.0
-    if m.flash_attention:
-        fl, by = flash_attention_fwd(m, t, b)
-        attn = roofline(fl, by, gpu, m.dtype, a, eff=gpu.gemm_eff * a.flash_eff_ratio)
-    elem = elementwise_bytes(m, t, b, sp) / (gpu.hbm_bw * a.hbm_eff) + ELEMENTWISE_KERNELS * a.kernel_overhead_s
-    return gemm + attn + elem, 2 * gemm + 2.5 * attn + 2 * elem
+    return compute_from_parts(layer_parts(m, gpu, t, b, a, sp, cp, fp8))
+
+
+def compute_from_parts(parts: dict[str, float]) -> tuple[float, float]:
+    """(forward, backward) seconds from :func:`layer_parts`."""
+    gemm = sum(x for k, x in parts.items() if k not in ("attn", "elem"))
+    return gemm + parts["attn"] + parts["elem"], 2 * gemm + 2.5 * parts["attn"] + 2 * parts["elem"]
 
 
 def attention_core_forward(m: TransformerShape, gpu: GpuType, t: int, b: int, a: Assumptions = DEFAULT) -> float:
@@ -214,11 +258,40 @@ def tp_allreduce(m: TransformerShape, t: int, b: int, intra_bw: float, a: Assump
     return ring_allreduce(nbytes, t, intra_bw * a.intra_eff, a.intra_latency_s)
 
 
-def layer_tp_comm(m: TransformerShape, t: int, b: int, intra_bw: float, a: Assumptions = DEFAULT) -> tuple[float, float]:
+def layer_tp_comm(m: TransformerShape, t: int, b: int, intra_bw: float, a: Assumptions = DEFAULT,
+                  overlap: dict[str, float] | None = None) -> tuple[float, float]:
     """(fwd, bwd) TP communication of one layer: 2 all-reduces forward (after attention and MLP,
-    Megatron's g), 2 backward (before QKV and MLP-up, Megatron's f)."""
+    Megatron's g), 2 backward (before QKV and MLP-up, Megatron's f).
+
+    ``overlap`` (the layer's forward GEMM times, :func:`layer_parts`): the communication runs
+    under the GEMMs, as Megatron/Transformer Engine's TP overlap does with sequence parallelism:
+    each all-reduce is an all-gather (of the input of the column-parallel GEMM after it: QKV,
+    MLP-up) plus a reduce-scatter (of the output of the row-parallel GEMM before it: proj,
+    MLP-down), each half the all-reduce's time, and each hidden behind its GEMM, so only
+    ``max(half - GEMM, 0)`` is exposed. Backward, the same four halves hide behind the GEMMs'
+    backward (data and weight gradients: twice the forward time).
+    """
     x = tp_allreduce(m, t, b, intra_bw, a)
-    return 2 * x, 2 * x
+    if overlap is None or t == 1:
+        return 2 * x, 2 * x
+    half = x / 2
+    return (sum(max(half - overlap[n], 0.0) for n in LINEAR),
+            sum(max(half - 2 * overlap[n], 0.0) for n in LINEAR))
+
+
+def cp_ring_exposed(m: TransformerShape, t: int, b: int, cp: int, attn_fwd: float, bw: float, latency: float) -> tuple[float, float]:
+    """(fwd, bwd) seconds of ring attention's K/V traffic that attention compute does not hide.
+
+    ``m`` is the per-rank shape (s/cp tokens). Forward: cp-1 steps, each passing a rank's K and V
+    block, ``2*b*(s/cp)*k*d*e`` bytes, to the next rank on the cp ring while the current block's
+    attention runs (Megatron-LM's context parallelism, "p2p" ring); backward passes K, V and
+    their gradients (twice the bytes) under the attention backward (2.5 x forward).
+    """
+    if cp <= 1:
+        return 0.0, 0.0
+    kv = 2.0 * b * m.seq_len * m.kv_heads_per_rank(t) * m.head_dim * m.bytes_per_elem
+    step = kv / bw + latency
+    return max((cp - 1) * step - attn_fwd, 0.0), max(2 * (cp - 1) * step - 2.5 * attn_fwd, 0.0)
 
 
 def p2p_time(m: TransformerShape, t: int, b: int, link_bw: float, intra_bw: float, a: Assumptions = DEFAULT,
@@ -236,12 +309,55 @@ def p2p_time(m: TransformerShape, t: int, b: int, link_bw: float, intra_bw: floa
     return E / link_bw + a.p2p_latency_s
 
 
-def dp_allreduce(params_rank: float, dp: int, bw: float, latency: float, a: Assumptions = DEFAULT) -> float:
-    """Gradient all-reduce of one stage's TP shard over its dp replicas (ring, slowest link).
+def ring_half(nbytes: float, n: int, bw: float, latency: float) -> float:
+    """Ring reduce-scatter or all-gather of ``nbytes`` (the full tensor) over ``n`` ranks:
+    ``(n-1)/n * bytes / bw + (n-1) * latency``, half an all-reduce."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) / n * nbytes / bw + (n - 1) * latency
 
-    With ZeRO-1 it is a reduce-scatter plus an all-gather: the same 2(n-1)/n volume.
+
+def dp_allreduce(params_rank: float, dp: int, bw: float, latency: float, a: Assumptions = DEFAULT,
+                 zero: int = 0, e: int = 2) -> float:
+    """Once per iteration, the data-parallel synchronisation of one stage's TP shard over the dp
+    ranks (ring, slowest link), by ZeRO stage (Rajbhandari et al. 2020, "ZeRO", Section 7.2,
+    communication volumes with Psi parameters: data parallelism 2 Psi, stages 1-2 2 Psi, stage 3
+    3 Psi, 1.5 x):
+
+    - 0: all-reduce of the gradients, ``2(n-1)/n * P * g`` bytes per rank (g gradient bytes);
+    - 1: reduce-scatter of the gradients (g bytes) + all-gather of the updated e-byte parameters
+      (Megatron's distributed optimizer): ``(n-1)/n * P * (g + e)``, the same 2 Psi at g = e;
+    - 2: the gradients were reduce-scattered micro-batch by micro-batch during the backward
+      (:func:`zero_layer_comm`); left: the all-gather of the parameters, ``(n-1)/n * P * e``;
+    - 3: nothing: the parameters stay sharded, gathered layer by layer when used.
     """
-    return ring_allreduce(params_rank * a.grad_bytes, dp, bw, latency)
+    if zero == 0:
+        return ring_allreduce(params_rank * a.grad_bytes, dp, bw, latency)
+    ag = ring_half(params_rank * e, dp, bw, latency)
+    if zero == 1:
+        return ring_half(params_rank * a.grad_bytes, dp, bw, latency) + ag
+    return ag if zero == 2 else 0.0
+
+
+def zero_layer_comm(layer_params: float, dp: int, bw: float, latency: float, zero: int, a: Assumptions = DEFAULT,
+                    e: int = 2) -> tuple[float, float]:
+    """(fwd, bwd) ZeRO traffic of one layer per micro-batch (seconds), meant to run under that
+    layer's compute (bucketed, prefetched), so callers charge only what outlasts it:
+
+    - 2 (DeepSpeed ZeRO-2, FSDP SHARD_GRAD_OP): the layer's gradients are reduce-scattered as its
+      backward produces them, ``(n-1)/n * P_layer * g``, so no rank holds the full gradient;
+    - 3 (ZeRO-3, FSDP FULL_SHARD): the layer's parameters are all-gathered before its forward and
+      again before its backward, ``(n-1)/n * P_layer * e`` each, plus the reduce-scatter: per
+      micro-batch 3 Psi_layer (Rajbhandari et al. 2020, Section 7.2.2; Zhao et al. 2023,
+      "PyTorch FSDP", Section 3: all-gather in forward and backward, reduce-scatter in backward).
+    """
+    if zero < 2:
+        return 0.0, 0.0
+    rs = ring_half(layer_params * a.grad_bytes, dp, bw, latency)
+    if zero == 2:
+        return 0.0, rs
+    ag = ring_half(layer_params * e, dp, bw, latency)
+    return ag, ag + rs
 
 
 def straggler_factor(dp: int, a: Assumptions = DEFAULT) -> float:
@@ -269,15 +385,16 @@ def embedding_sync(m: TransformerShape, t: int, bw: float, latency: float, a: As
     return ring_allreduce(m.vocab * m.hidden / t * a.grad_bytes, 2, bw, latency)
 
 
-def optimizer_step(params_rank: float, gpu: GpuType, dp: int, zero1: bool, a: Assumptions = DEFAULT) -> float:
+def optimizer_step(params_rank: float, gpu: GpuType, dp: int, zero: int, a: Assumptions = DEFAULT) -> float:
     """Mixed-precision Adam, memory-bound: ``P * optimizer_traffic_bytes / (hbm_bw * hbm_eff)``,
-    P being the parameters this rank updates (its TP shard, divided by dp with ZeRO-1)."""
-    n = params_rank / dp if zero1 else params_rank
+    P being the parameters this rank updates (its TP shard, divided by dp with ZeRO stage >= 1)."""
+    n = params_rank / dp if zero else params_rank
     return n * a.optimizer_traffic_bytes / (gpu.hbm_bw * a.hbm_eff) + 10 * a.kernel_overhead_s
 
 
 # ---------------------------------------------------------------- memory
-def activation_bytes(m: TransformerShape, t: int, b: int, sp: bool = False, selective: bool = False) -> float:
+def activation_bytes(m: TransformerShape, t: int, b: int, sp: bool = False, selective: bool = False,
+                     fp8: bool = False) -> float:
     """Activations one layer keeps for backward, per micro-batch, per TP rank (Korthikanti et al. 2022).
 
     GPT with dropout and standard attention gives ``s*b*h*(10 + 24/t + 5*a*s/(h*t))``. In general:
@@ -289,6 +406,10 @@ def activation_bytes(m: TransformerShape, t: int, b: int, sp: bool = False, sele
     Sequence parallelism (``sp``) shards the replicated part over the t ranks along the sequence;
     selective recomputation drops the scores (recomputed, :func:`attention_core_forward`). For GPT
     these give Korthikanti's ``sbh(34/t + 5as/(ht))``, ``sbh(10 + 24/t)`` and ``sbh * 34/t``.
+
+    ``fp8``: Transformer Engine keeps the inputs of the four weight GEMMs as their fp8 casts, 1
+    byte instead of e: the QKV and MLP-up inputs (h each, replicated unless ``sp``), the
+    attention output (h/t) and the MLP-down input (f/t).
     """
     e, s, h = m.bytes_per_elem, m.seq_len, m.hidden
     M = b * s
@@ -301,7 +422,8 @@ def activation_bytes(m: TransformerShape, t: int, b: int, sp: bool = False, sele
         sc = 0.0
     else:
         sc = heads * s * s * ((2 * e + 1) if m.dropout else e)
-    return rep + sh + sc
+    low = (e - 1) * M * (2 * h / (t if sp else 1) + h / t + m.ffn / t) if fp8 else 0.0
+    return rep + sh + sc - low
 
 
 def layer_input_bytes(m: TransformerShape, b: int, t: int = 1, sp: bool = False) -> float:
@@ -321,12 +443,29 @@ def head_activation_bytes(m: TransformerShape, t: int, b: int) -> float:
     return (m.bytes_per_elem + 4) * b * m.seq_len * m.vocab / t
 
 
-def state_bytes(params_rank: float, dp: int, zero1: bool, a: Assumptions = DEFAULT) -> float:
-    """Weights, gradients and Adam state per rank: ``P * bytes_per_param``; ZeRO-1 divides the
-    12 optimizer bytes (fp32 master, m, v) by dp."""
-    opt = 12.0
-    rest = a.bytes_per_param - opt
-    return params_rank * (rest + (opt / dp if zero1 else opt))
+def state_bytes(params_rank: float, dp: int, zero: int, a: Assumptions = DEFAULT, fp8: bool = False) -> float:
+    """Weights, gradients and Adam state per rank: ``P * bytes_per_param`` = 2 (16-bit weights) +
+    gradient bytes (2, 4 or 6) + 12 (fp32 master, m, v). ZeRO shards over the dp ranks the
+    optimizer state (stage >= 1), then the gradients (>= 2), then the weights (3). ``fp8``
+    (Transformer Engine keeps an fp8 copy of each weight and of its transpose between
+    micro-batches): 2 more bytes per unsharded weight (stage 3: see :func:`zero_working_bytes`)."""
+    opt, w = 12.0, 2.0
+    g = a.bytes_per_param - opt - w
+    per = (w / dp if zero >= 3 else w) + (g / dp if zero >= 2 else g) + (opt / dp if zero >= 1 else opt)
+    return params_rank * (per + (2.0 if fp8 and zero < 3 else 0.0))
+
+
+def zero_working_bytes(layer_params: float, fixed_params: float, zero: int, a: Assumptions = DEFAULT,
+                       fp8: bool = False) -> float:
+    """Full tensors ZeRO-2/3 hold for a moment: stage 2 one layer's gradient being reduced; stage
+    3 also two layers' gathered 16-bit weights (the one computing, the next prefetched; their
+    fp8 copies with ``fp8``) and, on the first and last stage, the gathered embedding or head."""
+    if zero < 2:
+        return 0.0
+    grad = layer_params * (a.bytes_per_param - 14)
+    if zero == 2:
+        return grad
+    return grad + (2 * layer_params + fixed_params) * (2.0 + (2.0 if fp8 else 0.0))
 
 
 def usable_memory(gpu: GpuType, a: Assumptions = DEFAULT) -> float:

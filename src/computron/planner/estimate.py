@@ -2,7 +2,7 @@
 
 What flows through: a :class:`CostModel` (model + assumptions + optional measured profile), the
 per-stage hardware views (layout.stage_envs) and a :class:`PlanConfig` (ParallelDims, micro-batch
-size, virtual stages, recomputation, ZeRO-1) make a :class:`PlanContext`. It yields each stage's
+size, virtual stages, recomputation, ZeRO stage, fp8, TP overlap) make a :class:`PlanContext`. It yields each stage's
 per-layer op times, a memory-capped cost table for the partitioners, the per-chunk op durations
 for the simulator and finally a :class:`PlanResult`.
 
@@ -40,10 +40,27 @@ class PlanConfig:
     mbs: int
     v: int = 1  # virtual stages (model chunks) per pipeline stage
     recompute: bool = False  # full activation recomputation
-    zero1: bool = False  # optimizer state sharded over data-parallel ranks
+    # ZeRO stage over the dp*cp ranks: 1 optimizer state, 2 + gradients, 3 + weights (FSDP) sharded;
+    # True (the former ``zero1`` flag) is stage 1
+    zero: int = 0
     dp_overlap: bool = False  # gradient all-reduce overlapped with the last micro-batch's backward (torch DDP)
     sp: bool = False  # sequence parallelism (Korthikanti et al. 2022); only with tp > 1
     selective: bool = False  # selective recomputation of the attention core (when not recompute)
+    fp8: bool = False  # the layers' weight GEMMs in fp8 (Transformer Engine), costs.layer_parts
+    tp_overlap: bool = False  # TP communication under the GEMMs (needs sp), costs.layer_tp_comm
+
+    def __post_init__(self) -> None:
+        if int(self.zero) not in (0, 1, 2, 3) or isinstance(self.zero, float):
+            raise PlannerError(f"ZeRO stage must be 0, 1, 2 or 3, got {self.zero!r}")
+        object.__setattr__(self, "zero", int(self.zero))
+        if self.tp_overlap and self.dims.tp > 1 and not self.sp:
+            raise PlannerError("TP communication overlap needs sequence parallelism (its all-gathers and "
+                               "reduce-scatters are what run under the GEMMs)")
+
+    @property
+    def shard(self) -> int:
+        """Ranks holding the same TP shard of a stage (gradient reduction and ZeRO sharding): dp*cp."""
+        return self.dims.dp * self.dims.cp
 
     @property
     def recomputation(self) -> str:
@@ -76,18 +93,20 @@ class CostModel:
         self._cache: dict = {}
         self.cache: dict = {}  # shared by PlanContexts: stage costs, memory caps, partitions
 
-    def layer(self, gpu: GpuType, tp: int, mbs: int, sp: bool = False, selective: bool = False) -> tuple[float, float, float]:
+    def layer(self, gpu: GpuType, tp: int, mbs: int, sp: bool = False, selective: bool = False, cp: int = 1,
+              fp8: bool = False) -> tuple[float, float, float]:
         """(fwd s, bwd s, activation bytes) of one layer on one TP rank, communication excluded;
-        ``sp``: sequence parallelism, ``selective``: the attention scores are not kept. A profile
-        measures the layer without either: the model's difference (elementwise traffic, kept bytes)
-        is taken off the measured figures."""
+        ``sp``: sequence parallelism, ``selective``: the attention scores are not kept, ``cp``: the
+        rank's s/cp of each sequence, ``fp8``: fp8 weight GEMMs. A profile measures the layer
+        without sp or selective (the model's difference, elementwise traffic and kept bytes, is
+        taken off the measured figures) and stands only for cp = 1 without fp8."""
         sp = sp and tp > 1
-        key = (gpu.name, tp, mbs, sp, selective)
+        key = (gpu.name, tp, mbs, sp, selective, cp, fp8)
         hit = self._cache.get(key)
         if hit is None:
-            m = self.model
-            act = costs.activation_bytes(m, tp, mbs, sp, selective)
-            got = self.profile.lookup(gpu.name, tp, mbs) if self.profile else None
+            m = self.model.context_shard(cp)
+            act = costs.activation_bytes(m, tp, mbs, sp, selective, fp8)
+            got = self.profile.lookup(gpu.name, tp, mbs) if self.profile and cp == 1 and not fp8 else None
             if got is not None:
                 saved = 0.0
                 if sp:
@@ -96,28 +115,54 @@ class CostModel:
                 kept = act if got[2] is None else got[2] - (costs.activation_bytes(m, tp, mbs) - act)
                 hit = (got[0] - saved, got[1] - 2 * saved, kept)
             else:
-                f, b = costs.layer_compute(m, gpu, tp, mbs, self.a, sp)
-                hit = (f, b, act)
+                hit = (*costs.compute_from_parts(self.parts(gpu, tp, mbs, sp, cp, fp8)), act)
             self._cache[key] = hit
         return hit
 
-    def head(self, gpu: GpuType, tp: int, mbs: int) -> tuple[float, float]:
+    def head(self, gpu: GpuType, tp: int, mbs: int, cp: int = 1) -> tuple[float, float]:
         """(fwd s, bwd s) of the last stage's final norm, logits and loss on one TP rank: measured
-        where the profile has them, else the roofline (``costs.head_compute``)."""
-        got = self.profile.lookup_head(gpu.name, tp, mbs) if self.profile else None
-        return got if got is not None else costs.head_compute(self.model, gpu, tp, mbs, self.a)
+        where the profile has them (cp=1), else the roofline (``costs.head_compute``)."""
+        got = self.profile.lookup_head(gpu.name, tp, mbs) if self.profile and cp == 1 else None
+        return got if got is not None else costs.head_compute(self.model.context_shard(cp), gpu, tp, mbs, self.a)
 
-    def core(self, gpu: GpuType, tp: int, mbs: int) -> float:
-        """Seconds selective recomputation adds to one layer's backward (costs.attention_core_forward)."""
-        key = ("core", gpu.name, tp, mbs)
+    def parts(self, gpu: GpuType, tp: int, mbs: int, sp: bool = False, cp: int = 1, fp8: bool = False) -> dict:
+        """The roofline's forward seconds of one layer's parts (costs.layer_parts), cached."""
+        key = ("parts", gpu.name, tp, mbs, sp and tp > 1, cp, fp8)
         hit = self._cache.get(key)
         if hit is None:
-            hit = self._cache[key] = costs.attention_core_forward(self.model, gpu, tp, mbs, self.a)
+            hit = self._cache[key] = costs.layer_parts(self.model.context_shard(cp), gpu, tp, mbs, self.a,
+                                                       sp and tp > 1, cp, fp8)
         return hit
 
-    def source(self, gpu: GpuType, tp: int) -> str:
+    def ops(self, node: NodeType, tp: int, mbs: int, sp: bool, rec: str, cp: int = 1, fp8: bool = False,
+            tp_overlap: bool = False) -> tuple[float, float, float, float, float, float]:
+        """One layer on one TP rank of ``node`` at micro-batch ``mbs``: (forward compute, backward
+        compute, forward TP communication, backward TP communication, what recomputation ``rec``
+        runs again, activation bytes kept). What depends on the placement (ZeRO and ring-attention
+        traffic) is not here: PlanContext adds it; the search's bounds use this alone."""
+        key = ("ops", node.gpu.name, node.intra_bw, tp, mbs, sp, rec, cp, fp8, tp_overlap)
+        hit = self._cache.get(key)
+        if hit is None:
+            m = self.model.context_shard(cp)
+            f, bw, act = self.layer(node.gpu, tp, mbs, sp, rec == "selective", cp, fp8)
+            over = self.parts(node.gpu, tp, mbs, sp, cp, fp8) if tp_overlap else None
+            ftp, btp = costs.layer_tp_comm(m, tp, mbs, node.intra_bw, self.a, over)
+            again = f + ftp if rec == "full" else self.core(node.gpu, tp, mbs, cp) if rec == "selective" else 0.0
+            hit = self._cache[key] = (f, bw, ftp, btp, again, act)
+        return hit
+
+    def core(self, gpu: GpuType, tp: int, mbs: int, cp: int = 1) -> float:
+        """Seconds selective recomputation adds to one layer's backward (costs.attention_core_forward)."""
+        key = ("core", gpu.name, tp, mbs, cp)
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = costs.attention_core_forward(self.model.context_shard(cp), gpu, tp, mbs, self.a)
+        return hit
+
+    def source(self, gpu: GpuType, tp: int, cp: int = 1, fp8: bool = False) -> str:
         p = self.profile
-        return "profile" if p and p.gpu == gpu.name and tp in p.entries else "roofline"
+        measured = p and p.gpu == gpu.name and tp in p.entries and cp == 1 and not fp8
+        return "profile" if measured else "roofline"
 
 
 @dataclass(frozen=True)
@@ -133,39 +178,43 @@ class MemoryTerms:
 
 
 def memory_terms(m: TransformerShape, tp: int, mbs: int, s: int, p: int, recompute: bool, act: float,
-                 sp: bool = False) -> MemoryTerms:
+                 sp: bool = False, cp: int = 1) -> MemoryTerms:
     """The memory terms of stage s of p; ``act`` is one layer's activations per micro-batch (with
-    the plan's sequence parallelism and selective recomputation already applied)."""
+    the plan's sequence parallelism, selective recomputation and context parallelism already
+    applied); the other activations are of the rank's s/cp tokens."""
+    ml = m.context_shard(cp)
     fixed = act_mb = act_fixed = 0.0
     if s == 0:
         fixed += m.embedding_params(tp)
-        act_mb = costs.embedding_activation_bytes(m, mbs)
+        act_mb = costs.embedding_activation_bytes(ml, mbs)
     if s == p - 1:
         fixed += m.head_params(tp, p)
-        act_fixed = costs.head_activation_bytes(m, tp, mbs)
-    keep = costs.layer_input_bytes(m, mbs, tp, sp and tp > 1) if recompute else act
+        act_fixed = costs.head_activation_bytes(ml, tp, mbs)
+    keep = costs.layer_input_bytes(ml, mbs, tp, sp and tp > 1) if recompute else act
     return MemoryTerms(m.layer_params(tp), fixed, keep, act if recompute else 0.0, act_mb, act_fixed)
 
 
-def stage_memory(t: MemoryTerms, n: int, inflight: int, mb: int, v: int, dp: int, zero1: bool,
-                 a: Assumptions) -> float:
+def stage_memory(t: MemoryTerms, n: int, inflight: int, mb: int, v: int, dp: int, zero: int,
+                 a: Assumptions, fp8: bool = False) -> float:
     """Bytes per GPU of a stage holding n layers with ``inflight`` (chunk, micro-batch) activations:
-    ``state_bytes(n*P_layer + P_fixed) + inflight*ceil(n/v)*A_kept + A_work + A_fixed``."""
-    states = costs.state_bytes(n * t.layer_params + t.fixed_params, dp, zero1, a)
+    ``state_bytes(n*P_layer + P_fixed) + ZeRO working set + inflight*ceil(n/v)*A_kept + A_work + A_fixed``
+    (``dp``: the ranks ZeRO shards over)."""
+    states = costs.state_bytes(n * t.layer_params + t.fixed_params, dp, zero, a, fp8)
+    states += costs.zero_working_bytes(t.layer_params, t.fixed_params, zero, a, fp8)
     act = inflight * math.ceil(n / v) * t.act_layer + t.act_work + min(inflight, mb) * t.act_fixed_mb + t.act_fixed
     return states + act
 
 
-def max_layers(t: MemoryTerms, usable: float, L: int, inflight: int, mb: int, v: int, dp: int, zero1: bool,
-               a: Assumptions) -> int:
+def max_layers(t: MemoryTerms, usable: float, L: int, inflight: int, mb: int, v: int, dp: int, zero: int,
+               a: Assumptions, fp8: bool = False) -> int:
     """Most layers (<= L) a stage can hold within ``usable`` bytes; 0 when not even one fits.
     Memory is (nearly, through ceil(n/v)) linear in n: start from the linear solution and step to
     the exact last n that fits (memory grows with n)."""
     def fits(n: int) -> bool:
-        return stage_memory(t, n, inflight, mb, v, dp, zero1, a) <= usable
+        return stage_memory(t, n, inflight, mb, v, dp, zero, a, fp8) <= usable
 
-    slope = costs.state_bytes(t.layer_params, dp, zero1, a) + inflight * t.act_layer / v
-    room = usable - stage_memory(t, 0, inflight, mb, v, dp, zero1, a)
+    slope = costs.state_bytes(t.layer_params, dp, zero, a, fp8) + inflight * t.act_layer / v
+    room = usable - stage_memory(t, 0, inflight, mb, v, dp, zero, a, fp8)
     n = min(L, max(0, math.floor(room / slope))) if slope > 0 else (L if room >= 0 else 0)
     while n < L and fits(n + 1):
         n += 1
@@ -179,11 +228,15 @@ class StageCost:
     """Per-micro-batch op times of one stage (seconds) and the terms of its memory (bytes)."""
 
     node: NodeType  # the slowest node type in the stage; its times are used
-    lf: float  # one layer's forward op (compute + TP all-reduces)
+    lf: float  # one layer's forward op (compute + TP all-reduces + exposed ZeRO and ring traffic)
     lb: float  # one layer's backward op (+ recomputed forward)
     lf_tp: float
     lb_tp: float
     lb_rec: float
+    l_zero: float  # per layer per micro-batch, forward + backward: exposed ZeRO-2/3 traffic
+    l_cp: float  # ... exposed ring-attention traffic
+    op_zero: float  # per chunk op (forward or backward): ZeRO-3's gather of its first layer, which
+    # nothing before it hides (prefetching hides each next layer's behind the current one)
     ef: float  # embedding (first stage) and head (last stage) forward
     eb: float
     e_tp: float
@@ -227,15 +280,16 @@ class PlanResult:
 
     def key(self) -> tuple:
         c = self.config
-        return (self.placement, c.dims, c.mbs, c.v, c.recompute, c.zero1, c.dp_overlap, c.sp, c.selective,
-                self.partition)
+        return (self.placement, c.dims, c.mbs, c.v, c.recompute, c.zero, c.dp_overlap, c.sp, c.selective, c.fp8,
+                c.tp_overlap, self.partition)
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d["config"] = {"tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp, "mbs": self.config.mbs,
-                       "virtual_stages": self.config.v, "recompute": self.config.recompute, "zero1": self.config.zero1,
-                       "dp_overlap": self.config.dp_overlap, "sequence_parallel": self.config.sp,
-                       "selective_recompute": self.config.selective}
+        c = self.config
+        d["config"] = {"tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp, "cp": self.dims.cp, "mbs": c.mbs,
+                       "virtual_stages": c.v, "recompute": c.recompute, "zero": c.zero,
+                       "dp_overlap": c.dp_overlap, "sequence_parallel": c.sp, "selective_recompute": c.selective,
+                       "fp8": c.fp8, "tp_overlap": c.tp_overlap}
         return d
 
 
@@ -254,7 +308,8 @@ class PlanContext:
         self.stages = []
         for s in range(p):  # stages seeing the same hardware share their costs across contexts
             key = ("stage", envs[s], envs[(s + 1) % p], envs[(s - 1) % p], s == 0, s == p - 1, p > 1,
-                   cfg.dims.tp, cfg.mbs, cfg.recompute, cfg.sp, cfg.selective)
+                   cfg.dims.tp, cfg.dims.cp, cfg.shard, cfg.mbs, cfg.recomputation, cfg.sp, cfg.zero, cfg.fp8,
+                   cfg.tp_overlap)
             st = cache.get(key)
             if st is None:
                 st = cache[key] = self._stage(s)
@@ -270,7 +325,7 @@ class PlanContext:
             cfg, cache = self.cfg, self.cm.cache
             caps = []
             for s, key in enumerate(self._keys):
-                ck = ("cap", key, s, self.p, cfg.v, self.mb, cfg.dims.dp, cfg.zero1)
+                ck = ("cap", key, s, self.p, cfg.v, self.mb)
                 k = cache.get(ck)
                 if k is None:
                     k = cache[ck] = self._cap(s)
@@ -300,55 +355,69 @@ class PlanContext:
     # ---- per stage costs
     def _stage(self, s: int) -> StageCost:
         m, a, cfg, p = self.m, self.cm.a, self.cfg, self.p
-        t, b = cfg.dims.tp, cfg.mbs
+        t, b, cp, n_sh, e = cfg.dims.tp, cfg.mbs, cfg.dims.cp, cfg.shard, m.bytes_per_elem
+        ml = m.context_shard(cp)
         env = self.envs[s]
         best = None
-        sel = cfg.selective and not cfg.recompute
+        zf, zb = costs.zero_layer_comm(m.layer_params(t), n_sh, env.dp_bw, env.dp_latency, cfg.zero, a, e)
         for node in env.nodes:
-            f, bw, act = self.cm.layer(node.gpu, t, b, cfg.sp, sel)
-            ftp, btp = costs.layer_tp_comm(m, t, b, node.intra_bw, a)
-            lf, lb = f + ftp, bw + btp
-            rec = f + ftp if cfg.recompute else (self.cm.core(node.gpu, t, b) if sel else 0.0)
-            cand = (lf + lb + rec, node, lf, lb + rec, ftp, btp + (ftp if cfg.recompute else 0.0), rec, act)
+            f, bw, ftp, btp, rec, act = self.cm.ops(node, t, b, cfg.sp, cfg.recomputation, cp, cfg.fp8, cfg.tp_overlap)
+            attn = self.cm.parts(node.gpu, t, b, cfg.sp, cp, cfg.fp8)["attn"] if cp > 1 else 0.0
+            cf, cb = costs.cp_ring_exposed(ml, t, b, cp, attn, env.cp_bw, env.cp_latency)
+            xf, xb = max(zf - f, 0.0), max(zb - bw, 0.0)  # ZeRO traffic under the layer's compute
+            if cfg.recompute:  # the forward run again pays its traffic again
+                rec += xf + cf
+            lf, lb = f + ftp + xf + cf, bw + btp + xb + cb + rec
+            k = 2 if cfg.recompute else 1
+            cand = (lf + lb, node, lf, lb, ftp, btp + (ftp if cfg.recompute else 0.0), rec, act, k * xf + xb, k * cf + cb)
             if best is None or cand[0] > best[0]:
                 best = cand
-        _, node, lf, lb, ftp, btp, rec, act = best
+        _, node, lf, lb, ftp, btp, rec, act, l_zero, l_cp = best
         gpu = node.gpu
         ef = eb = e_tp = 0.0
+        fixed = 0.0
         if s == 0:
-            x, y = costs.embedding_compute(m, gpu, t, b, a)
-            tp_ar = costs.tp_allreduce(m, t, b, node.intra_bw, a)
+            x, y = costs.embedding_compute(ml, gpu, t, b, a)
+            tp_ar = costs.tp_allreduce(ml, t, b, node.intra_bw, a)
             ef, eb, e_tp = ef + x + tp_ar, eb + y, e_tp + tp_ar
+            fixed += m.embedding_params(t)
         if s == p - 1:
-            x, y = self.cm.head(gpu, t, b)
-            ce = 3 * costs.ring_allreduce(4.0 * b * m.seq_len, t, node.intra_bw * a.intra_eff, a.intra_latency_s)
+            x, y = self.cm.head(gpu, t, b, cp)
+            ce = 3 * costs.ring_allreduce(4.0 * b * ml.seq_len, t, node.intra_bw * a.intra_eff, a.intra_latency_s)
             ef, eb, e_tp = ef + x + ce, eb + y, e_tp + ce
+            fixed += m.head_params(t, p)
+        if fixed and cfg.zero >= 2:  # the embedding's and head's ZeRO traffic, under their compute
+            gf, gb = costs.zero_layer_comm(fixed, n_sh, env.dp_bw, env.dp_latency, cfg.zero, a, e)
+            ef, eb = ef + max(gf - ef, 0.0), eb + max(gb - eb, 0.0)
         nxt, prv = self.envs[s], self.envs[(s - 1) % p]
         send_next = self._p2p(nxt, self.envs[(s + 1) % p]) if p > 1 else 0.0
         send_prev = self._p2p(prv, env) if p > 1 else 0.0
         usable = min(costs.usable_memory(n.gpu, a) for n in env.nodes)
         capacity = min(n.gpu.memory for n in env.nodes)
         opt_gpu = min((n.gpu for n in env.nodes), key=lambda g: g.hbm_bw)
-        mem = memory_terms(m, t, b, s, p, cfg.recompute, act, cfg.sp)
-        return StageCost(node, lf, lb, ftp, btp, rec, ef, eb, e_tp, send_next, send_prev, mem, usable, capacity, opt_gpu)
+        mem = memory_terms(m, t, b, s, p, cfg.recompute, act, cfg.sp, cp)
+        first = zf if cfg.zero == 3 else 0.0
+        return StageCost(node, lf, lb, ftp, btp, rec, l_zero, l_cp, first, ef, eb, e_tp, send_next, send_prev, mem, usable,
+                         capacity, opt_gpu)
 
     def _p2p(self, src: StageEnv, dst: StageEnv) -> float:
         intra = min(n.intra_bw for n in dst.nodes)
-        return costs.p2p_time(self.m, self.cfg.dims.tp, self.cfg.mbs, src.next_bw, intra, self.cm.a, src.next_crosses)
+        return costs.p2p_time(self.m.context_shard(self.cfg.dims.cp), self.cfg.dims.tp, self.cfg.mbs, src.next_bw,
+                              intra, self.cm.a, src.next_crosses)
 
     # ---- memory
     def memory(self, s: int, n: int) -> float:
         """Bytes per GPU of stage s holding n layers: states + in-flight activations (+ fixed parts)."""
         cfg = self.cfg
         inflight = schedule.inflight_closed_form(self.p, cfg.v, self.mb, s)
-        return stage_memory(self.stages[s].mem, n, inflight, self.mb, cfg.v, cfg.dims.dp, cfg.zero1, self.cm.a)
+        return stage_memory(self.stages[s].mem, n, inflight, self.mb, cfg.v, cfg.shard, cfg.zero, self.cm.a, cfg.fp8)
 
     def _cap(self, s: int) -> int:
         """Most layers stage s can hold within its usable memory (0 when even one does not fit)."""
         cfg = self.cfg
         inflight = schedule.inflight_closed_form(self.p, cfg.v, self.mb, s)
         return max_layers(self.stages[s].mem, self.stages[s].usable, self.m.layers, inflight, self.mb, cfg.v,
-                          cfg.dims.dp, cfg.zero1, self.cm.a)
+                          cfg.shard, cfg.zero, self.cm.a, cfg.fp8)
 
     # ---- partitioning
     def linear_terms(self) -> tuple[list[float], list[float]]:
@@ -367,7 +436,7 @@ class PlanContext:
                 n_prev = v - (1 if s == 0 else 0)
                 sends = n_next * st.send_next + n_prev * st.send_prev
             t.append(st.lf + st.lb)
-            c.append(st.ef + st.eb + sends + (2 * v * self.cm.a.chunk_overhead_s if p > 1 else 0.0))
+            c.append(st.ef + st.eb + sends + 2 * v * st.op_zero + (2 * v * self.cm.a.chunk_overhead_s if p > 1 else 0.0))
         return t, c
 
     def cost_table(self, respect_memory: bool = True) -> np.ndarray:
@@ -425,8 +494,8 @@ class PlanContext:
             for j in range(v):
                 c = j * p + s
                 n = q + (1 if j < r else 0)
-                fwd[c] = n * st.lf + (st.send_next if c < C - 1 else 0.0) + ov
-                bwd[c] = n * st.lb + (st.send_prev if c > 0 else 0.0) + ov
+                fwd[c] = n * st.lf + (st.send_next if c < C - 1 else 0.0) + ov + st.op_zero
+                bwd[c] = n * st.lb + (st.send_prev if c > 0 else 0.0) + ov + st.op_zero
         s0, sl = self.stages[0], self.stages[-1]
         fwd[0] += s0.ef if p > 1 else 0.0
         bwd[0] += s0.eb if p > 1 else 0.0
@@ -435,9 +504,10 @@ class PlanContext:
         return fwd, bwd
 
     def tails(self, counts) -> tuple[list[float], list[float], list[float]]:
-        """Per stage: DP gradient all-reduce, tied-embedding sync, optimizer step (seconds). With
-        ``dp_overlap`` the all-reduce runs during the last micro-batch's backward on the stage
-        (torch DDP's buckets): only what outlasts that backward is exposed."""
+        """Per stage: DP gradient synchronisation (costs.dp_allreduce by ZeRO stage), tied-embedding
+        sync, optimizer step (seconds). With ``dp_overlap`` the synchronisation runs during the last
+        micro-batch's backward on the stage (torch DDP's buckets): only what outlasts that backward
+        is exposed."""
         cfg, m, a = self.cfg, self.m, self.cm.a
         dp_t, emb_t, opt_t = [], [], []
         sync = 0.0
@@ -447,12 +517,12 @@ class PlanContext:
         for s, st in enumerate(self.stages):
             params = counts[s] * st.mem.layer_params + st.mem.fixed_params
             env = self.envs[s]
-            ar = costs.dp_allreduce(params, cfg.dims.dp, env.dp_bw, env.dp_latency, a)
+            ar = costs.dp_allreduce(params, cfg.shard, env.dp_bw, env.dp_latency, a, cfg.zero, m.bytes_per_elem)
             if cfg.dp_overlap:
                 ar = max(ar - counts[s] * st.lb, 0.0)
             dp_t.append(ar)
             emb_t.append(sync if s in (0, self.p - 1) else 0.0)
-            opt_t.append(costs.optimizer_step(params, st.opt_gpu, cfg.dims.dp, cfg.zero1, a))
+            opt_t.append(costs.optimizer_step(params, st.opt_gpu, cfg.shard, cfg.zero, a))
         return dp_t, emb_t, opt_t
 
     def lower_bound(self, counts) -> float:
@@ -479,12 +549,15 @@ class PlanContext:
             sends = sum(f for c, f in enumerate(fwd) if c % p == crit) + sum(b for c, b in enumerate(bwd) if c % p == crit)
             sends -= n * (st.lf + st.lb)
             sends -= (st.ef + st.eb) if crit in (0, p - 1) else 0.0
+            sends -= 2 * cfg.v * st.op_zero
         has_extra = crit == p - 1 or (crit == 0 and p > 1)
         tp_part = mb * (n * (st.lf_tp + st.lb_tp) + (st.e_tp if has_extra else 0.0))
         pp_part = mb * max(sends, 0.0)
-        compute = tl.busy[crit] - tp_part - pp_part
+        zero_part, cp_part = mb * (n * st.l_zero + 2 * cfg.v * st.op_zero), mb * n * st.l_cp
+        compute = tl.busy[crit] - tp_part - pp_part - zero_part - cp_part
         breakdown = {"compute": compute, "bubble": max(tl.finish[crit] - tl.busy[crit], 0.0), "tp": tp_part, "pp": pp_part,
-                     "dp": dp_t[crit] + wait[crit], "other": emb_t[crit] + max(opt_t), "recompute": mb * n * st.lb_rec}
+                     "dp": dp_t[crit] + wait[crit] + zero_part, "cp": cp_part, "other": emb_t[crit] + max(opt_t),
+                     "recompute": mb * n * st.lb_rec}
         mem = [self.memory(s, counts[s]) for s in range(p)]
         price = sum(nd.price for nd in placement)
         tokens = m.global_batch * m.seq_len
@@ -501,4 +574,4 @@ class PlanContext:
             price_per_hour=price, samples_per_s=m.global_batch / total, tokens_per_s=tokens / total,
             cost_per_iteration=price * total / 3600, usd_per_mtok=price / 3600 / (tokens / total) * 1e6,
             model_tflops_per_gpu=flops / total / gpus / 1e12, mfu=flops / total / peak,
-            sources=sorted({self.cm.source(n.gpu, cfg.dims.tp) for e in self.envs for n in e.nodes}))
+            sources=sorted({self.cm.source(n.gpu, cfg.dims.tp, cfg.dims.cp, cfg.fp8) for e in self.envs for n in e.nodes}))

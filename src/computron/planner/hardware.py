@@ -4,8 +4,9 @@ What flows through: a ``--cluster`` argument (a YAML path or a compact spec such
 ``a100-80gb:8x4,a10:4x12``) becomes a :class:`Cluster`, a tuple of :class:`NodeType` with counts.
 Every bandwidth is stored in bytes/s, every memory in bytes, prices in USD per node-hour.
 
-Datasheet figures (dense fp16/bf16 tensor-core peak, memory, HBM bandwidth) come from NVIDIA's
-product datasheets. ``gemm_eff`` is the fraction of that peak a large transformer GEMM sustains;
+Datasheet figures (dense fp16/bf16 and, where the GPU has them, fp8 tensor-core peaks, memory,
+HBM bandwidth) come from NVIDIA's product datasheets (the fp8 figures are the datasheets' "FP8
+Tensor Core" numbers, which are quoted with 2:4 sparsity, halved to dense). ``gemm_eff`` is the fraction of that peak a large transformer GEMM sustains;
 it is an assumption documented per type in docs/planner.md (A100: checked against the
 Megatron-LM papers' published throughputs; others estimated from power limits and public GEMM
 benchmarks). Node defaults (GPUs per node, links, price) describe the usual server of that GPU
@@ -26,7 +27,8 @@ GIB = 1024**3  # memories: GiB
 
 @dataclass(frozen=True)
 class GpuType:
-    """One GPU model: ``tflops`` dense fp16/bf16 peak, ``memory`` bytes, ``hbm_bw`` bytes/s."""
+    """One GPU model: ``tflops`` dense fp16/bf16 peak, ``memory`` bytes, ``hbm_bw`` bytes/s,
+    ``fp8_tflops`` dense fp8 peak (0: no fp8 tensor cores)."""
 
     name: str
     tflops: float
@@ -34,26 +36,32 @@ class GpuType:
     hbm_bw: float
     gemm_eff: float  # sustained fraction of ``tflops`` that large GEMMs approach (costs.gemm_efficiency)
     bf16: bool = True  # V100 has no bf16 tensor cores
+    fp8_tflops: float = 0.0
 
-    def peak_flops(self, dtype: str) -> float:
+    def peak_flops(self, dtype: str, fp8: bool = False) -> float:
         if dtype == "bfloat16" and not self.bf16:
             raise PlannerError(f"GPU type {self.name} has no bfloat16 tensor cores; use dtype float16")
+        if fp8:
+            if not self.fp8_tflops:
+                raise PlannerError(f"GPU type {self.name} has no fp8 tensor cores; plan it without --fp8")
+            return self.fp8_tflops * 1e12
         return self.tflops * 1e12
 
 
-# name: (dense fp16/bf16 TFLOP/s, memory GiB, HBM GB/s, assumed GEMM efficiency, bf16?)
+# name: (dense fp16/bf16 TFLOP/s, memory GiB, HBM GB/s, assumed GEMM efficiency, bf16?, dense fp8 TFLOP/s)
 _GPU_TABLE = {
-    "v100": (125.0, 32, 900, 0.75, False),  # V100 SXM2 32GB
-    "a10": (125.0, 24, 600, 0.60, True),  # 150 W card, sustains well under peak
-    "a100-40gb": (312.0, 40, 1555, 0.87, True),  # A100 SXM4 40GB (asymptote fitted, docs/planner.md)
-    "a100-80gb": (312.0, 80, 2039, 0.87, True),  # A100 SXM4 80GB (asymptote fitted, docs/planner.md)
-    "l4": (121.0, 24, 300, 0.50, True),  # 72 W card, power-limited
-    "h100": (989.0, 80, 3350, 0.72, True),  # H100 SXM5
-    "h200": (989.0, 141, 4800, 0.72, True),  # H200 SXM
+    "v100": (125.0, 32, 900, 0.75, False, 0.0),  # V100 SXM2 32GB
+    "a10": (125.0, 24, 600, 0.60, True, 0.0),  # 150 W card, sustains well under peak
+    "a100-40gb": (312.0, 40, 1555, 0.87, True, 0.0),  # A100 SXM4 40GB (asymptote fitted, docs/planner.md)
+    "a100-80gb": (312.0, 80, 2039, 0.87, True, 0.0),  # A100 SXM4 80GB (asymptote fitted, docs/planner.md)
+    "l4": (121.0, 24, 300, 0.50, True, 242.5),  # 72 W card, power-limited; fp8 485 sparse
+    "h100": (989.0, 80, 3350, 0.72, True, 1979.0),  # H100 SXM5; fp8 3,958 sparse
+    "h200": (989.0, 141, 4800, 0.72, True, 1979.0),  # H200 SXM; fp8 3,958 sparse
 }
 
 GPU_TYPES: dict[str, GpuType] = {
-    name: GpuType(name, tf, mem * GIB, bw * GB, eff, bf16) for name, (tf, mem, bw, eff, bf16) in _GPU_TABLE.items()
+    name: GpuType(name, tf, mem * GIB, bw * GB, eff, bf16, fp8)
+    for name, (tf, mem, bw, eff, bf16, fp8) in _GPU_TABLE.items()
 }
 
 
@@ -202,7 +210,7 @@ def cluster_from_dict(data: dict) -> Cluster:
         try:
             custom[name.lower()] = GpuType(name.lower(), float(g["tflops"]), float(g["memory_gib"]) * GIB,
                                            float(g["hbm_GBps"]) * GB, float(g.get("gemm_eff", 0.7)),
-                                           bool(g.get("bf16", True)))
+                                           bool(g.get("bf16", True)), float(g.get("fp8_tflops", 0.0)))
         except (KeyError, TypeError) as e:
             raise PlannerError(f"custom GPU {name!r} needs tflops, memory_gib and hbm_GBps ({e})") from None
     allowed = {"gpu", "name", "gpus_per_node", "count", "intra_GBps", "inter_Gbps", "price_per_hour", "gemm_eff"}

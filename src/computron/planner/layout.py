@@ -1,14 +1,16 @@
-"""From a node placement and (tp, pp, dp) to what each pipeline stage sees.
+"""From a node placement and (tp, cp, pp, dp) to what each pipeline stage sees.
 
 What flows through: a placement (an ordered tuple of node types, one entry per node) and a
 ``ParallelDims`` go in; per stage, a :class:`StageEnv` comes out: its GPU/node types, the bus
-bandwidth of its data-parallel ring, of its links to the neighbouring stages and, for the first
-stage, of the tied-embedding link to the last stage.
+bandwidth of its data-parallel ring, of the links of its context-parallel ring, of its links to the
+neighbouring stages and, for the first stage, of the tied-embedding link to the last stage.
 
-Rank layout (Megatron's): GPUs are numbered node after node in placement order, and
-``rank = stage*dp*tp + replica*tp + tp_index``, so TP groups are consecutive ranks (always inside
-one node, since tp divides every node's GPU count) and a stage is a contiguous block of dp*tp
-ranks, possibly spanning several nodes and GPU types.
+Rank layout (Megatron's tp-cp-dp-pp order): GPUs are numbered node after node in placement
+order, and ``rank = stage*dp*cp*tp + replica*cp*tp + cp_index*tp + tp_index``, so TP groups are
+consecutive ranks (always inside one node, since tp divides every node's GPU count), a context
+group is cp consecutive TP groups and a stage is a contiguous block of dp*cp*tp ranks, possibly
+spanning several nodes and GPU types. Gradients are reduced (and ZeRO shards) over the dp*cp
+ranks holding the same TP shard, as Megatron-LM does.
 
 Ring bandwidths: inside one node a ring runs at ``intra_bw * intra_eff``. A ring that leaves a
 node uses, on each node n it touches, the NICs of the r_n members it has there (NCCL opens one
@@ -43,12 +45,14 @@ class StageEnv:
     """
 
     nodes: tuple[NodeType, ...]  # distinct node types holding this stage's GPUs
-    dp_bw: float
+    dp_bw: float  # the ring over the dp*cp ranks holding one TP shard
     dp_latency: float
     next_bw: float  # link to stage (s+1) mod p, one GPU's share
     next_crosses: bool
     emb_bw: float  # first stage only: link to the last stage (tied embeddings)
     emb_latency: float
+    cp_bw: float = 0.0  # the slowest context-parallel ring (cp > 1)
+    cp_latency: float = 0.0
     uid: int = field(default_factory=lambda: next(_UIDS))
 
     def __hash__(self) -> int:
@@ -65,6 +69,12 @@ def check_dims(m: TransformerShape, dims: ParallelDims, gpus_per_node: list[int]
         dims.validate_for(num_layers=m.layers, num_heads=m.heads, num_kv_heads=m.kv)
     except ValueError as e:
         raise PlannerError(f"{m.name}: {e}") from None
+    if dims.cp > 1:
+        if not m.flash_attention:
+            raise PlannerError(f"{m.name}: context parallelism (cp={dims.cp}) needs fused attention (flash_attention)")
+        if m.seq_len % (2 * dims.cp):
+            raise PlannerError(f"{m.name}: cp={dims.cp} needs the sequence length {m.seq_len} divisible by 2*cp "
+                               f"(two load-balanced causal chunks per rank)")
     if m.ffn % dims.tp:
         raise PlannerError(f"{m.name}: tp={dims.tp} does not divide the FFN size {m.ffn}")
     for g in gpus_per_node:
@@ -150,16 +160,21 @@ def stage_envs(placement: tuple[NodeType, ...], dims: ParallelDims, a: Assumptio
     ``intern`` (a dict kept for one search) makes equal views the same object.
     """
     node_of = [i for i, n in enumerate(placement) for _ in range(n.gpus_per_node)]
-    tp, dp, pp = dims.tp, dims.dp, dims.pp
-    G = tp * dp
+    tp, dp, pp, cp = dims.tp, dims.dp, dims.pp, dims.cp
+    G = tp * cp * dp
     if len(node_of) != G * pp:
-        raise PlannerError(f"placement has {len(node_of)} GPUs but tp*dp*pp = {G * pp}")
+        raise PlannerError(f"placement has {len(node_of)} GPUs but tp*cp*dp*pp = {G * pp}")
     nodes = list(placement)
     envs = []
     for s in range(pp):
         base = s * G
         here = {nodes[node_of[r]] for r in range(base, base + G)}
-        dp_bw, dp_lat = _ring_bw(Counter(node_of[base + i * tp] for i in range(dp)), nodes, a)
+        dp_bw, dp_lat = _ring_bw(Counter(node_of[base + i * tp] for i in range(dp * cp)), nodes, a)
+        cp_bw, cp_lat = 0.0, 0.0
+        if cp > 1:  # each ring step, every rank sends one block to the next: the slowest neighbour link
+            ring = [[node_of[base + (i * cp + j) * tp] for j in range(cp)] for i in range(dp)]
+            cp_bw, cr = _pair_bw({(r[j], r[(j + 1) % cp]) for r in ring for j in range(cp)}, nodes, a)
+            cp_lat = a.inter_latency_s if cr else a.intra_latency_s
         nb = ((s + 1) % pp) * G
         nxt_bw, crosses = _pair_bw({(node_of[base + k], node_of[nb + k]) for k in range(G)}, nodes, a)
         emb_bw, emb_lat = 0.0, 0.0
@@ -168,13 +183,14 @@ def stage_envs(placement: tuple[NodeType, ...], dims: ParallelDims, a: Assumptio
             emb_bw, cr = _pair_bw({(node_of[k], node_of[lb + k]) for k in range(G)}, nodes, a)
             emb_lat = a.inter_latency_s if cr else a.intra_latency_s
         here_t = tuple(sorted(here, key=lambda n: n.name))
+        fields = (dp_bw, dp_lat, nxt_bw, crosses, emb_bw, emb_lat, cp_bw, cp_lat)
         if intern is None:
-            envs.append(StageEnv(here_t, dp_bw, dp_lat, nxt_bw, crosses, emb_bw, emb_lat))
+            envs.append(StageEnv(here_t, *fields))
             continue
-        sig = (tuple(id(n) for n in here_t), dp_bw, dp_lat, nxt_bw, crosses, emb_bw, emb_lat)
+        sig = (tuple(id(n) for n in here_t), *fields)
         env = intern.get(sig)
         if env is None:
-            env = intern[sig] = StageEnv(here_t, dp_bw, dp_lat, nxt_bw, crosses, emb_bw, emb_lat)
+            env = intern[sig] = StageEnv(here_t, *fields)
         envs.append(env)
     return tuple(envs)
 

@@ -12,6 +12,7 @@ both resolve names through its one alias table (``llama2-7b``, ``gpt2-1.5b`` sti
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import asdict, dataclass, fields, replace
 
@@ -88,6 +89,11 @@ class TransformerShape:
     def bytes_per_elem(self) -> int:
         return DTYPE_BYTES[self.dtype]
 
+    def context_shard(self, cp: int) -> TransformerShape:
+        """What one of ``cp`` context-parallel ranks computes on: s/cp tokens of every sequence
+        (per-token costs and activations; parameters are counted on the whole model)."""
+        return self if cp == 1 else _context_shard(self, cp)
+
     def kv_heads_per_rank(self, tp: int) -> int:
         """K/V heads each TP rank holds: kv/tp, or 1 (replicated) when tp exceeds kv."""
         return max(self.kv // tp, 1)
@@ -127,6 +133,11 @@ class TransformerShape:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@functools.lru_cache(maxsize=256)
+def _context_shard(m: TransformerShape, cp: int) -> TransformerShape:
+    return replace(m, seq_len=m.seq_len // cp)
 
 
 def _gpt(name, layers, hidden, heads, seq, batch, vocab=50257, ffn=None):

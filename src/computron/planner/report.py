@@ -21,8 +21,10 @@ def plan_row(r: PlanResult, rank: int | None = None) -> dict:
     c, b = r.config, r.breakdown
     row = {} if rank is None else {"rank": rank}
     row.update({
-        "tp": c.dims.tp, "pp": c.dims.pp, "dp": c.dims.dp, "mbs": c.mbs, "virtual_stages": c.v,
-        "recompute": c.recomputation, "zero1": c.zero1, "micro_batches": r.micro_batches,
+        "tp": c.dims.tp, "pp": c.dims.pp, "dp": c.dims.dp, "cp": c.dims.cp, "mbs": c.mbs, "virtual_stages": c.v,
+        "recompute": c.recomputation, "zero": c.zero,
+        "zero1": c.zero >= 1,  # what ``plan launch`` reads: it shards the optimizer state only (stage 1)
+        "fp8": c.fp8, "tp_overlap": c.tp_overlap, "micro_batches": r.micro_batches,
         "placement": placement_text(r.placement), "partition": "/".join(map(str, r.partition)), "method": r.method,
         "iteration_s": round(r.iteration_s, 6), "samples_per_s": round(r.samples_per_s, 4),
         "tokens_per_s": round(r.tokens_per_s, 1),
@@ -72,19 +74,26 @@ def plans_table(plans: list[PlanResult], title: str):
     from rich.table import Table
 
     t = Table(title=title, show_lines=False)
-    for col in ("#", "tp/pp/dp", "mbs", "v", "recomp", "placement", "layers/stage", "iter s", "samples/s",
+    for col in ("#", "tp/pp/dp", "mbs", "v", "recomp", "zero", "placement", "layers/stage", "iter s", "samples/s",
                 "compute", "bubble", "TP", "PP", "DP", "other", "max mem GiB", "$/h", "$/iter"):
         t.add_column(col, justify="left" if col in ("placement", "layers/stage") else "right")
     for i, r in enumerate(plans, 1):
         c, b = r.config, r.breakdown
         mem_i = max(range(len(r.stage_memory)), key=lambda s: r.stage_memory[s] / r.stage_usable[s])
-        t.add_row(str(i), f"{c.dims.tp}/{c.dims.pp}/{c.dims.dp}", str(c.mbs), str(c.v), "-" if c.recomputation == "none" else c.recomputation,
+        t.add_row(str(i), layout_text(c), str(c.mbs), str(c.v), "-" if c.recomputation == "none" else c.recomputation,
+                  str(c.zero),
                   placement_text(r.placement), "/".join(map(str, r.partition)), f"{r.iteration_s:.3f}",
                   f"{r.samples_per_s:.1f}", _fmt_s(b["compute"]), _fmt_s(b["bubble"]), _fmt_s(b["tp"]),
                   _fmt_s(b["pp"]), _fmt_s(b["dp"]), _fmt_s(b["other"]),
                   f"{r.stage_memory[mem_i] / GIB:.1f}/{r.stage_usable[mem_i] / GIB:.0f}",
                   f"{r.price_per_hour:.2f}", f"{r.cost_per_iteration:.4f}")
     return t
+
+
+def layout_text(c) -> str:
+    """``tp/pp/dp``, then ``cp N``, ``fp8`` and ``tp-overlap`` where they apply."""
+    extra = [f"cp{c.dims.cp}"] * (c.dims.cp > 1) + ["fp8"] * c.fp8 + ["tp-ovl"] * (c.tp_overlap and c.dims.tp > 1)
+    return " ".join([f"{c.dims.tp}/{c.dims.pp}/{c.dims.dp}", *extra])
 
 
 def stages_table(r: PlanResult):

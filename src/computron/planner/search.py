@@ -1,15 +1,16 @@
-"""Search over node subsets, placements, (tp, pp, dp), micro-batch size, virtual stages,
-recomputation and layer partitions; exact branch and bound on the simulated time.
+"""Search over node subsets, placements, (tp, cp, pp, dp), micro-batch size, virtual stages,
+ZeRO stage, recomputation and layer partitions; exact branch and bound on the simulated time.
 
 What flows through: a model, a cluster, :class:`SearchOptions` and a CostModel go in; a
 :class:`SearchResult` with the best ``top`` feasible plans (ranked by the objective) comes out.
 
 Enumeration: for each node composition (every sub-multiset of the available nodes, or all of
-them with ``all_nodes``), each tp dividing the GPUs of every node type (and the heads), each
-pp <= layers with dp = GPUs/(tp*pp) dividing the global batch, each distinct ordering of the
-nodes (placements whose stages see identical hardware are merged), each micro-batch size
-dividing the per-replica batch, each v, recomputation only when the plan does not fit without
-(selective first, then full), and each partition method (beyond ``max_orderings`` orderings per
+them with ``all_nodes``), each tp dividing the GPUs of every node type (and the heads), each cp
+(:func:`cp_degrees`: only for long sequences), each pp <= layers with dp = GPUs/(tp*cp*pp)
+dividing the global batch, each distinct ordering of the nodes (placements whose stages see
+identical hardware are merged), each micro-batch size dividing the per-replica batch, each v, a
+memory rung (:func:`_rungs`: a higher ZeRO stage, then selective, then full recomputation) only
+when the plan does not fit with the one before, and each partition method (beyond ``max_orderings`` orderings per
 composition, nodes of a type move in blocks). The space is walked best-first by lower bounds
 that tighten level by level (see :func:`search`); nothing whose bound cannot beat the current
 top-K is built or simulated, so the returned plans are the exact optimum of the simulated cost
@@ -44,6 +45,11 @@ OBJECTIVES = ("time", "cost", "throughput")
 # Recomputation, least first: each keeps less activation memory and is no faster in the cost model
 # (selective runs the attention core's forward again, full the whole layer's).
 RUNGS = ("none", "selective", "full")
+# ZeRO stages, least sharding first: stage 1 is never slower than 0 in the cost model (the same
+# traffic, a dp-th of the optimizer step), 2 and 3 hold less and add traffic; the default tries
+# 1, 2, 3 in turn (as rungs, before recomputation: the first with which a configuration fits)
+ZERO_AUTO = (1, 2, 3)
+CP_MIN_TOKENS = 4096  # context parallelism is searched only while each rank keeps this many tokens
 DIVE = 1e18  # subtracted from the heap key of entries explored ahead of their bound
 
 
@@ -60,7 +66,6 @@ class SearchOptions:
     # auto: the first of none, selective, full with which a configuration fits (selective is
     # skipped with fused attention, where it keeps and costs what none does); or only that one
     recompute: str = "auto"
-    zero1: bool = False
     # Plans with tp > 1 use sequence parallelism: in the cost model it is never slower (the same
     # bytes as reduce-scatter + all-gather instead of all-reduce, a tp-th of the norms' and
     # dropouts' work and activations) and holds less.
@@ -71,6 +76,10 @@ class SearchOptions:
     tp: tuple[int, ...] | None = None
     pp: tuple[int, ...] | None = None
     mbs: tuple[int, ...] | None = None
+    zero: tuple[int, ...] | None = None  # ZeRO stages to try in turn (None: ZERO_AUTO); (1,): the former zero1
+    cp: tuple[int, ...] | None = None  # context-parallel degrees (None: cp_degrees' rule)
+    fp8: bool = False  # fp8 weight GEMMs (only compositions whose GPUs all have fp8)
+    tp_overlap: bool = False  # plans with sequence parallelism overlap TP communication with the GEMMs
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -86,6 +95,8 @@ class SearchOptions:
             raise PlannerError("top must be at least 1")
         if self.objective == "throughput" and self.cost_limit is None:
             raise PlannerError("objective 'throughput' needs a cost limit (USD per hour)")
+        if self.zero is not None and (not self.zero or any(z not in (0, 1, 2, 3) for z in self.zero)):
+            raise PlannerError(f"ZeRO stages must be among 0, 1, 2, 3, got {self.zero}")
 
 
 @dataclass
@@ -110,8 +121,32 @@ def _recompute_options(m: TransformerShape, opts: SearchOptions) -> tuple[str, .
     return ("none", "full") if m.flash_attention else RUNGS
 
 
-def _config(dims: ParallelDims, b: int, v: int, rec: str, opts: SearchOptions, sp: bool) -> PlanConfig:
-    return PlanConfig(dims, b, v, rec == "full", opts.zero1, sp=sp, selective=rec == "selective")
+def _rungs(m: TransformerShape, opts: SearchOptions, dims: ParallelDims) -> tuple[tuple[int, str], ...]:
+    """The memory rungs (ZeRO stage, recomputation) a configuration tries, in order, taking the
+    first with which it fits: every ZeRO stage with no recomputation, then with the next
+    recomputation, and so on. With one rank per TP shard (dp*cp = 1) ZeRO shards nothing: stage 0."""
+    zeros = (0,) if dims.dp * dims.cp == 1 else (opts.zero or ZERO_AUTO)
+    return tuple((z, rec) for rec in _recompute_options(m, opts) for z in zeros)
+
+
+def cp_degrees(m: TransformerShape, opts: SearchOptions) -> tuple[int, ...]:
+    """Context-parallel degrees to try: ``opts.cp``, else 1 and, for a model with fused attention,
+    every power of two cp with s divisible by 2*cp (two load-balanced causal chunks per rank)
+    and at least ``CP_MIN_TOKENS`` tokens of each sequence per rank (so cp=2 from 8K tokens: below
+    that the ring's traffic outgrows the attention it hides behind and TP or PP split better)."""
+    if opts.cp:
+        return opts.cp
+    out, c = [1], 2
+    while m.flash_attention and m.seq_len % (2 * c) == 0 and m.seq_len // c >= CP_MIN_TOKENS:
+        out.append(c)
+        c *= 2
+    return tuple(out)
+
+
+def _config(dims: ParallelDims, b: int, v: int, rung: tuple[int, str], opts: SearchOptions, sp: bool) -> PlanConfig:
+    zero, rec = rung
+    return PlanConfig(dims, b, v, rec == "full", zero, sp=sp, selective=rec == "selective", fp8=opts.fp8,
+                      tp_overlap=opts.tp_overlap and sp)
 
 
 def _layouts(m: TransformerShape, n_gpus: int, per_node: list[int], opts: SearchOptions):
@@ -120,31 +155,35 @@ def _layouts(m: TransformerShape, n_gpus: int, per_node: list[int], opts: Search
     for tp in divisors(g):
         if opts.tp and tp not in opts.tp:
             continue
-        for pp in divisors(n_gpus // tp):
-            if pp > m.layers or (opts.pp and pp not in opts.pp):
+        for cp in cp_degrees(m, opts):
+            if (n_gpus // tp) % cp:
                 continue
-            dp = n_gpus // (tp * pp)
-            if m.global_batch % dp:
-                continue
-            dims = ParallelDims(dp=dp, tp=tp, pp=pp)
-            try:
-                check_dims(m, dims, per_node)
-            except PlannerError:
-                continue
-            yield dims
+            for pp in divisors(n_gpus // (tp * cp)):
+                if pp > m.layers or (opts.pp and pp not in opts.pp):
+                    continue
+                dp = n_gpus // (tp * cp * pp)
+                if m.global_batch % dp:
+                    continue
+                dims = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp)
+                try:
+                    check_dims(m, dims, per_node)
+                except PlannerError:
+                    continue
+                yield dims
 
 
-def _tau(m: TransformerShape, nt, tp: int, b: int, cm: CostModel, rec: str = "none", sp: bool = False) -> float:
-    """Seconds one TP group of node type ``nt`` spends per layer per sample at micro-batch ``b``
-    (forward + backward op, TP all-reduces included, plus what recomputation ``rec`` runs again:
-    the forward with "full", the attention core's with "selective"; ``sp``: sequence parallelism).
-    Never below the time with less recomputation, so the bounds that ignore it hold."""
-    key = ("tau", id(nt), tp, b, rec, sp)
+def _tau(m: TransformerShape, nt, dims: ParallelDims, b: int, cm: CostModel, opts: SearchOptions,
+         rec: str = "none") -> float:
+    """Seconds one group of tp*cp GPUs of node type ``nt`` spends per layer per sample at
+    micro-batch ``b`` (forward + backward op, TP communication included, plus what recomputation
+    ``rec`` runs again: the forward with "full", the attention core's with "selective";
+    :meth:`CostModel.ops`). Never above a plan's time (which adds ZeRO and ring traffic that
+    compute does not hide) nor below the time with less recomputation, so the bounds hold."""
+    sp = _sp(opts, dims)
+    key = ("tau", id(nt), dims.tp, dims.cp, b, rec, sp, opts.fp8, opts.tp_overlap)
     tau = cm.cache.get(key)
     if tau is None:
-        f, bw, _ = cm.layer(nt.gpu, tp, b, sp)
-        ftp, btp = costs.layer_tp_comm(m, tp, b, nt.intra_bw, cm.a)
-        again = f + ftp if rec == "full" else cm.core(nt.gpu, tp, b) if rec == "selective" else 0.0
+        f, bw, ftp, btp, again, _ = cm.ops(nt, dims.tp, b, sp, rec, dims.cp, opts.fp8, opts.tp_overlap and sp)
         tau = cm.cache[key] = (f + bw + ftp + btp + again) / b
     return tau
 
@@ -156,6 +195,7 @@ class _StageTables:
     def __init__(self, m: TransformerShape, dims: ParallelDims, opts: SearchOptions, cm: CostModel):
         self.m, self.dims, self.opts, self.cm = m, dims, opts, cm
         self.sp = _sp(opts, dims)
+        self.rungs = _rungs(m, opts, dims)
         self.sets: list[tuple] = []  # node-type tuples, by set id
         self._ids: dict = {}
         self._caps: dict = {}
@@ -168,21 +208,24 @@ class _StageTables:
             self.sets.append(nodes)
         return k
 
-    def caps(self, k: int, b: int, v: int, rec: str) -> list[int]:
-        """Per stage index: at most this many layers fit on node set k (its least memory and least
-        activation size, so never below what PlanContext finds for any placement)."""
-        key = (k, b, v, rec)
+    def caps(self, k: int, b: int, v: int, rung: tuple[int, str]) -> list[int]:
+        """Per stage index: at most this many layers fit on node set k with memory rung ``rung``
+        (its least memory and least activation size, so never below what PlanContext finds for
+        any placement)."""
+        key = (k, b, v, rung)
         got = self._caps.get(key)
         if got is None:
-            m, dims, cm, nodes = self.m, self.dims, self.cm, self.sets[k]
+            m, dims, cm, nodes, opts = self.m, self.dims, self.cm, self.sets[k], self.opts
+            zero, rec = rung
             mb = m.global_batch // (dims.dp * b)
-            act = min(cm.layer(n.gpu, dims.tp, b, self.sp, rec == "selective")[2] for n in nodes)
+            act = min(cm.layer(n.gpu, dims.tp, b, self.sp, rec == "selective", dims.cp, opts.fp8)[2] for n in nodes)
             usable = min(costs.usable_memory(n.gpu, cm.a) for n in nodes)
             got = []
             for s in range(dims.pp):
-                terms = memory_terms(m, dims.tp, b, s, dims.pp, rec == "full", act, self.sp)
+                terms = memory_terms(m, dims.tp, b, s, dims.pp, rec == "full", act, self.sp, dims.cp)
                 inflight = schedule.inflight_closed_form(dims.pp, v, mb, s)
-                got.append(max_layers(terms, usable, m.layers, inflight, mb, v, dims.dp, self.opts.zero1, cm.a))
+                got.append(max_layers(terms, usable, m.layers, inflight, mb, v, dims.dp * dims.cp, zero, cm.a,
+                                      opts.fp8))
             self._caps[key] = got
         return got
 
@@ -207,7 +250,7 @@ class _StageTables:
         key = (kind, k, b)
         got = self._w.get(key)
         if got is None:
-            m, a, t, G = self.m, self.cm.a, self.dims.tp, self.dims.tp * self.dims.dp
+            m, a, t, G = self.m.context_shard(self.dims.cp), self.cm.a, self.dims.tp, self.dims.world_size // self.dims.pp
             if kind == "emb":
                 got = min(sum(costs.embedding_compute(m, n.gpu, t, b, a)) for n in self.sets[k])
             elif kind == "head":
@@ -222,12 +265,13 @@ class _StageTables:
             self._w[key] = got
         return got
 
-    def w(self, k: int, b: int, rec: str) -> float:
-        """Seconds per layer per micro-batch on node set k (its slowest type)."""
-        key = (k, b, rec)
+    def w(self, k: int, b: int, rung: tuple[int, str]) -> float:
+        """Seconds per layer per micro-batch on node set k (its slowest type) with memory rung ``rung``
+        (a lower bound: the ZeRO stage's traffic left out)."""
+        key = (k, b, rung[1])
         got = self._w.get(key)
         if got is None:
-            got = self._w[key] = b * max(_tau(self.m, n, self.dims.tp, b, self.cm, rec, self.sp) for n in self.sets[k])
+            got = self._w[key] = b * max(_tau(self.m, n, self.dims, b, self.cm, self.opts, rung[1]) for n in self.sets[k])
         return got
 
 
@@ -236,11 +280,11 @@ def _sp(opts: SearchOptions, dims: ParallelDims) -> bool:
     return opts.sequence_parallel and dims.tp > 1
 
 
-def _free_bound(m: TransformerShape, dims: ParallelDims, stage_nodes, b: int, cm: CostModel, sp: bool) -> float:
+def _free_bound(m: TransformerShape, dims: ParallelDims, stage_nodes, b: int, cm: CostModel, opts: SearchOptions) -> float:
     """A bound for plans whose stages fall on these node types (in any order) at micro-batch b,
     memory ignored: a stage runs at its slowest type's ``tau_s``; one replica's B/dp samples
     through L layers take at least ``(B/dp) * L / sum_s 1/tau_s``."""
-    rate = sum(1.0 / max(_tau(m, n, dims.tp, b, cm, sp=sp) for n in nodes) for nodes in stage_nodes)
+    rate = sum(1.0 / max(_tau(m, n, dims, b, cm, opts) for n in nodes) for nodes in stage_nodes)
     return m.global_batch / dims.dp * m.layers / rate * _slowest(dims, cm)
 
 
@@ -251,32 +295,32 @@ def _slowest(dims: ParallelDims, cm: CostModel) -> float:
 
 
 def _recompute_choice(m: TransformerShape, sig: tuple[int, ...], b: int, v: int, opts: SearchOptions,
-                      tabs: _StageTables) -> str | None:
-    """How plans whose stage s falls on node set ``sig[s]`` (micro-batch b, v chunks) recompute: the
-    first rung of :func:`_recompute_options` whose memory caps allow the layers on every stage;
-    None when nothing fits (or v does not divide the schedule)."""
+                      tabs: _StageTables) -> tuple[int, str] | None:
+    """The ZeRO stage and recomputation of plans whose stage s falls on node set ``sig[s]``
+    (micro-batch b, v chunks): the first of :func:`_rungs` whose memory caps allow the layers on
+    every stage; None when nothing fits (or v does not divide the schedule)."""
     dims = tabs.dims
     mb = m.global_batch // (dims.dp * b)
     if v > 1 and (dims.pp == 1 or mb % dims.pp or m.layers < dims.pp * v):
         return None
-    for rec in _recompute_options(m, opts):
-        lists = {k: tabs.caps(k, b, v, rec) for k in set(sig)}
+    for rung in tabs.rungs:
+        lists = {k: tabs.caps(k, b, v, rung) for k in set(sig)}
         caps = [lists[k][s] for s, k in enumerate(sig)]
         if min(caps) >= v and sum(caps) >= m.layers:
-            return rec
+            return rung
     return None
 
 
 def _shared_recompute_choice(m: TransformerShape, sig: tuple[int, ...], b: int, v: int, opts: SearchOptions,
-                             tabs: _StageTables) -> str | None:
-    """The first recomputation option when every ordering of the stages on node sets ``sig`` fits
+                             tabs: _StageTables) -> tuple[int, str] | None:
+    """The first memory rung when every ordering of the stages on node sets ``sig`` fits
     with it (each set at its least memory cap over the positions), so all make the same
     :func:`_recompute_choice`; None when orderings must be decided one by one."""
     dims = tabs.dims
     if v > 1 and (dims.pp == 1 or m.global_batch // (dims.dp * b) % dims.pp or m.layers < dims.pp * v):
         return None
-    rec = _recompute_options(m, opts)[0]
-    return rec if _fits_every_order(m, sig, v, {k: tabs.caps(k, b, v, rec) for k in set(sig)}) else None
+    rung = tabs.rungs[0]
+    return rung if _fits_every_order(m, sig, v, {k: tabs.caps(k, b, v, rung) for k in set(sig)}) else None
 
 
 def _fits_every_order(m: TransformerShape, sig: tuple[int, ...], v: int, lists: dict) -> bool:
@@ -286,7 +330,7 @@ def _fits_every_order(m: TransformerShape, sig: tuple[int, ...], v: int, lists: 
     return min(caps) >= v and sum(caps) >= m.layers
 
 
-def _fill_bound(m: TransformerShape, sig: tuple[int, ...], b: int, v: int, rec: str, tabs: _StageTables,
+def _fill_bound(m: TransformerShape, sig: tuple[int, ...], b: int, v: int, rec: tuple[int, str], tabs: _StageTables,
                 cutoff: float = math.inf, rel_tol: float = 1e-3) -> float:
     """:func:`pipeline_min_max` for plans whose stage s falls on node set ``sig[s]`` (micro-batch b,
     v chunks, recomputation ``rec``): the capped bound plus the pipeline's fill and drain."""
@@ -305,7 +349,7 @@ def _family_fill_bound(m: TransformerShape, sig: tuple[int, ...], b: int, v: int
     has its own memory cap, the head and its full fill term, and every other stage its largest
     cap over the other positions and (v = 1) the fill term of the position with the most forwards
     in flight; each stage sends at least 2v - 1 times, at the cheapest link to any set of the
-    family. Recomputation rungs after one with which every ordering fits are not bounded: no
+    family. Memory rungs after one with which every ordering fits are not bounded: no
     ordering takes them (:func:`_recompute_choice`)."""
     p, mb = tabs.dims.pp, m.global_batch // (tabs.dims.dp * b)
     kinds = set(sig)
@@ -315,7 +359,7 @@ def _family_fill_bound(m: TransformerShape, sig: tuple[int, ...], b: int, v: int
     ov = 2 * v * tabs.cm.a.chunk_overhead_s
     send = {k: (2 * v - 1) * min(tabs._part("send", (k, j), b) for j in kinds) + ov if p > 1 else 0.0 for k in kinds}
     g = _slowest(tabs.dims, tabs.cm)
-    for rec in _recompute_options(m, opts):
+    for rec in tabs.rungs:
         lists = {k: tabs.caps(k, b, v, rec) for k in kinds}
         for last in kinds:  # the stage that comes last is put at the end
             order = list(sig)
@@ -334,11 +378,11 @@ def _family_fill_bound(m: TransformerShape, sig: tuple[int, ...], b: int, v: int
 
 
 def _group_bound(m: TransformerShape, comp: dict[str, int], nts: dict, dims: ParallelDims, sizes, cm: CostModel,
-                 sp: bool) -> float:
+                 opts: SearchOptions) -> float:
     """A bound for every plan of one composition and layout, whatever the placement and partition:
-    B*L layer-samples shared by TP groups of total rate ``R = sum_g n_g / tau_g`` (tau at the best
-    allowed micro-batch size) take at least ``B*L / R``."""
-    rate = sum(k * nts[n].gpus_per_node / dims.tp / min(_tau(m, nts[n], dims.tp, b, cm, sp=sp) for b in sizes)
+    B*L layer-samples shared by groups of tp*cp GPUs of total rate ``R = sum_g n_g / tau_g`` (tau
+    at the best allowed micro-batch size) take at least ``B*L / R``."""
+    rate = sum(k * nts[n].gpus_per_node / (dims.tp * dims.cp) / min(_tau(m, nts[n], dims, b, cm, opts) for b in sizes)
                for n, k in comp.items())
     return m.global_batch * m.layers / rate * _slowest(dims, cm)
 
@@ -350,12 +394,14 @@ def _groups(m: TransformerShape, cluster: Cluster, opts: SearchOptions, cm: Cost
         price = sum(nts[n].price * k for n, k in comp.items())
         if opts.objective == "throughput" and price > opts.cost_limit:
             continue
+        if opts.fp8 and not all(nt.gpu.fp8_tflops for nt in nts.values()):
+            continue  # every rank runs the same recipe
         n_gpus = sum(nts[n].gpus_per_node * k for n, k in comp.items())
         for dims in _layouts(m, n_gpus, [nt.gpus_per_node for nt in nts.values()], opts):
             per_replica = m.global_batch // dims.dp
             sizes = [b for b in divisors(per_replica) if b <= opts.max_mbs and (not opts.mbs or b in opts.mbs)]
             if sizes:
-                yield _group_bound(m, comp, nts, dims, sizes, cm, _sp(opts, dims)), (comp, nts, dims, sizes, price)
+                yield _group_bound(m, comp, nts, dims, sizes, cm, opts), (comp, nts, dims, sizes, price)
 
 
 def multinomial(counts) -> int:
@@ -399,13 +445,18 @@ def _gatherings(group, opts: SearchOptions, cm: CostModel, stats: dict):
         stats["block_size"] = max(stats["block_size"], k)
         orderings = cm.cache[key] = [tuple(nts[n] for n in o) for o in names]
     stats["placements"] += len(orderings)
-    by_types: dict = {}
-    for order in orderings:
-        by_types.setdefault(stage_node_names(order, dims.tp * dims.dp, dims.pp), []).append(order)
+    G = dims.world_size // dims.pp  # layouts with the same stage size and pp gather alike (tp, cp differ)
+    key = ("gathered", key[1], G, dims.pp)
+    by_types = cm.cache.get(key)
+    if by_types is None:
+        by_types = cm.cache[key] = {}
+        for order in orderings:
+            by_types.setdefault(stage_node_names(order, G, dims.pp), []).append(order)
     yield from by_types.items()
 
 
-def search(m: TransformerShape, cluster: Cluster, opts: SearchOptions = SearchOptions(), cm: CostModel | None = None) -> SearchResult:
+def search(m: TransformerShape, cluster: Cluster, opts: SearchOptions = SearchOptions(), cm: CostModel | None = None,
+           progress=None) -> SearchResult:
     """The best ``opts.top`` feasible plans for ``m`` on ``cluster`` (see module docstring).
 
     Best-first branch and bound over one heap of entries, each popped in order of a valid lower
@@ -426,6 +477,9 @@ def search(m: TransformerShape, cluster: Cluster, opts: SearchOptions = SearchOp
     The search stops when the smallest bound left cannot beat the current ``top``-th plan, so the
     result is the exact optimum of the cost model. With ``recompute="auto"`` a configuration's next
     recomputation rung is queued only when it fits no partition with the one before.
+
+    ``progress(bound, best, stats)``, when given, is called every 64 steps with the
+    objective bound being explored and the ``top``-th best found (inf before that).
     """
     t0 = time.perf_counter()
     cm = cm or CostModel(m)
@@ -438,7 +492,7 @@ def search(m: TransformerShape, cluster: Cluster, opts: SearchOptions = SearchOp
         heap.append((objective_value(opts, lb, price), lb, next(seq), "group", g))
     heapq.heapify(heap)
     intern: dict = {}
-    view_cache: dict = {}  # id(placements of a gathering) -> (them, {stage views: placement})
+    view_cache: dict = {}  # (id(placements of a gathering), dims) -> (them, {stage views: placement})
     best: list[tuple[float, float, PlanResult]] = []
     keys = set()
 
@@ -459,8 +513,12 @@ def search(m: TransformerShape, cluster: Cluster, opts: SearchOptions = SearchOp
             return
         heapq.heappush(heap, (obj - DIVE if dive else obj, lb, next(seq), kind, item))
 
+    steps = 0
     while heap:
         obj0, lb0, _, kind, item = heapq.heappop(heap)
+        steps += 1
+        if progress is not None and steps % 64 == 0:
+            progress(obj0 + DIVE if obj0 < 0 else obj0, best[-1][0] if len(best) >= opts.top else math.inf, stats)
         if obj0 < 0:  # explored ahead of its bound
             if beaten(obj0 + DIVE):
                 continue
@@ -479,7 +537,7 @@ def search(m: TransformerShape, cluster: Cluster, opts: SearchOptions = SearchOp
             for members in families.values():
                 stage_nodes = [tabs.sets[k] for k in members[0][0]]  # any member: the bound ignores order
                 for b in sizes:
-                    lb = max(_free_bound(m, dims, stage_nodes, b, cm, tabs.sp), lb0)
+                    lb = max(_free_bound(m, dims, stage_nodes, b, cm, opts), lb0)
                     push(lb, price, "family", (item, tabs, members, b, math.inf, None))
             continue
         if kind == "family":
@@ -517,13 +575,13 @@ def search(m: TransformerShape, cluster: Cluster, opts: SearchOptions = SearchOp
                     push(lb, price, "gathering", (group, tabs, sig, orders, b, v, rec, cut))
                     continue
                 lb0 = max(lb, lb0)
-            views = view_cache.get(id(orders), (None, None))[1]
+            views = view_cache.get((id(orders), dims), (None, None))[1]
             if views is None:
                 stats["gatherings"] += 1
                 views = {}
                 for order in orders:
                     views.setdefault(stage_envs(order, dims, cm.a, intern), order)
-                view_cache[id(orders)] = (orders, views)  # holding orders keeps its id unique
+                view_cache[(id(orders), dims)] = (orders, views)  # holding orders keeps its id unique
                 stats["views"] += len(views)
             for envs, order in views.items():
                 push(lb0, price, "lazy", (envs, order, _config(dims, b, v, rec, opts, tabs.sp), price), not best)
@@ -563,8 +621,8 @@ def search(m: TransformerShape, cluster: Cluster, opts: SearchOptions = SearchOp
             bisect.insort(best, (objective_value(opts, r.iteration_s, r.price_per_hour), r.price_per_hour, r),
                           key=lambda x: (x[0], x[1]))
             del best[opts.top:]
-        rungs = _recompute_options(m, opts)
-        nxt = rungs.index(ctx.cfg.recomputation) + 1
+        rungs = _rungs(m, opts, ctx.cfg.dims)
+        nxt = rungs.index((ctx.cfg.zero, ctx.cfg.recomputation)) + 1
         if not seen and nxt < len(rungs):
             # fits nowhere with this rung: queue the next (no faster, so the same bound)
             push(lb0, price, "lazy", (ctx.envs, order, _config(ctx.cfg.dims, ctx.cfg.mbs, ctx.cfg.v, rungs[nxt], opts,

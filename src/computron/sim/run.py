@@ -150,7 +150,7 @@ class Simulation:
         rec = self.records[rid] = RequestRecord(rid, a.model, a.time, a.prompt_tokens, n, None, None, None,
                                                 step=self.core.scheduler.step_count)
         try:
-            self.core.add_request(CoreRequest(rid, a.model, prompt, params, arrival=a.time))
+            self.core.add_request(CoreRequest(rid, a.model, prompt, params, arrival=a.time), ids_checked=True)
         except ValueError as e:  # EngineError: the request is refused, as a server would answer 4xx
             rec.finish_reason, rec.error = "error", str(e)
 

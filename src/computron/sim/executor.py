@@ -205,25 +205,26 @@ class SimExecutor:
                 tok = [tok] * k
             prefill = decode = 0
             for s in batch.seqs:
+                rid, past = s.req_id, s.past
                 n = len(s.tokens) + k - 1  # a run of k steps writes k positions
-                if s.past:
+                seq = seqs.get(rid)
+                if past:
                     decode += 1
                 else:
                     prefill += n
-                seq = seqs.get(s.req_id)
+                    if seq is not None and seq[1]:  # a recompute starts from an empty cache
+                        kv[d] -= seq[1] * bb
+                        seq[1] = 0
                 if seq is None:
-                    seq = seqs[s.req_id] = [m, 0]
-                elif not s.past and seq[1]:  # a recompute starts from an empty cache
-                    kv[d] -= seq[1] * bb
-                    seq[1] = 0
-                need = -(-(s.past + n) // bt)
+                    seq = seqs[rid] = [m, 0]
+                need = (past + n + bt - 1) // bt
                 if need > seq[1]:
                     kv[d] += (need - seq[1]) * bb
                     seq[1] = need
                     if kv[d] + self.weights[d] > cap:
-                        raise MemoryError(f"KV cache of {s.req_id!r} exceeds the arena of device {d}: "
+                        raise MemoryError(f"KV cache of {rid!r} exceeds the arena of device {d}: "
                                           f"{self.weights[d]} + {kv[d]} > {cap} bytes")
-                tokens[s.req_id] = tok
+                tokens[rid] = tok
             compute = batch_time(self.cal, m.nbytes, prefill, decode)
             if m.load_end > now:  # cold: group i computes once group i has landed (legacy: once all have)
                 finish = pipelined_finish(now, compute, m.groups, m.ready) if self.overlap else m.load_end + compute

@@ -1,11 +1,14 @@
-"""SimExecutor's answers to the executor protocol: load reports, the clock, and errors in the future."""
+"""SimExecutor's answers to the executor protocol (load reports, the clock, errors in the future), and
+the run loop's hold on the garbage collector."""
+
+import gc
 
 import pytest
 
 from computron.config import EngineConfig
 from computron.messages import ExecuteBatch, ModelDescription, Residency, SamplingParams, SeqInput
 from computron.models import PRESETS
-from computron.sim import Calibration, SimExecutor, group_bytes
+from computron.sim import Calibration, SimExecutor, Simulation, group_bytes, simulate
 
 CAL = Calibration(name="test", swap_bandwidth=1e7, hbm_bandwidth=1e15, prefill_fixed_s=0.01, prefill_token_s=0.001,
                   prefill_token_s_per_byte=0.0, decode_fixed_s=0.002, decode_seq_s=0.0005,
@@ -40,3 +43,24 @@ def test_a_batch_of_a_model_not_on_its_device_fails_in_the_future():
     with pytest.raises(RuntimeError, match="model 'b' runs a batch but is not on its device"):
         fut.result()
     assert isinstance(fut.exception(), RuntimeError)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_run_gives_the_collector_back_as_it_found_it(enabled):
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        res = simulate([(0.0, "tiny-opt", 8, 3)], ["tiny-opt"], CAL)
+        assert res.records[0].finish_reason == "length"
+        assert gc.isenabled() == enabled
+        sim = Simulation(["tiny-opt"], CAL)
+
+        def broken(max_steps=1):
+            raise RuntimeError("broken step")
+
+        sim.core.step = broken
+        with pytest.raises(RuntimeError, match="broken step"):  # a run that fails gives it back too
+            sim.run([(0.0, "tiny-opt", 8, 3)])
+        assert gc.isenabled() == enabled
+    finally:
+        (gc.enable if was else gc.disable)()

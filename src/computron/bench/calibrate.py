@@ -87,9 +87,10 @@ class _Direct:
 class _Served:
     """Prefill and decode timed as ``computron loadgen`` times them against ``computron serve``: the
     engine on its own thread behind the HTTP server (on loopback), the requests streamed by loadgen's
-    client from a process of its own; a prefill is a lone request's time to its first token, a decode
-    step (last end - last first token) / (tokens - 1) of B streams sent at once. The server's work per
-    request and per streamed token, which shares the engine's process, is in these times."""
+    client from a process of its own (with loadgen's prompt ids, of the same lengths); a prefill is a
+    lone request's time to its first token, a decode step (last end - last first token) / (tokens - 1)
+    of B streams sent at once. The server's work per request and per streamed token, which shares the
+    engine's process, is in these times."""
 
     def __init__(self, eng):
         import multiprocessing

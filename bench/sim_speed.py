@@ -5,10 +5,13 @@ A 3-model workload (Gamma inter-arrival times, CV 2, per model) of ~20k requests
 H200-like calibration and a budget that holds two of the three models, run ``--runs`` times on
 one core (the median is the figure; CPU seconds of the process beside wall seconds, as other work
 on the machine stretches wall time). A profiled run on a slice of the trace says where the time
-goes. Writes bench/results/sim_speed.json; ``--out`` elsewhere and ``PYTHONPATH`` at another
-checkout's ``src`` measure that version with the same workload.
+goes. Writes bench/results/sim_speed.json. ``--reference-src`` at another checkout's ``src`` (e.g.
+``git worktree add --detach /tmp/ref main``) measures that version too, in the same run: each run
+is a fresh process of each version in turn, on the same workload, and the two must simulate the same
+(steps, end time, latencies) or the script fails.
 
     .venv/bin/python bench/sim_speed.py [--requests 20000] [--runs 5] [--profile-requests 4000]
+        [--reference-src /tmp/ref/src]
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import platform
 import pstats
 import random
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -64,6 +68,26 @@ def run(trace, cfg):
     return res, calls[0], time.perf_counter() - t0, time.process_time() - c0
 
 
+def outcome(res) -> dict:
+    """What a simulation decided: two versions that simulate alike give the same."""
+    summ = res.summary()["all"]
+    return {"steps": res.steps, "end_time": round(res.end_time, 9), "completed": summ["completed"],
+            "latency_mean": round(summ["latency"]["mean"], 9), "ttft_mean": round(summ["ttft"]["mean"], 9)}
+
+
+def child(a, cfg) -> None:
+    """One run of the checkout on PYTHONPATH; its figures as JSON on stdout."""
+    res, calls, w, c = run(gamma_trace(a.requests, MODELS, a.rate, a.cv, seed=0), cfg)
+    print(json.dumps({"wall_s": w, "cpu_s": c, "core_calls": calls, "outcome": outcome(res)}))
+
+
+def in_process(src: str, a) -> dict:
+    env = {**os.environ, "PYTHONPATH": src}
+    out = subprocess.run([sys.executable, __file__, "--child", "--requests", str(a.requests), "--rate", str(a.rate),
+                          "--cv", str(a.cv)], env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.splitlines()[-1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=20_000)
@@ -72,20 +96,42 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--label", default="", help="what version is measured (recorded in the JSON)")
     ap.add_argument("--profile-requests", type=int, default=4000)
+    ap.add_argument("--reference-src", default=None, help="another checkout's src, measured in the same run")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "sim_speed.json"))
     a = ap.parse_args()
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})  # one core
     cfg = EngineConfig(gpu_memory_budget=30 * 2**30)  # 27 GiB arena: two of the three models, not all
+    if a.child:
+        return child(a, cfg)
     trace = gamma_trace(a.requests, MODELS, a.rate, a.cv, seed=0)
-    walls, cpus = [], []
+    walls, cpus, ref = [], [], {"wall_s_runs": [], "cpu_s_runs": []}
+    this_src = str(Path(__file__).resolve().parent.parent / "src")
     for _ in range(a.runs):
-        res, calls, w, c = run(trace, cfg)
-        walls.append(w)
-        cpus.append(c)
+        if a.reference_src:  # each version in a fresh process, in turn
+            r = in_process(a.reference_src, a)
+            ref["wall_s_runs"].append(r["wall_s"])
+            ref["cpu_s_runs"].append(r["cpu_s"])
+            ref["outcome"], ref["core_calls"] = r["outcome"], r["core_calls"]
+            mine = in_process(this_src, a)
+            walls.append(mine["wall_s"])
+            cpus.append(mine["cpu_s"])
+            if mine["outcome"] != r["outcome"]:
+                raise SystemExit(f"the versions simulate differently: {mine['outcome']} against {r['outcome']}")
+        else:
+            res, calls, w, c = run(trace, cfg)
+            walls.append(w)
+            cpus.append(c)
+    res, calls, _, _ = run(trace, cfg)  # this version's outcome and calls, in this process
     wall, cpu = statistics.median(walls), statistics.median(cpus)
     summ = res.summary()
     tokens = summ["all"]["output_tokens"]
+    if a.reference_src:
+        rw, rc = statistics.median(ref["wall_s_runs"]), statistics.median(ref["cpu_s_runs"])
+        ref.update({"src": a.reference_src, "wall_s": round(rw, 3), "cpu_s": round(rc, 3),
+                    "requests_per_s": round(len(trace) / rw, 1), "requests_per_cpu_s": round(len(trace) / rc, 1),
+                    "speedup_wall": round(rw / wall, 3), "speedup_cpu": round(rc / cpu, 3)})
 
     prof = cProfile.Profile()
     small = trace[: a.profile_requests]
@@ -111,7 +157,8 @@ def main() -> None:
         "wall_s_runs": [round(w, 3) for w in walls], "cpu_s_runs": [round(c, 3) for c in cpus],
         "core_calls": calls, "steps": res.steps, "steps_per_s": round(res.steps / wall, 1), "output_tokens": tokens,
         "tokens_per_s": round(tokens / wall, 1), "simulated_s": round(res.end_time, 3),
-        "core_stats": res.stats, "completed": summ["all"]["completed"],
+        "core_stats": res.stats, "completed": summ["all"]["completed"], "outcome": outcome(res),
+        "reference": ref if a.reference_src else None,
         "latency_s": summ["all"]["latency"], "ttft_s": summ["all"]["ttft"],
         "profile": {"requests": len(small), "wall_s_profiled": round(pwall, 3), "top_tottime": top},
         "python": sys.version.split()[0], "machine": platform.processor() or platform.machine(),
@@ -121,6 +168,9 @@ def main() -> None:
     Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps({k: out[k] for k in ("requests_per_s", "requests_per_cpu_s", "wall_s", "cpu_s", "core_calls",
                                            "steps", "simulated_s", "completed")}, indent=1))
+    if a.reference_src:
+        print(f"reference {a.reference_src}: {ref['requests_per_s']} requests/s ({ref['requests_per_cpu_s']} per CPU s); "
+              f"speedup {ref['speedup_wall']}x wall, {ref['speedup_cpu']}x CPU; same outcome {ref['outcome']}")
     print(s.getvalue()[:4000])
 
 

@@ -41,3 +41,17 @@ def test_bad_input_is_refused_with_its_reason(capsys):
     assert "--values for --sweep rate: cannot read 'x' as a number" in capsys.readouterr().err
     assert main(["sim", "--models", "tiny-opt", "--rate", "1", "--sweep", "budget", "--values", "1GiB,lots"]) == 2
     assert "cannot read 'lots' as a size" in capsys.readouterr().err
+
+
+def test_served_calibration_times_requests_through_the_http_server():
+    pytest.importorskip("torch")
+    pytest.importorskip("httpx")
+    from computron.bench.calibrate import run
+
+    res = run(["tiny-opt"], "cpu", batches=[1, 3], prompts=[8, 24], new=4, repeats=1, budget=None, serve=True)
+    assert res["path"] == "served" and res["calibration"].name.endswith("(served)")
+    pts = res["points"]
+    assert [(m, p) for m, _, p, _ in pts["prefill"]] == [("tiny-opt", 8), ("tiny-opt", 24)]
+    assert [(m, b) for m, _, b, _ in pts["decode"]] == [("tiny-opt", 1), ("tiny-opt", 3)]
+    assert all(t > 0 for *_, t in pts["prefill"] + pts["decode"])
+    assert len(pts["swap"]) == len(pts["evict"]) == 1  # swaps are timed on the engine, before the server starts

@@ -9,6 +9,12 @@ For each model (resident alone on the device, through the real engine):
   each B of ``--batch`` (as ``bench decode``);
 - the weight-read floor (one pass over the model's bytes), which bounds every step from below.
 
+With ``--serve`` prefill and decode are timed through the HTTP server instead, as ``computron loadgen``
+times them against ``computron serve``: the engine on its own thread behind the server, the requests
+streamed by loadgen's client from another process. The server shares the engine's process, so its
+work per request and per streamed token slows the engine's steps; a simulation that is to predict a
+loadgen measurement wants a calibration that includes it.
+
 The simulator's cost terms are fitted by least squares over all models at once (two or more
 model sizes separate the per-byte terms from the fixed ones): prefill = a + a'·bytes + P·(b + c·bytes),
 decode = d + d'·bytes + B·(e + f·bytes), each at least bytes / HBM rate. Writes the calibration file that
@@ -52,25 +58,112 @@ def _fit(rows: list[tuple[float, float, float]]) -> tuple[float, float, float, f
     return best
 
 
+class _Direct:
+    """Prefill and decode timed on the engine itself (``Engine.run_until_done`` on this thread)."""
+
+    def __init__(self, eng):
+        self.eng = eng
+
+    def call(self, fn, *args):
+        return fn(*args)
+
+    def prefill_s(self, model: str, ids: list[int]) -> float:
+        from ..engine import SamplingParams
+
+        t0 = time.perf_counter()
+        req = self.eng.submit(model, ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        self.eng.run_until_done([req])
+        return req.first_token_at - t0
+
+    def decode_step_s(self, model: str, prompts: list[list[int]], new: int) -> float:
+        from .decode import _engine_step_s
+
+        return _engine_step_s(self.eng, model, len(prompts), prompts, new)
+
+    def close(self) -> None:
+        pass
+
+
+class _Served:
+    """Prefill and decode timed as ``computron loadgen`` times them against ``computron serve``: the
+    engine on its own thread behind the HTTP server (on loopback), the requests streamed by loadgen's
+    client from a process of its own (with loadgen's prompt ids, of the same lengths); a prefill is a
+    lone request's time to its first token, a decode step (last end - last first token) / (tokens - 1)
+    of B streams sent at once. The server's work per request and per streamed token, which shares the
+    engine's process, is in these times."""
+
+    def __init__(self, eng):
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        from ..config import ComputronConfig, ServerConfig
+        from ..engine import AsyncEngine
+        from ..server.app import create_app
+        from ..server.background import ServerThread
+
+        self.ae = AsyncEngine(eng)
+        self.server = ServerThread(create_app(self.ae, ComputronConfig(server=ServerConfig(max_queue=4096)))).start()
+        self.client = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+
+    def call(self, fn, *args):
+        return self.ae.call(fn, *args).result()
+
+    def _replay(self, reqs: list[tuple[float, str, int, int]]) -> list[tuple[float, float, float]]:
+        return self.client.submit(_replay, self.server.url, reqs).result()
+
+    def prefill_s(self, model: str, ids: list[int]) -> float:
+        ((sent, first, _),) = self._replay([(0.0, model, len(ids), 1)])
+        return first - sent
+
+    def decode_step_s(self, model: str, prompts: list[list[int]], new: int) -> float:
+        recs = self._replay([(0.0, model, len(p), new) for p in prompts])
+        return (max(end for _, _, end in recs) - max(first for _, first, _ in recs)) / (new - 1)
+
+    def close(self) -> None:
+        self.client.shutdown()
+        self.server.stop()
+        self.ae.shutdown()
+
+
+def _replay(url: str, reqs: list[tuple[float, str, int, int]]) -> list[tuple[float, float, float]]:
+    """In the client process: loadgen's replay of ``reqs`` (time, model, prompt tokens, new tokens)
+    against ``url``; (sent, first token, end) of each, in seconds from the replay's start."""
+    import asyncio
+
+    import httpx
+
+    from ..workload.loadgen import replay
+    from ..workload.trace import Request
+
+    for _ in range(3000):  # the server answers 503 until its start-up is done
+        if httpx.get(f"{url}/health", timeout=10).status_code == 200:
+            break
+        time.sleep(0.01)
+    recs = asyncio.run(replay(url, [Request(*r) for r in reqs]))
+    bad = [r.error for r in recs if not r.ok]
+    if bad:
+        raise RuntimeError(f"a calibration request failed: {bad[0]}")
+    return [(r.arrival, r.first_token, r.finish) for r in recs]
+
+
 def run(models: list[str], device: str, batches: list[int], prompts: list[int], new: int, repeats: int,
-        budget: str | None, executor: str | None = None) -> dict:
+        budget: str | None, executor: str | None = None, serve: bool = False) -> dict:
     import torch
 
     from ..config import EngineConfig, ModelSpec
-    from ..engine import Engine, SamplingParams
+    from ..engine import Engine
     from ..sim.costs import Calibration, batch_time
     from .common import machine
-    from .decode import _engine_step_s, _floor_s
+    from .decode import _floor_s
 
     eng = Engine(EngineConfig(device=device, gpu_memory_budget=budget, executor=executor))
     dev = eng.executor.device if hasattr(eng.executor, "device") else torch.device("cpu")
     points = {"swap": [], "evict": [], "prefill": [], "decode": [], "floor": []}
     rng = np.random.default_rng(0)
-    for name in models:
-        spec = ModelSpec.parse(name)
+    specs = [ModelSpec.parse(name) for name in models]
+    for spec in specs:
         eng.register_model(spec)
         nbytes = eng.core.models[spec.name].total_bytes
-        vocab = eng.core.models[spec.name].config.vocab_size
         for _ in range(repeats + 1):  # the first round warms the path up
             eng.core.offload(spec.name)
             t0 = time.perf_counter()
@@ -82,25 +175,25 @@ def run(models: list[str], device: str, batches: list[int], prompts: list[int], 
             points["swap"].append((spec.name, nbytes, swap))
             points["evict"].append((spec.name, nbytes, evict))
         del points["swap"][-repeats - 1], points["evict"][-repeats - 1]
-        eng.core.load(spec.name, wait=True)
-        greedy = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-        for p in prompts:
-            times = []
-            for _ in range(repeats + 1):
-                ids = rng.integers(0, vocab, p).tolist()
-                t0 = time.perf_counter()
-                req = eng.submit(spec.name, ids, greedy)
-                eng.run_until_done([req])
-                times.append(req.first_token_at - t0)
-            points["prefill"].append((spec.name, nbytes, p, statistics.median(times[1:])))
-        plen = min(prompts)
-        for b in batches:
-            prompt_ids = [rng.integers(0, vocab, plen).tolist() for _ in range(b)]
-            _engine_step_s(eng, spec.name, b, prompt_ids, new)  # warm-up (graph capture for this batch)
-            step = statistics.median(_engine_step_s(eng, spec.name, b, prompt_ids, new) for _ in range(repeats))
-            points["decode"].append((spec.name, nbytes, b, step))
         points["floor"].append((spec.name, nbytes, _floor_s(nbytes, dev)))
-        eng.core.offload(spec.name)
+    path = _Served(eng) if serve else _Direct(eng)
+    try:
+        for spec in specs:
+            nbytes = eng.core.models[spec.name].total_bytes
+            vocab = eng.core.models[spec.name].config.vocab_size
+            path.call(eng.core.load, spec.name, True)
+            for p in prompts:
+                times = [path.prefill_s(spec.name, rng.integers(0, vocab, p).tolist()) for _ in range(repeats + 1)]
+                points["prefill"].append((spec.name, nbytes, p, statistics.median(times[1:])))
+            plen = min(prompts)
+            for b in batches:
+                prompt_ids = [rng.integers(0, vocab, plen).tolist() for _ in range(b)]
+                path.decode_step_s(spec.name, prompt_ids, new)  # warm-up (graph capture for this batch)
+                step = statistics.median(path.decode_step_s(spec.name, prompt_ids, new) for _ in range(repeats))
+                points["decode"].append((spec.name, nbytes, b, step))
+            path.call(eng.core.offload, spec.name)
+    finally:
+        path.close()
     swap_bw = statistics.median(b / s for _, b, s in points["swap"])
     hbm = statistics.median(b / s for _, b, s in points["floor"])
     pf = _fit([(b, p, t) for _, b, p, t in points["prefill"]])
@@ -108,7 +201,8 @@ def run(models: list[str], device: str, batches: list[int], prompts: list[int], 
     ev = _fit([(b, 0, t) for _, b, t in points["evict"]])  # fixed + per byte (a copy back, if any)
     mem = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else \
         eng.executor.status().devices[0].budget
-    cal = Calibration(name=f"measured:{machine().get('gpu', dev.type)}", swap_bandwidth=(swap_bw,), hbm_bandwidth=hbm,
+    cal = Calibration(name=f"measured:{machine().get('gpu', dev.type)}{' (served)' if serve else ''}",
+                      swap_bandwidth=(swap_bw,), hbm_bandwidth=hbm,
                       prefill_fixed_s=pf[0], prefill_fixed_s_per_byte=pf[1], prefill_token_s=pf[2],
                       prefill_token_s_per_byte=pf[3], decode_fixed_s=dc[0], decode_fixed_s_per_byte=dc[1],
                       decode_seq_s=dc[2], decode_seq_s_per_byte=dc[3],
@@ -120,7 +214,8 @@ def run(models: list[str], device: str, batches: list[int], prompts: list[int], 
             checks.append({"kind": kind, "model": name, "n": n, "measured_s": t, "fit_s": pred,
                            "error": pred / t - 1})
     eng.executor.shutdown()
-    return {"calibration": cal, "points": {k: v for k, v in points.items()}, "fit": checks, "machine": machine()}
+    return {"calibration": cal, "points": {k: v for k, v in points.items()}, "fit": checks,
+            "path": "served" if serve else "engine", "machine": machine()}
 
 
 def main(args) -> int:
@@ -135,7 +230,7 @@ def main(args) -> int:
 
     try:
         res = run(args.model, args.device, args.batch, args.prompt, args.new_tokens, args.repeats,
-                  args.gpu_memory_budget, args.executor)
+                  args.gpu_memory_budget, args.executor, args.serve)
     except (ValueError, FileNotFoundError, MemoryError) as e:  # EngineError is a ValueError
         print(f"computron bench calibrate: {e.args[0] if e.args else e}", file=sys.stderr)
         return 2

@@ -100,6 +100,9 @@ def add_calibrate_parser(sub) -> None:
     p.add_argument("--gpu-memory-budget", default=None)
     p.add_argument("--executor", choices=("inprocess", "legacy"), default=None,
                    help="the executor to measure (legacy: the computron policy's; default: the default policy's)")
+    p.add_argument("--serve", action="store_true",
+                   help="time prefill and decode through the HTTP server with loadgen's streamed client (what "
+                        "loadgen measures against `computron serve`) instead of on the engine alone")
     p.add_argument("--out", default="bench/results/calibration.json", help="the calibration file to write")
     p.set_defaults(func=_calibrate)
 

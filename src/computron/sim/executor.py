@@ -25,7 +25,6 @@ allocation beyond the capacity raises (the scheduler was wrong), as the arena wo
 from __future__ import annotations
 
 import math
-from concurrent.futures import Future
 from typing import Callable
 
 from ..config import EngineConfig
@@ -36,6 +35,28 @@ from ..models import resolve_model
 from .clock import VirtualClock
 from .costs import CPU_DEFAULT, Calibration, batch_time, pipelined_finish
 from .layout import group_bytes
+
+
+class _Done:
+    """A step that has already run, as the future ``execute`` returns (``result()`` gives its
+    ``StepResult`` or raises its error): a ``concurrent.futures.Future`` costs a lock and a
+    condition per step, a tenth of the simulator's own work."""
+
+    __slots__ = ("_value", "_error")
+
+    def __init__(self, value=None, error: BaseException | None = None):
+        self._value, self._error = value, error
+
+    def done(self) -> bool:
+        return True
+
+    def result(self, timeout: float | None = None):
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return self._error
 
 
 class _Model:
@@ -71,6 +92,7 @@ class SimExecutor:
         self.kv = [0] * devices
         self.link_free = [0.0] * devices  # when each device's copy stream is idle again
         self.seqs: dict[str, list] = {}  # req_id -> [model, blocks]
+        self.unreported: dict[str, _Model] = {}  # models whose last load was not reported as ended yet
         self.stats = {"loads": 0, "evictions": 0, "steps": 0, "load_s": 0.0, "compute_s": 0.0}
 
     # ---- models --------------------------------------------------------------------------------
@@ -139,6 +161,7 @@ class SimExecutor:
             done += g
             ready.append(start + done / bw)
         m.ready, m.load_start, m.load_end, m.reported = ready, start, ready[-1], False
+        self.unreported[m.info.name] = m
         self.link_free[d] = m.load_end
         self.stats["loads"] += 1
         self.stats["load_s"] += m.load_end - start
@@ -146,6 +169,7 @@ class SimExecutor:
     def _evict(self, m: _Model) -> None:
         self.weights[m.device] -= m.nbytes
         m.ready, m.reported = None, True
+        self.unreported.pop(m.info.name, None)
         self.stats["evictions"] += 1
 
     # ---- requests ------------------------------------------------------------------------------
@@ -161,13 +185,11 @@ class SimExecutor:
             self.kv[m.device] -= seq[1] * m.block_bytes
             seq[1] = 0
 
-    def execute(self, batches: list[ExecuteBatch]) -> Future:
-        fut: Future = Future()
+    def execute(self, batches: list[ExecuteBatch]) -> _Done:
         try:
-            fut.set_result(self._execute(batches))
+            return _Done(self._execute(batches))
         except Exception as e:  # as the real executors: the step's error travels in the future
-            fut.set_exception(e)
-        return fut
+            return _Done(error=e)
 
     def _execute(self, batches: list[ExecuteBatch]) -> StepResult:
         now = self.clock.t
@@ -183,25 +205,26 @@ class SimExecutor:
                 tok = [tok] * k
             prefill = decode = 0
             for s in batch.seqs:
+                rid, past = s.req_id, s.past
                 n = len(s.tokens) + k - 1  # a run of k steps writes k positions
-                if s.past:
+                seq = seqs.get(rid)
+                if past:
                     decode += 1
                 else:
                     prefill += n
-                seq = seqs.get(s.req_id)
+                    if seq is not None and seq[1]:  # a recompute starts from an empty cache
+                        kv[d] -= seq[1] * bb
+                        seq[1] = 0
                 if seq is None:
-                    seq = seqs[s.req_id] = [m, 0]
-                elif not s.past and seq[1]:  # a recompute starts from an empty cache
-                    kv[d] -= seq[1] * bb
-                    seq[1] = 0
-                need = -(-(s.past + n) // bt)
+                    seq = seqs[rid] = [m, 0]
+                need = (past + n + bt - 1) // bt
                 if need > seq[1]:
                     kv[d] += (need - seq[1]) * bb
                     seq[1] = need
                     if kv[d] + self.weights[d] > cap:
-                        raise MemoryError(f"KV cache of {s.req_id!r} exceeds the arena of device {d}: "
+                        raise MemoryError(f"KV cache of {rid!r} exceeds the arena of device {d}: "
                                           f"{self.weights[d]} + {kv[d]} > {cap} bytes")
-                tokens[s.req_id] = tok
+                tokens[rid] = tok
             compute = batch_time(self.cal, m.nbytes, prefill, decode)
             if m.load_end > now:  # cold: group i computes once group i has landed (legacy: once all have)
                 finish = pipelined_finish(now, compute, m.groups, m.ready) if self.overlap else m.load_end + compute
@@ -213,11 +236,13 @@ class SimExecutor:
             if not m.reported:
                 result.loaded[batch.model] = m.load_end - m.load_start
                 m.reported = True
+                del self.unreported[batch.model]
             if finish > end:
                 end = finish
         self.stats["steps"] += max(b.steps for b in batches) if batches else 0
         self.clock.advance_to(end)
-        self._poll_loads(result.loaded)
+        if self.unreported:
+            self._poll_loads(result.loaded)
         return result
 
     def steps_before(self, model: str, batch: int, until: float, cap: int) -> int:
@@ -236,13 +261,14 @@ class SimExecutor:
 
     def _poll_loads(self, out: dict[str, float], wait: bool = False) -> None:
         t = self.clock.t
-        for name, m in self.models.items():
-            if not m.reported and (wait or m.load_end <= t):
+        for name, m in list(self.unreported.items()):
+            if wait or m.load_end <= t:
                 out[name] = m.load_end - m.load_start
                 m.reported = True
+                del self.unreported[name]
 
     def wait_loads(self) -> dict[str, float]:
-        ends = [m.load_end for m in self.models.values() if not m.reported]
+        ends = [m.load_end for m in self.unreported.values()]
         if ends:
             self.clock.advance_to(max(ends))
         out: dict[str, float] = {}

@@ -16,7 +16,9 @@ single steps, at a fraction of the calls; requests that arrived during a run are
 
 from __future__ import annotations
 
+import gc
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -150,7 +152,7 @@ class Simulation:
         rec = self.records[rid] = RequestRecord(rid, a.model, a.time, a.prompt_tokens, n, None, None, None,
                                                 step=self.core.scheduler.step_count)
         try:
-            self.core.add_request(CoreRequest(rid, a.model, prompt, params, arrival=a.time))
+            self.core.add_request(CoreRequest(rid, a.model, prompt, params, arrival=a.time), ids_checked=True)
         except ValueError as e:  # EngineError: the request is refused, as a server would answer 4xx
             rec.finish_reason, rec.error = "error", str(e)
 
@@ -173,9 +175,16 @@ class Simulation:
         return bound
 
     def run(self, trace, max_steps: int | None = None) -> SimResult:
-        import time as _time
+        t0 = time.perf_counter()
+        collecting = gc.isenabled()
+        gc.disable()  # the loop makes almost no cycles (3k objects in 20k requests); the collector's
+        try:  # passes over the growing records cost ~7% of a run
+            return self._run(trace, max_steps, t0)
+        finally:
+            if collecting:
+                gc.enable()
 
-        t0 = _time.perf_counter()
+    def _run(self, trace, max_steps: int | None, t0: float) -> SimResult:
         arrivals = _arrivals(trace)
         clock, core = self.clock, self.core
         n, i, steps, idle = len(arrivals), 0, 0, 0
@@ -210,7 +219,7 @@ class Simulation:
         stats = dict(core.stats)
         ends = [r.finish for r in self.records.values() if r.finish is not None]
         return SimResult(list(self.records.values()), max(ends) if ends else clock.t, steps, stats,
-                         _time.perf_counter() - t0)
+                         time.perf_counter() - t0)
 
 
 def simulate(trace, models: Iterable, calibration: Calibration = CPU_DEFAULT,

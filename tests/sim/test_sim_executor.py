@@ -1,0 +1,66 @@
+"""SimExecutor's answers to the executor protocol (load reports, the clock, errors in the future), and
+the run loop's hold on the garbage collector."""
+
+import gc
+
+import pytest
+
+from computron.config import EngineConfig
+from computron.messages import ExecuteBatch, ModelDescription, Residency, SamplingParams, SeqInput
+from computron.models import PRESETS
+from computron.sim import Calibration, SimExecutor, Simulation, group_bytes, simulate
+
+CAL = Calibration(name="test", swap_bandwidth=1e7, hbm_bandwidth=1e15, prefill_fixed_s=0.01, prefill_token_s=0.001,
+                  prefill_token_s_per_byte=0.0, decode_fixed_s=0.002, decode_seq_s=0.0005,
+                  decode_seq_s_per_byte=0.0, evict_s=0.003)
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+def executor():
+    ex = SimExecutor(EngineConfig(gpu_memory_budget=4_000_000, workspace_bytes=0), CAL)
+    for name in ("a", "b"):
+        ex.register(ModelDescription(name, "tiny-opt"))
+    return ex
+
+
+def test_each_load_is_reported_once_when_it_has_landed():
+    ex, load = executor(), sum(group_bytes(PRESETS["tiny-opt"])) / 1e7
+    ex.apply(Residency(load=["a", "b"]))  # one copy stream: b lands after a
+    # a's batch computes as a's groups land; the step ends before b's copies do
+    step = ex.execute([ExecuteBatch("a", [SeqInput("r", [1] * 8, 0, GREEDY)])]).result()
+    assert step.loaded == {"a": pytest.approx(load)} and ex.clock.t < 2 * load
+    assert ex.status().models == {"a": "resident", "b": "loading"}
+    assert ex.wait_loads() == {"b": pytest.approx(load)} and ex.clock.t == pytest.approx(2 * load)
+    assert ex.wait_loads() == {}  # reported once
+    step = ex.execute([ExecuteBatch("a", [SeqInput("r", [1], 8, GREEDY)])]).result()
+    assert step.loaded == {} and step.tokens == {"r": ex.models["a"].token}
+
+
+def test_a_batch_of_a_model_not_on_its_device_fails_in_the_future():
+    ex = executor()
+    fut = ex.execute([ExecuteBatch("b", [SeqInput("r", [1] * 8, 0, GREEDY)])])
+    assert fut.done()
+    with pytest.raises(RuntimeError, match="model 'b' runs a batch but is not on its device"):
+        fut.result()
+    assert isinstance(fut.exception(), RuntimeError)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_run_gives_the_collector_back_as_it_found_it(enabled):
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        res = simulate([(0.0, "tiny-opt", 8, 3)], ["tiny-opt"], CAL)
+        assert res.records[0].finish_reason == "length"
+        assert gc.isenabled() == enabled
+        sim = Simulation(["tiny-opt"], CAL)
+
+        def broken(max_steps=1):
+            raise RuntimeError("broken step")
+
+        sim.core.step = broken
+        with pytest.raises(RuntimeError, match="broken step"):  # a run that fails gives it back too
+            sim.run([(0.0, "tiny-opt", 8, 3)])
+        assert gc.isenabled() == enabled
+    finally:
+        (gc.enable if was else gc.disable)()

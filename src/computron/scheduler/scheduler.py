@@ -25,14 +25,17 @@ Policies:
   later, cheapest first) only when their memory is needed and evicting idle models does not do.
   With ``preempt_keeps_kv`` off, stopped requests always recompute.
 - ``slo``: deadline-driven (``slo.py``). Each model has a cost (load, prefill, decode step) and an
-  SLO (time to first token, time per output token; by default ``slo_scale`` times its solo
-  figures), each request a deadline, each model the least slack of its requests. Every step runs
-  the models of least slack first, so models interleave at decode-step granularity as their
-  deadlines demand. A model that cannot start for memory held by running models stops those whose
-  slack exceeds its own by more than their reload (most slack first): each stopped request keeps
-  its KV blocks only where the memory is spare after the switch (keeping costs memory, recomputing
-  a prefill), else recomputes. A request that has waited ``max_wait_s`` goes first; if it could
-  no longer meet its deadline it is refused with its reason instead (``plan.failed``).
+  SLO (time to first token and per output token, by default ``slo_scale`` times its solo figures,
+  or one latency for all its requests); each request has a deadline. The preempt policy's loop with
+  models in order of their earliest deadline instead of their oldest request: each step runs the
+  model whose request is due first, so models interleave at decode-step granularity as deadlines
+  demand. A model that cannot start for memory held by running models stops them (between decode
+  steps) once its slack runs out, or its head has waited ``max_wait_s``: only those whose slack,
+  less a reload and a recompute, exceeds its own, most slack first. Each stopped request keeps its
+  KV blocks where the memory is spare after the switch (room for the incoming model and one more
+  model's weights), else recomputes. A head request that has waited ``max_wait_s`` without
+  starting goes first (its model's key is -inf), or, if it can no longer meet its deadline, is
+  refused with the reason (``plan.failed``).
 - ``computron``: the original Computron, for comparison: at most ``max_loaded`` models per
   device (a count, not bytes; the weights live outside the budget), first come first served
   across models, no prefetch.
@@ -394,6 +397,8 @@ class Scheduler(Memory):
         # from starting, every request newer than its head waits (the running models drain).
         hold_after: float | None = None
         self.deadline = None
+        if self.slo is not None:
+            self._bound(plan, now)
         for key, m in ages:
             seen.append((key, m))
             if self.slo is not None:
@@ -409,7 +414,7 @@ class Scheduler(Memory):
                         order = self._stoppable(m, slack, now)
                     if not (self.preempts and now >= due and self._switch_to(m, plan, now, order)):
                         hold_after = key
-                        if self.preempts:
+                        if self.preempts and (self.deadline is None or due < self.deadline):
                             self.deadline = due
                 break
         for key, m in self._chain(seen, ages):
@@ -458,6 +463,21 @@ class Scheduler(Memory):
                     if s > slack:
                         out[c.name] = (s, c)
         return [c for _, c in sorted(out.values(), key=lambda e: -e[0])]
+
+    def _bound(self, plan: StepPlan, now: float) -> None:
+        """Slo policy: a model whose head request has waited the bound goes first from now on (its
+        key in the heap is -inf), or that request is refused if it can no longer meet its SLO; a
+        full search is due when the next head reaches the bound."""
+        dl = self.slo
+        dl.now = now
+        for m in self.models.values():
+            if m.waiting and not m.waiting[0].done:
+                if dl.past_bound(m):
+                    self._refuse_late(m, plan, now)
+                    self._queue(m)
+                if m.waiting and not m.waiting[0].done and not dl.past_bound(m):
+                    t = m.waiting[0].arrival + dl.max_wait_s
+                    self.deadline = t if self.deadline is None else min(self.deadline, t)
 
     def _refuse_late(self, m: ModelState, plan: StepPlan, now: float) -> None:
         """Slo policy: refuse the head requests of ``m`` that can no longer meet their SLO (``plan.failed``)."""

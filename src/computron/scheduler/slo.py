@@ -5,8 +5,9 @@ affine model the simulator's calibration or a measurement gives) and its ``Slo``
 token and time per output token) are given when it is registered. From them a request of
 ``max_tokens`` tokens arriving at ``a`` is due by ``a + ttft_s + (max_tokens - 1) * tpot_s``, and its
 *slack* is that deadline less when it would end if its model ran every step from now on (a load
-first if the model is not on its devices, a prefill if it is not running). The scheduler runs the
-model of least slack; ``Deadlines`` (a part of the ``Scheduler``, which owns the state) computes it.
+first if the model is not on its devices, a prefill if it is not running). The scheduler runs
+models in order of their earliest deadline and uses slack to decide when a waiting model must stop
+running ones; ``Deadlines`` (a part of the ``Scheduler``, which owns the state) computes both.
 """
 
 from __future__ import annotations
@@ -80,15 +81,23 @@ class Deadlines:
 
     def __init__(self, max_wait_s: float):
         self.max_wait_s = max_wait_s
+        self.now = 0.0  # the time of the last step planned
         self.costs: dict[str, ModelCost] = {}
         self.slos: dict[str, Slo] = {}
 
     def earliest(self, m: ModelState) -> float | None:
         """The earliest deadline among the model's running, paused and first waiting requests (None
-        when it has none): the models' order."""
+        when it has none; -inf past the bound on waiting): the models' order."""
+        if self.past_bound(m):
+            return -math.inf
         due = [self.due(r) for r in (*m.running.values(), *m.paused.values())]
         due += [self.due(r) for r in list(m.waiting)[:self.LOOK]]
         return min(due) if due else None
+
+    def past_bound(self, m: ModelState) -> bool:
+        """Has the head of ``m``'s queue waited the bound (at ``now``, the last step's time) without
+        starting? Then it goes first (or, if it can no longer meet its SLO, it is refused)."""
+        return bool(m.waiting) and not m.waiting[0].done and self.now - m.waiting[0].arrival >= self.max_wait_s
 
     def restart(self, c: ModelState) -> float:
         """Seconds stopping ``c`` now costs it: a reload and a prefill of what its requests hold."""
@@ -105,8 +114,7 @@ class Deadlines:
         return max(0.0, m.ready_at - now) if m.ready_at is not None else 0.0
 
     def slack(self, m: ModelState, now: float) -> float:
-        """Least slack among the model's running, paused and first waiting requests (seconds; -inf
-        for a request that has waited ``max_wait_s`` without starting: the bound on waiting)."""
+        """Least slack among the model's running, paused and first waiting requests (seconds)."""
         cost = self.costs[m.name]
         start = self._start(m, now)
         batch = len(m.running) + len(m.paused) + min(len(m.waiting), self.LOOK)
@@ -120,8 +128,6 @@ class Deadlines:
             for i, r in enumerate(m.waiting):
                 if i == self.LOOK:
                     break
-                if not r.done and now - r.arrival >= self.max_wait_s:
-                    return -math.inf  # (a preempted request has started: it waits by its slack)
                 least = min(least, self.due(r) - now - begin - (r.max_tokens - r.done - 1) * step)
         return least
 

@@ -33,7 +33,7 @@ from computron.workload.args import workload_from_args
 CAL = "bench/results/sim_validate/calibration_gpu.json"
 NAMES = ["hot", "c1", "c2", "c3", "c4", "c5"]
 SHARES = [10, 1, 1, 1, 1, 1]
-RATES = [2, 4, 6, 8, 10, 12, 16, 24]
+RATES = [2, 4, 6, 7, 8, 10, 12, 14, 16, 24]
 SCALE = 5.0
 
 

@@ -165,18 +165,24 @@ def test_the_slo_policy_needs_costs():
         s.add_model("a", 500_000, KVT)
 
 
+@pytest.mark.parametrize("devices", [1, 2])
 @pytest.mark.parametrize("seed", range(6))
-def test_random_runs_stay_within_the_budget_and_end_every_request(seed):
-    """Many models, random arrivals and lengths, a device that holds three of them: every step
-    stays within the budget, every request ends once (with all its tokens, or refused with its
-    reason), and at this load every request starts within the bound on waiting (a few steps more)."""
+def test_random_runs_stay_within_the_budget_and_end_every_request(seed, devices):
+    """Many models, random arrivals, lengths and SLOs, devices that hold two models each (with two
+    devices, every third model is split over both): every step stays within the budgets, every
+    request ends once (with all its tokens, or refused with its reason), and at this load every
+    request starts within the bound on waiting (a few steps more)."""
     rng = random.Random(seed)
     weights = 200_000
-    s = _sched(2 * weights + 30 * BLOCK, max_batch_size=8, max_wait_s=3.0)
+    s = _sched((2 * weights + 30 * BLOCK,) * devices, max_batch_size=8, max_wait_s=3.0)
     names = [f"m{i}" for i in range(8)]
     cost = ModelCost(load_s=0.2, prefill_fixed_s=0.05, prefill_token_s=0.0, decode_fixed_s=0.02, decode_seq_s=0.001)
-    for name in names:
-        s.add_model(name, weights, KVT, cost=cost, slo=Slo(ttft_s=rng.uniform(0.3, 1.0), tpot_s=rng.uniform(0.03, 0.1)))
+    for i, name in enumerate(names):
+        slo = Slo(ttft_s=rng.uniform(0.3, 1.0), tpot_s=rng.uniform(0.03, 0.1))
+        if devices == 2 and i % 3 == 2:
+            s.add_model(name, (weights // 2,) * 2, (KVT // 2,) * 2, devices=(0, 1), cost=cost, slo=slo)
+        else:
+            s.add_model(name, weights, KVT, devices=(i % devices,), cost=cost, slo=slo)
     arrivals = sorted((rng.uniform(0, 60), rng.choice(names), rng.randint(1, 120), rng.randint(1, 30))
                       for _ in range(150))
     made, ended, first, arrived = {}, [], {}, {}

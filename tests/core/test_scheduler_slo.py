@@ -43,8 +43,8 @@ def test_earliest_deadline_runs_first_where_the_default_runs_the_oldest():
     picked = {}
     for policy in ("default", "slo"):
         s = _sched(10_000_000, policy=policy)
-        for m in "ab":
-            s.add_model(m, 100_000, KVT, cost=COST, slo=Slo(1.0, 0.01))
+        for m in "ab":  # a step of 1 ms: both requests can meet their deadlines
+            s.add_model(m, 100_000, KVT, cost=ModelCost(0.01, 0.001, 0.0, 0.001, 0.0), slo=Slo(1.0, 0.01))
         s.add_request(SchedRequest("a0", "a", 4, 100, 0.0))
         s.add_request(SchedRequest("b0", "b", 4, 10, 0.5))
         picked[policy] = [b.model for b in s.schedule(0.6).batches]
@@ -130,25 +130,31 @@ def test_stopped_requests_recompute_when_their_memory_is_needed():
     assert sorted(ended) == sorted(["b0", "c0"] + [f"r{i}" for i in range(n)])
 
 
-def test_a_request_past_the_bound_that_cannot_meet_its_slo_is_refused_with_the_reason():
-    s = _sched(1_000_000, max_wait_s=2.0)
+def test_admission_refuses_the_request_whose_work_would_make_others_late_with_the_reason():
+    """Steps of 1 s, loads of 2 s. In deadline order: a0 (due 0 + 3 + 4 * 1 = 7 s) needs a load, a
+    prefill and 4 steps, ending at 7; b0 (due 0 + 4 + 5 = 9 s) 8 s more, ending at 15; c0's SLO is
+    loose. Both cannot be on time, so the one that needs more time, b0, is refused and a0 and c0 run."""
+    s = _sched(2_000_000, max_wait_s=100.0)
     s.add_model("a", 500_000, KVT, cost=COST, slo=Slo(ttft_s=3.0, tpot_s=1.0))
-    s.add_model("b", 500_000, KVT, cost=COST, slo=LOOSE)
-    s.add_request(SchedRequest("b0", "b", 4, 50, 0.0))
-    s.add_request(SchedRequest("a0", "a", 4, 10, 0.0))  # due at 0 + 3 + 9 = 12 s
-    plan = s.schedule(1.0)  # b's deadline is later, but a's is earliest: a runs
-    assert [b.model for b in plan.batches] == ["a"]
-    s2 = _sched(1_000_000, max_wait_s=2.0)
-    s2.add_model("a", 500_000, KVT, cost=COST, slo=Slo(ttft_s=3.0, tpot_s=1.0))
-    s2.add_request(SchedRequest("a0", "a", 4, 10, 0.0))
-    assert not s2.schedule(1.9).failed  # late already (1.9 + 12 > 12), but within the bound: it runs
-    s3 = _sched(1_000_000, max_wait_s=2.0)
-    s3.add_model("a", 500_000, KVT, cost=COST, slo=Slo(ttft_s=3.0, tpot_s=1.0))
-    s3.add_request(SchedRequest("a0", "a", 4, 10, 0.0))
-    plan = s3.schedule(2.5)  # waited 2.5 s: a load, a prefill and 9 steps end at 14.5 > 12
-    assert [rid for rid, _ in plan.failed] == ["a0"] and not plan.batches and "a0" not in s3.requests
+    s.add_model("b", 500_000, KVT, cost=COST, slo=Slo(ttft_s=4.0, tpot_s=1.0))
+    s.add_model("c", 500_000, KVT, cost=COST, slo=LOOSE)
+    s.add_request(SchedRequest("c0", "c", 4, 5, 0.0))
+    s.add_request(SchedRequest("b0", "b", 4, 6, 0.0))
+    s.add_request(SchedRequest("a0", "a", 4, 5, 0.0))
+    plan = s.schedule(0.0)
+    assert [rid for rid, _ in plan.failed] == ["b0"] and "b0" not in s.requests
+    assert [b.model for b in plan.batches] == ["a"] and "c" in plan.prefetch
     why = plan.failed[0][1]
-    assert "model 'a' is overloaded" in why and "waited 2.500 s" in why and "can no longer meet its SLO" in why
+    assert "model 'b' is overloaded" in why and "cannot be served within its SLO" in why and "retry later" in why
+    assert "due 9.000 s after it arrived" in why
+
+
+def test_a_request_that_cannot_meet_its_slo_even_alone_is_refused():
+    s = _sched(1_000_000)
+    s.add_model("a", 500_000, KVT, cost=COST, slo=Slo(ttft_s=1.0, tpot_s=1.0))  # due at 5; needs 2 + 1 + 4 = 7 s
+    s.add_request(SchedRequest("a0", "a", 4, 5, 0.0))
+    plan = s.schedule(0.0)
+    assert [rid for rid, _ in plan.failed] == ["a0"] and not plan.batches
 
 
 def test_no_refusal_while_the_deadline_can_still_be_met():
@@ -178,7 +184,7 @@ def test_random_runs_stay_within_the_budget_and_end_every_request(seed, devices)
     names = [f"m{i}" for i in range(8)]
     cost = ModelCost(load_s=0.2, prefill_fixed_s=0.05, prefill_token_s=0.0, decode_fixed_s=0.02, decode_seq_s=0.001)
     for i, name in enumerate(names):
-        slo = Slo(ttft_s=rng.uniform(0.3, 1.0), tpot_s=rng.uniform(0.03, 0.1))
+        slo = Slo(ttft_s=rng.uniform(0.5, 1.5), tpot_s=rng.uniform(0.05, 0.15))
         if devices == 2 and i % 3 == 2:
             s.add_model(name, (weights // 2,) * 2, (KVT // 2,) * 2, devices=(0, 1), cost=cost, slo=slo)
         else:

@@ -13,13 +13,13 @@ from .test_errors import assert_error
 
 def test_refused_request_gets_503_with_its_reason_and_metrics_count_slo_attainment():
     cfg = EngineConfig(device="cpu", gpu_memory_budget=DEFAULT_BUDGET, workspace_bytes=DEFAULT_WORKSPACE,
-                       policy="slo", max_wait_s=0.0,  # every request is past the bound when first scheduled
+                       policy="slo",
                        slos={"tiny-opt": {"latency_s": 1e-9},  # can never be met: refused
                              "tiny-llama": {"ttft_s": 600.0, "tpot_s": 600.0}})  # always met
     with running(models=("tiny-opt", "tiny-llama"), engine=Engine(cfg)) as live:
         body = {"prompt": "hello", "max_tokens": 4, "temperature": 0}
         r = httpx.post(live.url + "/v1/completions", json={"model": "tiny-opt", **body}, timeout=60)
-        assert_error(r, 503, "model 'tiny-opt' is overloaded", "can no longer meet its SLO", "retry later")
+        assert_error(r, 503, "model 'tiny-opt' is overloaded", "cannot be served within its SLO", "retry later")
         for _ in range(2):
             r = httpx.post(live.url + "/v1/completions", json={"model": "tiny-llama", **body}, timeout=60)
             assert r.status_code == 200, r.text

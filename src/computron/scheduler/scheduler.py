@@ -33,9 +33,11 @@ Policies:
   steps) once its slack runs out, or its head has waited ``max_wait_s``: only those whose slack,
   less a reload and a recompute, exceeds its own, most slack first. Each stopped request keeps its
   KV blocks where the memory is spare after the switch (room for the incoming model and one more
-  model's weights), else recomputes. A head request that has waited ``max_wait_s`` without
-  starting goes first (its model's key is -inf), or, if it can no longer meet its deadline, is
-  refused with the reason (``plan.failed``).
+  model's weights), else recomputes. Admission: every full step lays the models' work out in
+  deadline order; wherever it ends past a deadline, the waiting request that needs the most time is
+  refused with the reason (``plan.failed``; Moore and Hodgson's rule, which keeps the most requests
+  on time). A head request that has waited ``max_wait_s`` without starting goes first (its model's
+  key is -inf).
 - ``computron``: the original Computron, for comparison: at most ``max_loaded`` models per
   device (a count, not bytes; the weights live outside the budget), first come first served
   across models, no prefetch.
@@ -401,8 +403,6 @@ class Scheduler(Memory):
             self._bound(plan, now)
         for key, m in ages:
             seen.append((key, m))
-            if self.slo is not None:
-                self._refuse_late(m, plan, now)
             if not m.running and m.has_work:
                 if not self._can_start(m) and self._busy_near(m):
                     since = max(m.oldest(), m.stopped_at)  # a model stopped for another waits anew
@@ -426,10 +426,6 @@ class Scheduler(Memory):
                 continue  # it could admit nothing: do not take memory the older request waits for
             if self._yielded and self._yielding(m):
                 continue
-            if self.slo is not None:
-                self._refuse_late(m, plan, now)
-                if not m.has_work:
-                    continue
             if not self._make_resident(m, claimed, plan, plan.loads, now, evict_waiting=True):
                 if self._busy_near(m):
                     hold_after = key if hold_after is None else hold_after
@@ -465,27 +461,21 @@ class Scheduler(Memory):
         return [c for _, c in sorted(out.values(), key=lambda e: -e[0])]
 
     def _bound(self, plan: StepPlan, now: float) -> None:
-        """Slo policy: a model whose head request has waited the bound goes first from now on (its
-        key in the heap is -inf), or that request is refused if it can no longer meet its SLO; a
-        full search is due when the next head reaches the bound."""
+        """Slo policy: refuse the waiting requests whose work keeps others from their deadlines
+        (``Deadlines.crowded``; each gets its reason in ``plan.failed``); a model whose head request
+        has waited the bound goes first from now on (its key in the heap is -inf); a full search is
+        due when the next head reaches the bound."""
         dl = self.slo
         dl.now = now
+        for m, r in dl.crowded([m for m in self.models.values() if m.has_work], now):
+            plan.failed.append((r.id, dl.refusal(m, r, now)))
+            self.finish(r.id)
         for m in self.models.values():
             if m.waiting and not m.waiting[0].done:
-                if dl.past_bound(m):
-                    self._refuse_late(m, plan, now)
-                    self._queue(m)
-                if m.waiting and not m.waiting[0].done and not dl.past_bound(m):
+                self._queue(m)
+                if not dl.past_bound(m):
                     t = m.waiting[0].arrival + dl.max_wait_s
                     self.deadline = t if self.deadline is None else min(self.deadline, t)
-
-    def _refuse_late(self, m: ModelState, plan: StepPlan, now: float) -> None:
-        """Slo policy: refuse the head requests of ``m`` that can no longer meet their SLO (``plan.failed``)."""
-        r = self.slo.hopeless(m, now)
-        while r is not None:
-            plan.failed.append((r.id, self.slo.refusal(m, r, now)))
-            self.finish(r.id)
-            r = self.slo.hopeless(m, now)
 
     @staticmethod
     def _chain(seen: list, ages):

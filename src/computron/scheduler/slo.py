@@ -12,6 +12,7 @@ running ones; ``Deadlines`` (a part of the ``Scheduler``, which owns the state) 
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 
@@ -96,7 +97,7 @@ class Deadlines:
 
     def past_bound(self, m: ModelState) -> bool:
         """Has the head of ``m``'s queue waited the bound (at ``now``, the last step's time) without
-        starting? Then it goes first (or, if it can no longer meet its SLO, it is refused)."""
+        starting? Then it goes first."""
         return bool(m.waiting) and not m.waiting[0].done and self.now - m.waiting[0].arrival >= self.max_wait_s
 
     def restart(self, c: ModelState) -> float:
@@ -131,25 +132,42 @@ class Deadlines:
                 least = min(least, self.due(r) - now - begin - (r.max_tokens - r.done - 1) * step)
         return least
 
-    def hopeless(self, m: ModelState, now: float) -> SchedRequest | None:
-        """The head of ``m``'s queue if it has waited ``max_wait_s`` and, started now, would end past
-        its deadline: it is refused rather than run late at others' cost."""
-        if not m.waiting:
-            return None
-        r = m.waiting[0]
-        if r.done or now - r.arrival < self.max_wait_s:
-            return None
-        cost = self.costs[m.name]
-        end = now + self._start(m, now) + cost.prefill(r.prompt_len) + (r.max_tokens - 1) * cost.decode(
-            len(m.running) + 1)
-        return r if end > self.due(r) else None
+    def crowded(self, models, now: float) -> list[tuple[ModelState, SchedRequest]]:
+        """Waiting requests to refuse so that the others meet their deadlines (Moore and Hodgson's
+        rule): the models' work in deadline order, each request adding what it needs beyond what its
+        model's earlier requests already run (a step serves its whole batch); wherever the work so
+        far ends past a deadline, the unstarted request that needs the most time goes."""
+        jobs = []
+        for m in models:
+            cost = self.costs[m.name]
+            step = cost.decode(max(len(m.running) + len(m.paused), 1))
+            for r in (*m.running.values(), *m.paused.values()):
+                jobs.append((self.due(r), (r.max_tokens - (m.steps - r.joined)) * step, m, None))
+            for r in list(m.waiting)[:self.LOOK]:
+                jobs.append((self.due(r), cost.prefill(r.prompt_len + r.done) + (r.max_tokens - r.done - 1) * step,
+                             m, None if r.done else r))
+        jobs.sort(key=lambda j: j[0])
+        t, counted, started, out, kept = now, {}, set(), [], []
+        for i, (due, need, m, r) in enumerate(jobs):
+            extra = 0.0 if m.name in started else self._start(m, now)
+            started.add(m.name)
+            more = max(0.0, need - counted.get(m.name, 0.0)) + extra
+            counted[m.name] = max(counted.get(m.name, 0.0), need)
+            t += more
+            if r is not None:
+                heapq.heappush(kept, (-more, i, m, r))
+            if t > due and kept:
+                neg, _, mm, rr = heapq.heappop(kept)
+                t += neg
+                out.append((mm, rr))
+        return out
 
     def refusal(self, m: ModelState, r: SchedRequest, now: float) -> str:
         slo = self.slos[m.name]
-        return (f"model {m.name!r} is overloaded: request {r.id!r} waited {now - r.arrival:.3f} s (the bound is "
-                f"{self.max_wait_s:g} s) and can no longer meet its SLO (first token within {slo.ttft_s:.3f} s, "
-                f"then {slo.tpot_s * 1e3:.2f} ms per token: due {self.due(r) - r.arrival:.3f} s after it arrived); "
-                f"retry later")
+        return (f"model {m.name!r} is overloaded: request {r.id!r} (waiting {now - r.arrival:.3f} s) cannot be "
+                f"served within its SLO (first token within {slo.ttft_s:.3f} s, then {slo.tpot_s * 1e3:.2f} ms per "
+                f"token: due {self.due(r) - r.arrival:.3f} s after it arrived) without others due sooner missing "
+                f"theirs; retry later")
 
     def keeps(self, c: ModelState, spare: dict[int, int]) -> list[SchedRequest]:
         """Running requests of ``c``, being stopped, whose KV blocks stay on the devices: a block kept

@@ -12,7 +12,6 @@ running ones; ``Deadlines`` (a part of the ``Scheduler``, which owns the state) 
 
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass
 
@@ -134,9 +133,10 @@ class Deadlines:
 
     def crowded(self, models, now: float) -> list[tuple[ModelState, SchedRequest]]:
         """Waiting requests to refuse so that the others meet their deadlines (Moore and Hodgson's
-        rule): the models' work in deadline order, each request adding what it needs beyond what its
-        model's earlier requests already run (a step serves its whole batch); wherever the work so
-        far ends past a deadline, the unstarted request that needs the most time goes."""
+        rule): the models' work in deadline order on their devices, each request adding what it needs
+        beyond what its model's earlier requests already run (a step serves its whole batch);
+        wherever the work so far ends past a deadline, the unstarted request on those devices that
+        needs the most time goes."""
         jobs = []
         for m in models:
             cost = self.costs[m.name]
@@ -147,19 +147,26 @@ class Deadlines:
                 jobs.append((self.due(r), cost.prefill(r.prompt_len + r.done) + (r.max_tokens - r.done - 1) * step,
                              m, None if r.done else r))
         jobs.sort(key=lambda j: j[0])
-        t, counted, started, out, kept = now, {}, set(), [], []
-        for i, (due, need, m, r) in enumerate(jobs):
+        t: dict[int, float] = {}  # per device: when the work laid out so far ends
+        counted, started, out, kept = {}, set(), [], []
+        for due, need, m, r in jobs:
             extra = 0.0 if m.name in started else self._start(m, now)
             started.add(m.name)
             more = max(0.0, need - counted.get(m.name, 0.0)) + extra
             counted[m.name] = max(counted.get(m.name, 0.0), need)
-            t += more
+            end = max(t.get(d, now) for d in m.devices) + more
+            for d in m.devices:
+                t[d] = end
             if r is not None:
-                heapq.heappush(kept, (-more, i, m, r))
-            if t > due and kept:
-                neg, _, mm, rr = heapq.heappop(kept)
-                t += neg
-                out.append((mm, rr))
+                kept.append((more, m, r))
+            if end > due:  # give up the request on these devices that needs the most time
+                mine = [k for k in kept if not set(k[1].devices).isdisjoint(m.devices)]
+                if mine:
+                    k = max(mine, key=lambda k: k[0])
+                    kept.remove(k)
+                    out.append((k[1], k[2]))
+                    for d in k[1].devices:
+                        t[d] -= k[0]
         return out
 
     def refusal(self, m: ModelState, r: SchedRequest, now: float) -> str:

@@ -74,8 +74,8 @@ class Slo:
 
 
 class Deadlines:
-    """Slack of requests and models under the ``slo`` policy, and what a switch should keep: each
-    model's cost and SLO; the requests and models themselves are the ``Scheduler``'s."""
+    """Deadlines, slack and admission under the ``slo`` policy, and what a switch should keep. It holds
+    each model's cost and SLO; the requests and models themselves are the ``Scheduler``'s."""
 
     LOOK = 4  # waiting requests of a model looked at (its queue is in arrival order)
 
@@ -173,8 +173,8 @@ class Deadlines:
         slo = self.slos[m.name]
         return (f"model {m.name!r} is overloaded: request {r.id!r} (waiting {now - r.arrival:.3f} s) cannot be "
                 f"served within its SLO (first token within {slo.ttft_s:.3f} s, then {slo.tpot_s * 1e3:.2f} ms per "
-                f"token: due {self.due(r) - r.arrival:.3f} s after it arrived) without others due sooner missing "
-                f"theirs; retry later")
+                f"token: due {self.due(r) - r.arrival:.3f} s after it arrived), or only by making requests due "
+                f"sooner miss theirs; retry later")
 
     def keeps(self, c: ModelState, spare: dict[int, int]) -> list[SchedRequest]:
         """Running requests of ``c``, being stopped, whose KV blocks stay on the devices: a block kept
@@ -187,7 +187,7 @@ class Deadlines:
         kept = []
         left = dict(spare)
         for r in reqs:
-            if r.prefix is not None:  # a prompt's shared blocks are dropped or kept with all its choices
+            if r.prefix is not None:  # the choices of a prompt share blocks: they recompute, all of them
                 continue
             take = {d: r.blocks * bb for d, bb in zip(c.devices, c.block_bytes)}
             if all(left.get(d, 0) >= n for d, n in take.items()):

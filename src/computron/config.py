@@ -92,7 +92,7 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     gpu_memory_budget: int | None = None  # bytes for weights + KV cache + workspace; None: 90% of the device
     workspace_bytes: int | None = None  # reserved for activations; None: a tenth of the budget, at most 2 GiB
-    policy: str = "default"  # default | preempt | computron
+    policy: str = "default"  # default | preempt | slo | computron
     executor: str | None = None  # inprocess | legacy | workers (one worker process per device); None: legacy for the computron policy, else inprocess
     devices: int = 1  # executor "workers": devices, one worker process each (models spread over them by placement)
     max_batch_size: int = 32
@@ -105,6 +105,12 @@ class EngineConfig:
     # preempt policy: stopped requests keep their KV cache on the device while it fits, instead of
     # recomputing it (off by default: measured worse in the simulator's hot/cold sweep, docs/engine.md)
     preempt_keeps_kv: bool = False
+    # slo policy: each model's SLO, {model: {"ttft_s": seconds, "tpot_s": seconds}}; a model not named
+    # gets slo_scale times its solo figures, from the cost model of slo_calibration (a built-in
+    # calibration's name or a file of `computron bench calibrate`)
+    slos: dict = field(default_factory=dict)
+    slo_scale: float = 5.0
+    slo_calibration: str = "h200-rough"
     # A steady decode batch runs up to this many steps per call, each step's tokens fed to the next on
     # the device (one wait for the device per run); a request arriving meanwhile waits for the run's end.
     decode_steps: int = 1

@@ -38,9 +38,9 @@ def test_sim_preset_sweep_plots_every_policy(tmp_path):
                  "--values", "1,60", "--plots", str(tmp_path), "--out", str(out)])
     assert code == 0
     runs = json.loads(out.read_text())["runs"]
-    assert [(r["policy"], r["rate"]) for r in runs] == [(p, v) for p in ("default", "preempt", "computron")
+    assert [(r["policy"], r["rate"]) for r in runs] == [(p, v) for p in ("default", "preempt", "slo", "computron")
                                                       for v in ("1", "60")]
-    for policy in ("default", "preempt", "computron"):
+    for policy in ("default", "preempt", "slo", "computron"):
         low, high = (r["summary"]["slo"] for r in runs if r["policy"] == policy)
         at = low["scales"].index(5.0)
         assert low["all"][at] > high["all"][at]  # an overloaded server meets fewer SLOs

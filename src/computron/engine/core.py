@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from ..config import EngineConfig
 from ..messages import ExecuteBatch, ModelInfo, Residency, SamplingParams, SeqInput, StepResult
-from ..scheduler import SchedRequest, Scheduler, SchedulerConfig, SharedPrefix, StepPlan
+from ..scheduler import ModelCost, SchedRequest, Scheduler, SchedulerConfig, SharedPrefix, Slo, StepPlan
 from .executor import Executor
 
 
@@ -81,7 +81,10 @@ class EngineCore:
         self.scheduler = Scheduler(SchedulerConfig(
             budgets=tuple(d.capacity for d in st.devices), policy=cfg.policy, max_batch_size=cfg.max_batch_size,
             max_tokens_per_step=cfg.max_tokens_per_step, max_loaded=cfg.max_loaded, prefetch=cfg.prefetch,
-            block_tokens=st.kv_block_tokens, max_wait_s=cfg.max_wait_s, preempt_keeps_kv=cfg.preempt_keeps_kv))
+            block_tokens=st.kv_block_tokens, max_wait_s=cfg.max_wait_s, preempt_keeps_kv=cfg.preempt_keeps_kv,
+            slo_scale=cfg.slo_scale))
+        self._slo_config = cfg  # slo policy: the SLOs given and the calibration of the costs
+        self.slo_counts: dict[str, list[int]] = {}  # slo policy: model -> [requests within their SLO, requests]
         self.models: dict[str, ModelInfo] = {}
         self.requests: dict[str, CoreRequest] = {}
         self._ids = itertools.count()
@@ -100,13 +103,26 @@ class EngineCore:
         self.colocation = None
 
     # ---- models --------------------------------------------------------------------------------
-    def add_model(self, info: ModelInfo, pinned: bool = False) -> None:
+    def add_model(self, info: ModelInfo, pinned: bool = False, cost: ModelCost | None = None) -> None:
+        """Register a model the executor has; ``cost`` (slo policy): its load, prefill and decode
+        seconds (default: from the configured calibration)."""
         if info.name in self.models:
             raise EngineError(f"a model named {info.name!r} is already registered")
         try:
+            slo = None
+            if self.scheduler.slo is not None:
+                cfg = self._slo_config
+                if cost is None:
+                    from ..sim.costs import calibration
+
+                    cost = ModelCost.from_calibration(calibration(cfg.slo_calibration), info.weight_bytes,
+                                                      info.placement.devices)
+                slo = Slo.solo(cost, cfg.slo_scale)  # what the config gives replaces these
+                slo = Slo(**{**asdict(slo), **{k: float(v) for k, v in cfg.slos.get(info.name, {}).items()}})
+                self.slo_counts[info.name] = [0, 0]
             self.scheduler.add_model(info.name, info.weight_bytes, info.kv_bytes_per_token,
-                                     info.placement.devices, pinned)
-        except ValueError as e:
+                                     info.placement.devices, pinned, cost, slo)
+        except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
             self.executor.unregister(info.name)
             raise EngineError(str(e)) from None
         self.models[info.name] = info
@@ -136,7 +152,10 @@ class EngineCore:
         return state
 
     def model_stats(self, name: str) -> dict:
-        return {**self.scheduler.model_stats(self.info(name).name), "state": self.model_state(name)}
+        out = {**self.scheduler.model_stats(self.info(name).name), "state": self.model_state(name)}
+        if name in self.slo_counts:
+            out["slo_met"], out["slo_requests"] = self.slo_counts[name]
+        return out
 
     def load(self, name: str, wait: bool = False) -> None:
         """Admin: put a model on its devices now, evicting idle ones as the scheduler would;
@@ -227,10 +246,24 @@ class EngineCore:
         self.requests.pop(req.id, None)
         if req.group is not None:
             req.group.holders.pop(req.id, None)
+        slo = self.scheduler.slo
+        if slo is not None and req.model in self.slo_counts and reason != "abort":
+            self._count_slo(req, slo.slos[req.model])
         self.scheduler.finish(req.id)
         self._to_free.append(req.id)
         if self.on_finish:
             self.on_finish(req)
+
+    def _count_slo(self, req: CoreRequest, slo: Slo) -> None:
+        """Did the request end within its model's SLO (completed, its first token and each later
+        one on time on average)? An error or a refusal misses."""
+        counts = self.slo_counts[req.model]
+        counts[1] += 1
+        n = len(req.output_ids)
+        if req.finish_reason in ("stop", "length") and req.first_token_at is not None and \
+                req.first_token_at - req.arrival <= slo.ttft_s and \
+                (n < 2 or (req.finished_at - req.first_token_at) / (n - 1) <= slo.tpot_s):
+            counts[0] += 1
 
     def _fail(self, req_ids, why: str, unavailable: bool = False) -> None:
         for rid in req_ids:

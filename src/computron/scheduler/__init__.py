@@ -4,7 +4,8 @@ The ``Scheduler`` is driven by the engine core; it never imports torch, so a sim
 """
 
 from .scheduler import POLICIES, Scheduler, SchedulerConfig
+from .slo import ModelCost, Slo
 from .state import LOADING, OFFLOADED, RESIDENT, Batch, ModelState, SchedRequest, SharedPrefix, StepPlan
 
 __all__ = ["POLICIES", "Scheduler", "SchedulerConfig", "Batch", "ModelState", "SchedRequest", "StepPlan",
-           "LOADING", "OFFLOADED", "RESIDENT", "SharedPrefix"]
+           "LOADING", "OFFLOADED", "RESIDENT", "SharedPrefix", "ModelCost", "Slo"]

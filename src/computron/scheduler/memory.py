@@ -60,6 +60,8 @@ class Memory:
             m.running, m.paused = m.paused, {}
         bw = self.config.load_bandwidth
         m.ready_at = now + max(m.weights) / bw if bw else None
+        if self.slo is not None:
+            m.ready_at = now + self.slo.costs[m.name].load_s
         for d, w in zip(m.devices, m.weights):
             self.weights_used[d] += w
             self.on_device[d][m.name] = m
@@ -168,16 +170,18 @@ class Memory:
             into.append(m.name)
         return ok
 
-    def _switch_to(self, m: ModelState, plan: StepPlan, now: float) -> bool:
+    def _switch_to(self, m: ModelState, plan: StepPlan, now: float, order: list[ModelState] | None = None) -> bool:
         """Preempt policy: stop the models that keep ``m`` from starting (those whose requests have
         made the fewest tokens first) until ``m`` can start without recomputing anything, or all are
         stopped. A stopped model is evicted and its requests paused, their blocks kept
         (``plan.paused``); what ``m`` still lacks is taken from paused requests, which then recompute
         (``plan.preempted``); with ``preempt_keeps_kv`` off, stopped requests always recompute. False
-        (nothing stopped) when even stopping them all would not do."""
-        blockers = {c.name: c for d in m.devices for c in self.on_device[d].values()
-                    if c is not m and c.running and not c.pinned}
-        order = sorted(blockers.values(), key=lambda c: sum(c.steps - r.joined for r in c.running.values()))
+        (nothing stopped) when even stopping them all would not do. The slo policy gives the
+        ``order`` (the models it may stop) and keeps only the caches the switch leaves room for."""
+        if order is None:
+            blockers = {c.name: c for d in m.devices for c in self.on_device[d].values()
+                        if c is not m and c.running and not c.pinned}
+            order = sorted(blockers.values(), key=lambda c: sum(c.steps - r.joined for r in c.running.values()))
         need = self._start_need(m)
         freed = {d: self.free_bytes(d) for d in need}
         for c in order:  # would stopping them all make room? (evicting them, and idle models, too)
@@ -195,12 +199,19 @@ class Memory:
             return False
         self._yielded.pop(m.name, None)  # m waits for no one now (no cycle of models holding back)
         for c in order:
-            if self.keeps_kv:
+            if self.slo is not None:
+                keep = set(map(id, self.slo.keeps(c, self._spare(m, c))))
+                for req in reversed(list(c.running.values())):
+                    if id(req) not in keep:
+                        self._preempt(c, req, plan)
+                self._pause(c, plan)
+            elif self.keeps_kv:
                 self._pause(c, plan)
             else:
                 for req in reversed(list(c.running.values())):
                     self._preempt(c, req, plan)
-            self._yielded[c.name] = m.name
+            if self.slo is None:  # the slo policy orders by slack: a stopped model need not hold back
+                self._yielded[c.name] = m.name
             c.stopped_at = now
             self._epoch += 1
             self.switches += 1
@@ -208,6 +219,15 @@ class Memory:
             if found is not None and not found[1]:
                 break
         return True
+
+    def _spare(self, m: ModelState, c: ModelState) -> dict[int, int]:
+        """Bytes per device left once ``c`` is stopped (its weights and caches gone) and ``m`` has
+        started, less room for one more model's weights: what a stopped request may keep."""
+        need = self._start_need(m)
+        other = max((w for o in self.models.values() if not o.on_device and o.has_work and o is not m
+                     for w in o.weights), default=0)
+        return {d: self.free_bytes(d) + w + bb * sum(r.blocks for r in c.running.values()) - need.get(d, 0) - other
+                for d, w, bb in zip(c.devices, c.weights, c.block_bytes)}
 
     def _pause(self, m: ModelState, plan: StepPlan) -> None:
         """Stop every running request of ``m`` and evict its weights; the requests' KV blocks stay

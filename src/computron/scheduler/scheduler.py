@@ -24,6 +24,20 @@ Policies:
   model is back. Blocks of paused requests are given up (those requests recompute their cache
   later, cheapest first) only when their memory is needed and evicting idle models does not do.
   With ``preempt_keeps_kv`` off, stopped requests always recompute.
+- ``slo``: deadline-driven (``slo.py``). Each model has a cost (load, prefill, decode step) and an
+  SLO (time to first token and per output token, by default ``slo_scale`` times its solo figures,
+  or one latency for all its requests); each request has a deadline. The preempt policy's loop with
+  models in order of their earliest deadline instead of their oldest request: each step runs the
+  model whose request is due first, so models interleave at decode-step granularity as deadlines
+  demand. A model that cannot start for memory held by running models stops them (between decode
+  steps) once its slack runs out, or its head has waited ``max_wait_s``: only those whose slack,
+  less a reload and a recompute, exceeds its own, most slack first. Each stopped request keeps its
+  KV blocks where the memory is spare after the switch (room for the incoming model and one more
+  model's weights), else recomputes. Admission: every full step lays the models' work out in
+  deadline order; wherever it ends past a deadline, the waiting request that needs the most time is
+  refused with the reason (``plan.failed``; Moore and Hodgson's rule, which keeps the most requests
+  on time). A head request that has waited ``max_wait_s`` without starting goes first (its model's
+  key is -inf).
 - ``computron``: the original Computron, for comparison: at most ``max_loaded`` models per
   device (a count, not bytes; the weights live outside the budget), first come first served
   across models, no prefetch.
@@ -33,14 +47,16 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Callable
 
 from ..memory.units import kv_region_bytes
 from .memory import Memory
+from .slo import Deadlines, ModelCost, Slo
 from .state import LOADING, RESIDENT, Batch, ModelState, SchedRequest, StepPlan
 
-POLICIES = ("default", "preempt", "computron")
+POLICIES = ("default", "preempt", "slo", "computron")
 
 
 @dataclass
@@ -55,6 +71,7 @@ class SchedulerConfig:
     block_tokens: int = 16  # tokens per block of the paged KV cache
     max_wait_s: float = 1.0  # preempt policy: a request kept from starting this long preempts what blocks it
     preempt_keeps_kv: bool = False  # preempt policy: stopped requests keep their KV blocks while they fit
+    slo_scale: float = 5.0  # slo policy: a model's SLO, when none is given, is this times its solo figures
 
     def __post_init__(self) -> None:
         if isinstance(self.budgets, int):
@@ -76,8 +93,9 @@ class Scheduler(Memory):
     def __init__(self, config: SchedulerConfig):
         self.config = config
         self.counts_bytes = config.policy != "computron"  # computron: weights live outside the budget
-        self.preempts = config.policy == "preempt"
-        self.keeps_kv = self.preempts and config.preempt_keeps_kv
+        self.preempts = config.policy in ("preempt", "slo")
+        self.keeps_kv = config.policy == "preempt" and config.preempt_keeps_kv or config.policy == "slo"
+        self.slo = Deadlines(config.max_wait_s) if config.policy == "slo" else None
         # preempt policy: a model whose running requests were stopped for another's (name ->
         # that other) admits nothing until the other is on its devices; and when the oldest
         # blocked request's wait runs out (a full search is due then, even in a steady run)
@@ -104,7 +122,10 @@ class Scheduler(Memory):
 
     # ---- models --------------------------------------------------------------------------------
     def add_model(self, name: str, weights: tuple[int, ...] | int, kv_per_token: tuple[int, ...] | int,
-                  devices: tuple[int, ...] = (0,), pinned: bool = False) -> None:
+                  devices: tuple[int, ...] = (0,), pinned: bool = False, cost: ModelCost | None = None,
+                  slo: Slo | None = None) -> None:
+        """Register a model: bytes per rank, the device of each rank. The slo policy needs its
+        ``cost``; its ``slo`` defaults to ``slo_scale`` times the solo figures of that cost."""
         weights = (weights,) if isinstance(weights, int) else tuple(weights)
         kv_per_token = (kv_per_token,) if isinstance(kv_per_token, int) else tuple(kv_per_token)
         devices = tuple(devices)
@@ -120,6 +141,11 @@ class Scheduler(Memory):
             if self.counts_bytes and w > self.config.budgets[d]:
                 raise ValueError(f"model {name!r} needs {w} bytes of weights on device {d}, more than its "
                                  f"whole budget of {self.config.budgets[d]} bytes")
+        if self.slo is not None:
+            if cost is None:
+                raise ValueError(f"model {name!r}: the slo policy needs its cost (load, prefill and decode seconds)")
+            self.slo.costs[name] = cost
+            self.slo.slos[name] = slo or Slo.solo(cost, self.config.slo_scale)
         blocks = tuple(kv_region_bytes(self.config.block_tokens, k) for k in kv_per_token)
         self.models[name] = ModelState(name, devices, weights, blocks, pinned)
         self._changes += 1
@@ -131,6 +157,8 @@ class Scheduler(Memory):
         if m.on_device:
             self._set_offloaded(m)
         del self.models[name]
+        if self.slo is not None:
+            del self.slo.costs[name], self.slo.slos[name]
         self._changes += 1
 
     def set_pinned(self, name: str, pinned: bool) -> None:
@@ -175,7 +203,8 @@ class Scheduler(Memory):
         Then it changes no plan: a queue is looked at from its head, and a head that cannot start
         keeps those behind it from starting; a steady batch goes on."""
         m = self.models.get(model)
-        return m is not None and bool(m.waiting) and m.waiting[-1].arrival <= arrival
+        look = Deadlines.LOOK if self.slo is not None else 1  # slo: the first few waiting set its slack
+        return m is not None and len(m.waiting) >= look and m.waiting[-1].arrival <= arrival
 
     def finish(self, req_id: str) -> None:
         """A request ended (completed, failed or cancelled): drop it and free its KV reservation."""
@@ -252,7 +281,7 @@ class Scheduler(Memory):
 
     # ---- the step ------------------------------------------------------------------------------
     def _queue(self, m: ModelState) -> None:
-        key = m.oldest()
+        key = m.oldest() if self.slo is None else self.slo.earliest(m)
         if key != m.heap_key:
             m.heap_key = key
             if key is not None:
@@ -370,16 +399,23 @@ class Scheduler(Memory):
         # from starting, every request newer than its head waits (the running models drain).
         hold_after: float | None = None
         self.deadline = None
+        if self.slo is not None:
+            self._bound(plan, now)
         for key, m in ages:
             seen.append((key, m))
-            if not m.running:
+            if not m.running and m.has_work:
                 if not self._can_start(m) and self._busy_near(m):
-                    since = max(key, m.stopped_at)  # a model stopped for another waits anew
-                    if not (self.preempts and now - since >= self.config.max_wait_s and
-                            self._switch_to(m, plan, now)):
+                    since = max(m.oldest(), m.stopped_at)  # a model stopped for another waits anew
+                    due = since + self.config.max_wait_s  # when it stops the others (preempt policy)
+                    order = None
+                    if self.slo is not None:  # or once its slack runs out, stopping those with more
+                        slack = self.slo.slack(m, now)
+                        due = min(due, now + max(slack, 0.0))
+                        order = self._stoppable(m, slack, now)
+                    if not (self.preempts and now >= due and self._switch_to(m, plan, now, order)):
                         hold_after = key
-                        if self.preempts:
-                            self.deadline = since + self.config.max_wait_s
+                        if self.preempts and (self.deadline is None or due < self.deadline):
+                            self.deadline = due
                 break
         for key, m in self._chain(seen, ages):
             if not free_devices:
@@ -411,6 +447,35 @@ class Scheduler(Memory):
         for _, m in seen:
             self._queue(m)
         return plan
+
+    def _stoppable(self, m: ModelState, slack: float, now: float) -> list[ModelState]:
+        """Slo policy: running models on ``m``'s devices that may be stopped for it, most slack first:
+        those whose slack, less a reload and a recompute, still exceeds ``m``'s."""
+        dl, out = self.slo, {}
+        for d in m.devices:
+            for c in self.on_device[d].values():
+                if c is not m and c.running and not c.pinned and c.name not in out:
+                    s = dl.slack(c, now) - dl.restart(c)
+                    if s > slack:
+                        out[c.name] = (s, c)
+        return [c for _, c in sorted(out.values(), key=lambda e: -e[0])]
+
+    def _bound(self, plan: StepPlan, now: float) -> None:
+        """Slo policy: refuse the waiting requests whose work keeps others from their deadlines
+        (``Deadlines.crowded``; each gets its reason in ``plan.failed``); a model whose head request
+        has waited the bound goes first from now on (its key in the heap is -inf); a full search is
+        due when the next head reaches the bound."""
+        dl = self.slo
+        dl.now = now
+        for m, r in dl.crowded([m for m in self.models.values() if m.has_work], now):
+            plan.failed.append((r.id, dl.refusal(m, r, now)))
+            self.finish(r.id)
+        for m in self.models.values():
+            if m.waiting and not m.waiting[0].done:
+                self._queue(m)
+                if not dl.past_bound(m):
+                    t = m.waiting[0].arrival + dl.max_wait_s
+                    self.deadline = t if self.deadline is None else min(self.deadline, t)
 
     @staticmethod
     def _chain(seen: list, ages):
@@ -503,7 +568,7 @@ class Scheduler(Memory):
         tokens = len(batch.decode)
         while m.waiting and len(m.running) < cfg.max_batch_size:
             req = m.waiting[0]
-            if hold_after is not None and req.arrival > hold_after:
+            if hold_after is not None and (req.arrival if self.slo is None else self.slo.due(req)) > hold_after:
                 break  # drain: an older request of another model waits for this memory
             length = req.prompt_len + req.done
             if batch.prefill and tokens + length > cfg.max_tokens_per_step:

@@ -37,10 +37,12 @@ def add_parsers(subparsers) -> None:
     p.add_argument("--gpu-memory-budget", metavar="SIZE", help="device memory for weights + KV cache, e.g. 40GiB")
     p.add_argument("--workspace", metavar="SIZE", help="part of the budget reserved for activations")
     p.add_argument("--device", help="auto (default), cpu, cuda or cuda:N")
-    p.add_argument("--policy", choices=("default", "preempt", "computron"),
+    p.add_argument("--policy", choices=("default", "preempt", "slo", "computron"),
                    help="scheduling and swap policy (preempt: a request kept waiting --max-wait seconds by "
-                        "other models' running requests preempts them)")
-    p.add_argument("--max-wait", type=float, metavar="SECONDS", help="preempt policy's bound on waiting (default 1)")
+                        "other models' running requests preempts them; slo: earliest deadline first under "
+                        "per-model SLOs, engine.slos in the config file)")
+    p.add_argument("--max-wait", type=float, metavar="SECONDS",
+                   help="preempt and slo policies' bound on waiting (default 1)")
     p.add_argument("--preempt-keep-kv", action="store_true", default=None,
                    help="preempt policy: stopped requests keep their caches on the device while their memory "
                         "is not needed, instead of recomputing them")

@@ -10,7 +10,7 @@ thread-safe).
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 SWAP_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -22,7 +22,8 @@ def engine_snapshot(engine) -> dict:
     models = {}
     for name in engine.models:
         st = engine.model_stats(name)
-        models[name] = {k: st[k] for k in ("waiting", "running", "state", "pinned")}
+        models[name] = {k: st[k] for k in ("waiting", "running", "state", "pinned", "slo_met", "slo_requests")
+                        if k in st}
     return {"models": models, "memory": engine.memory(), "stats": dict(engine.stats)}
 
 
@@ -31,8 +32,22 @@ class _EngineTotals:
 
     def __init__(self):
         self.stats: dict = {}
+        self.slo: dict[str, tuple[int, int]] = {}  # slo policy: model -> (requests within their SLO, requests)
 
     def collect(self):
+        if self.slo:
+            met = CounterMetricFamily("computron_slo_met", "Requests that ended within their model's SLO "
+                                      "(time to first token and per output token; slo policy)", labels=["model"])
+            total = CounterMetricFamily("computron_slo_requests", "Requests that ended, refused ones included "
+                                        "(slo policy)", labels=["model"])
+            share = GaugeMetricFamily("computron_slo_attainment", "Share of a model's ended requests within its "
+                                      "SLO (slo policy)", labels=["model"])
+            for model, (m, n) in sorted(self.slo.items()):
+                met.add_metric([model], m)
+                total.add_metric([model], n)
+                if n:
+                    share.add_metric([model], m / n)
+            yield from (met, total, share)
         s = self.stats
         for name, key, doc in (
                 ("computron_swap_ins", "swap_ins", "Models swapped into device memory"),
@@ -114,6 +129,8 @@ class Metrics:
         self.capacity.labels("budget").set(mem.get("budget", 0))
         self.capacity.labels("arena").set(mem.get("total", 0))
         self._totals.stats = snap["stats"]
+        self._totals.slo = {name: (m["slo_met"], m["slo_requests"]) for name, m in snap["models"].items()
+                            if "slo_requests" in m}
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import sys
 
-POLICIES = ("default", "preempt", "computron")
+POLICIES = ("default", "preempt", "slo", "computron")
 KEEP_KV = "preempt-keep-kv"  # the preempt policy with preempt_keeps_kv on: stopped requests keep their caches
 PRESETS = {  # name: (models resident at once, per-model rates)
     "3m-1-1-1": (2, (1, 1, 1)), "3m-10-1-1": (2, (10, 1, 1)), "3m-10-10-1": (2, (10, 10, 1)),
@@ -45,8 +45,8 @@ def add_parser(sub) -> None:
                         "device while they fit instead of recomputing them")
     p.add_argument("--budget", metavar="SIZE", help="device memory budget, e.g. 40GiB (default: the calibration's)")
     p.add_argument("--max-loaded", type=int, default=1, help="computron policy: models resident at once")
-    p.add_argument("--max-wait", type=float, default=1.0, help="preempt policy: seconds a request may be kept "
-                                                               "waiting by other models' running requests")
+    p.add_argument("--max-wait", type=float, default=1.0, help="preempt and slo policies: seconds a request may "
+                                                               "be kept waiting by other models' running requests")
     p.add_argument("--sweep", choices=("rate", "cv", "budget"), default=None,
                    help="run every policy at each of --values and plot SLO attainment against it")
     p.add_argument("--values", default=None, help="the sweep's values, comma-separated (sizes for budget)")
@@ -89,13 +89,17 @@ def run_once(args, specs, cfg_kw, cal, policy: str):
     from ..workload.args import slo_report, workload_from_args
     from .run import Simulation
 
+    trace = workload_from_args(args, [s.name for s in specs])
+    base = args.slo_ms / 1e3 if args.slo_ms else Simulation(specs, cal, EngineConfig(device="cpu", **cfg_kw)
+                                                            ).solo_latency(trace)
+    # the slo policy aims at the SLO the report measures: latency within slo_scale x base
+    slos = {s.name: {"latency_s": args.slo_scale * (base if isinstance(base, float) else base[s.name])}
+            for s in specs if isinstance(base, float) or s.name in base}
     sim = Simulation(specs, cal, EngineConfig(device="cpu", policy="preempt" if policy == KEEP_KV else policy,
                                               preempt_keeps_kv=policy == KEEP_KV, max_wait_s=args.max_wait,
-                                              **cfg_kw))
-    trace = workload_from_args(args, [s.name for s in specs])
+                                              slos=slos, slo_scale=args.slo_scale, **cfg_kw))
     result = sim.run(trace)
     summary = result.summary()
-    base = args.slo_ms / 1e3 if args.slo_ms else sim.solo_latency(trace)
     plots, args.plots = args.plots, (f"{args.plots}/{policy}" if args.plots and args.sweep else args.plots)
     summary["slo"] = slo_report(result.records, base, args, f"sim, policy {policy}")
     args.plots = plots

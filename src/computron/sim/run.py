@@ -25,6 +25,7 @@ from typing import Iterable
 from ..config import EngineConfig, ModelSpec
 from ..engine.core import CoreRequest, EngineCore
 from ..messages import ModelDescription, SamplingParams
+from ..scheduler import ModelCost
 from ..workload.report import by_model
 from .clock import VirtualClock
 from .costs import CPU_DEFAULT, Calibration
@@ -115,7 +116,9 @@ class Simulation:
         for m in models:
             spec = ModelSpec.parse(m) if isinstance(m, str) else m
             desc = ModelDescription(spec.name, spec.source, spec.dtype, spec.seed)
-            self.core.add_model(self.executor.register(desc), pinned=spec.pinned)
+            info = self.executor.register(desc)  # the slo policy's costs are the calibration's
+            self.core.add_model(info, spec.pinned, ModelCost.from_calibration(calibration, info.weight_bytes,
+                                                                              info.placement.devices))
 
     def solo_latency(self, trace) -> dict[str, float]:
         """Each model's latency for its median request (prompt and output tokens of ``trace``) alone

@@ -4,6 +4,8 @@ A CPU tensor's work is done when its call returns, so these tests hand ``Colocat
 factory that stands in for CUDA events and record when the host waits on each.
 """
 
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -85,3 +87,25 @@ def test_an_order_arriving_while_the_host_waits_abandons_at_that_point(at):
 
 def test_the_cuda_fence_is_none_for_cpu_tensors():
     assert cuda_fence(torch.zeros(1)) is None
+
+
+def test_a_closed_server_takes_no_connection_and_the_job_finds_the_next_one(tmp_path):
+    from computron.colocate.arbiter import Arbiter, ArbiterConfig
+    from computron.colocate.protocol import ArbiterServer
+
+    addr = str(tmp_path / "arbiter.sock")
+    first = ArbiterServer(Arbiter(ArbiterConfig(mode="colocate", capacity=1000)), addr)
+    colo = Colocation(addr, reconnect_s=0.01)
+    try:
+        assert colo.wait_connected(5.0) and first.trainer_connected(0)
+        first.close()
+        time.sleep(0.3)  # the job tries to reconnect meanwhile: the closed server must not answer
+        assert not first.trainer_connected(0)
+        second = ArbiterServer(Arbiter(ArbiterConfig(mode="colocate", capacity=1000)), addr)
+        deadline = time.monotonic() + 5.0
+        while not second.trainer_connected(0) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert second.trainer_connected(0)
+        second.close()
+    finally:
+        colo.close()

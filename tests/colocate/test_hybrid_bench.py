@@ -29,3 +29,17 @@ def test_one_command_runs_every_phase_with_the_resnet_job(tmp_path):
     for mode in ("task-switch", "colocate"):  # training held the memory inference asked for: handed over
         assert rows[mode]["handovers"] >= 1 and rows[mode]["handover_release_p99_ms"] >= 0
     assert (tmp_path / "hybrid_t.png").stat().st_size > 0
+
+
+def test_the_release_bench_compares_bounds_against_unbounded(tmp_path):
+    cmd = [sys.executable, str(ROOT / "bench" / "colocate_release.py"), "--device", "cpu", "--train-model", "tiny-opt",
+           "--seq-len", "64", "--global-batch", "16", "--micro-batch", "8", "--capacity-gb", "0.0095",
+           "--demand-gb", "0.003", "--run-ahead", "0,8", "--rounds", "1", "--window", "1", "--handovers", "3",
+           "--warmup-steps", "1", "--tag", "t", "--out", str(tmp_path)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    rows = json.loads((tmp_path / "colocate_release_t.json").read_text())["rows"]
+    assert [r["run_ahead"] for r in rows] == [0, 8]
+    for r in rows:  # every demand took memory from the job: each one a timed release
+        assert r["handovers"] == 3 and r["samples_per_s"] > 0 and r["release_p99_ms"] >= r["release_p50_ms"] >= 0
+    assert rows[0]["relative"] == 1.0

@@ -2,20 +2,27 @@
 
 Runs, on one trace (Gamma arrivals: --rate, --cv, --duration, uniformly over --models copies of
 an OPT-1.3B-shaped model): inference alone, training alone, and the trainer colocated in each of
-the arbiter's modes (normal, static, task-switch, colocate). The inference side is this process:
-an ArbiterServer plus a stand-in server that keeps each model's weights in pinned host memory,
-asks the arbiter for memory before a swap-in (``demand``), swaps the weights in (allocation +
-host-to-GPU copy), and decodes ``--tokens`` tokens by reading all the weights once per token.
-Over budget it evicts least-recently-used models; when the arbiter shrinks its share it evicts
-down to it. The training job is ``computron train`` in its own process (a GPT-2-medium shape by
-default, bf16 autocast), talking to the arbiter over a Unix socket.
+the arbiter's modes (normal, static, task-switch, colocate), each --repeats times. The inference
+side is this process: an ArbiterServer per run plus a stand-in server that keeps each model's
+weights in pinned host memory, asks the arbiter for memory before a swap-in (``demand``), swaps
+the weights in (allocation + host-to-GPU copy), and decodes ``--tokens`` tokens by reading all the
+weights once per token. Over budget it evicts least-recently-used models; when the arbiter
+shrinks its share it evicts down to it. The training job runs in its own process, talking to the
+arbiter over a Unix socket: ``--job gpt`` is ``computron train`` (a GPT-2-medium shape by
+default, bf16 autocast), ``--job resnet`` is ``examples/resnet_colocated.py`` (ResNet-50, SGD).
 
-Reports per run: SLO attainment at k x solo latency (k = 1..8; solo: the median latency of
-inference alone), p50/p99 latency, training samples/s relative to training alone, the handover
-split into signal, training release, ack, inference allocation and swap-in, and a PNG timeline
-of memory by owner. Writes bench/results/hybrid_<tag>.json (and .png).
+Start-up is paid once: the host images are built once (random values generated on the GPU), one
+job process runs every training-alone run and another, started with the first mode's arbiter and
+reconnecting to each next one, every colocated run; repeats go round the modes in turn. Each
+start-up part is timed and reported.
 
-    .venv/bin/python bench/hybrid.py --duration 60 --rate 4 --cv 4 --models 4
+Reports per phase (medians over repeats): SLO attainment at k x solo latency (k = 1..8; solo: the
+median latency of inference alone), p50/p99 latency, training samples/s relative to training
+alone, the handover split into signal, training release, ack, inference allocation and swap-in,
+and a PNG timeline of memory by owner. Writes bench/results/hybrid_<tag>.json (and .png).
+
+    PYTHONPATH=src python bench/hybrid.py --duration 20 --repeats 3 --tag h100          # all phases
+    PYTHONPATH=src python bench/hybrid.py --job resnet --duration 20 --repeats 3 --tag h100_resnet
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import collections
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -40,7 +48,9 @@ from computron.colocate.protocol import ArbiterServer
 from computron.memory.host import host_buffer
 
 GB = 1 << 30
-RESULTS = Path(__file__).parent / "results"
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+JOBS = {"gpt": dict(global_batch=32, micro_batch=16), "resnet": dict(global_batch=128, micro_batch=64)}
 
 
 def gpt2_medium_checkpoint(path: Path) -> str:
@@ -64,17 +74,26 @@ def gpt2_medium_checkpoint(path: Path) -> str:
 class Inference:
     """The stand-in inference server: models in pinned host memory, swapped in on demand."""
 
-    def __init__(self, args, server: ArbiterServer | None, device: torch.device):
-        self.args, self.server, self.device = args, server, device
+    def __init__(self, args, device: torch.device):
+        self.args, self.device = args, device
         n = int(args.model_gb * GB) // 2
         self.hosts = [host_buffer(n * 2, pin=device.type == "cuda").view(torch.bfloat16) for _ in range(args.models)]
-        for h in self.hosts:
-            h.normal_()
-        self.resident: dict[int, torch.Tensor] = {}  # model -> GPU weights, in LRU order
+        gen = torch.Generator(device=device).manual_seed(args.seed)
+        for h in self.hosts:  # random weights; the GPU's generator is much faster than the CPU's (single-threaded)
+            for i in range(0, n, 1 << 28):
+                part = h[i:i + (1 << 28)]
+                part.copy_(torch.randn(part.shape, dtype=part.dtype, device=device, generator=gen))
         self.lock = threading.Lock()
-        self.copy = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.start(None, 0)
+
+    def start(self, server: ArbiterServer | None, most: int) -> None:
+        """A new run: nothing resident, inference holding at most ``most`` bytes, under ``server``."""
+        self.server, self.most = server, most
+        self.resident: dict[int, torch.Tensor] = {}  # model -> GPU weights, in LRU order
         self.parts: list[dict] = []
         self.failures = 0
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def resident_bytes(self) -> int:
         return sum(t.numel() * 2 for t in self.resident.values())
@@ -94,7 +113,7 @@ class Inference:
         if w is None:
             need = self.hosts[model].numel() * 2
             with self.lock:  # evict LRU models the share cannot hold alongside this one
-                while self.resident and self.resident_bytes() + need > a.inference_max:
+                while self.resident and self.resident_bytes() + need > self.most:
                     self.resident.pop(next(iter(self.resident)))
             if self.server is not None:
                 rec = self.server.demand(0, self.resident_bytes() + need, timeout=30)
@@ -135,54 +154,78 @@ def trace(args) -> list[tuple[float, int]]:
         out.append((t, int(rng.integers(args.models))))
 
 
-def start_trainer(args, addr: str | None, ckpt: str, out: list):
-    cmd = [sys.executable, "-m", "computron.cli", "train", "--model", ckpt, "--steps", "1000000",
-           "--seq-len", str(args.seq_len), "--global-batch", str(args.global_batch),
-           "--micro-batch", str(args.micro_batch), "--device", args.device]
-    if addr:
-        cmd += ["--colocate", addr]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-    p.last_lines = collections.deque(maxlen=30)  # what it said last, shown if it never gets going
+def job_command(args, ckpt: str | None, addr: str | None) -> list[str]:
+    """The training job's command line (``--job``), colocated under ``addr`` when given."""
+    if args.job == "resnet":
+        cmd = [sys.executable, str(ROOT / "examples" / "resnet_colocated.py"), "--steps", "1000000",
+               "--device", args.device]
+        cmd += ["--colocate", addr, "--run-ahead", str(args.run_ahead)] if addr else []
+    else:
+        cmd = [sys.executable, "-m", "computron.cli", "train", "--model", ckpt, "--steps", "1000000",
+               "--seq-len", str(args.seq_len), "--device", args.device]
+        cmd += ["--colocate", addr, "--colocate-run-ahead", str(args.run_ahead)] if addr else []
+    return cmd + ["--global-batch", str(args.global_batch), "--micro-batch", str(args.micro_batch),
+                  *shlex.split(args.train_args)]
 
-    def read():
-        for line in p.stdout:
-            p.last_lines.append(line.rstrip())
-            if m := re.match(r"step (\d+)/", line):
-                out.append((time.monotonic(), int(m.group(1))))
+
+class Job:
+    """The training job's process; its step lines are timed as they come."""
+
+    def __init__(self, cmd: list[str]):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"),
+                                                                         os.environ.get("PYTHONPATH")]))}
+        self.t0 = time.monotonic()
+        self.p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
+        self.steps: list[float] = []  # when each step line came
+        self.last_lines = collections.deque(maxlen=30)  # what it said last, shown if it never gets going
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.p.stdout:
+            self.last_lines.append(line.rstrip())
+            if re.match(r"step (\d+)/", line):
+                self.steps.append(time.monotonic())
             elif "rror" in line or "Traceback" in line:
                 print("trainer:", line.rstrip(), file=sys.stderr)
 
-    threading.Thread(target=read, daemon=True).start()
-    return p
+    def wait_steps(self, n: int, after: float, what: str) -> float:
+        """Wait for ``n`` steps ending after ``after``; the seconds since the job started."""
+        deadline = time.monotonic() + JOB_TIMEOUT_S
+        while sum(t > after for t in self.steps) < n:
+            if self.p.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"{what}: the training job made {sum(t > after for t in self.steps)} of {n} steps "
+                                   f"in {JOB_TIMEOUT_S:.0f} s; it said last:\n" + "\n".join(self.last_lines))
+            time.sleep(0.02)
+        return time.monotonic() - self.t0
+
+    def samples_per_s(self, t0: float, t1: float, batch: int) -> float:
+        return sum(t0 <= t <= t1 for t in self.steps) * batch / (t1 - t0)
+
+    def stop(self) -> None:
+        self.p.terminate()
+        try:
+            self.p.wait(30)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
 
 
-def run_one(args, mode: str | None, with_train: bool, with_infer: bool, ckpt: str, arrivals) -> dict:
+def arbiter(args, mode: str, addr: str, inf: Inference | None) -> ArbiterServer:
+    cfg = ArbiterConfig(mode=mode, capacity=int(args.capacity_gb * GB), static_train=int(args.static_train_gb * GB),
+                        idle_s=args.idle, immediate=not args.at_boundary)
+    server = ArbiterServer(Arbiter(cfg), addr)
+    server.on_share = inf.fit if inf is not None else None
+    return server
+
+
+def run_phase(args, phase: str, inf: Inference | None, job: Job | None, server: ArbiterServer | None,
+              arrivals) -> dict:
+    """One run of ``phase`` over the trace: inference (if ``inf``) against the job (if any) under ``server``."""
     device = torch.device(args.device)
     capacity = int(args.capacity_gb * GB)
-    addr = tempfile.mktemp(suffix=".sock")
-    server, steps, timeline = None, [], []
-    if mode is not None:
-        cfg = ArbiterConfig(mode=mode, capacity=capacity, static_train=int(args.static_train_gb * GB),
-                            idle_s=args.idle, immediate=not args.at_boundary)
-        server = ArbiterServer(Arbiter(cfg), addr)
-    inf = Inference(args, server, device) if with_infer else None
-    if server is not None and inf is not None:
-        server.on_share = inf.fit
-    args.inference_max = capacity if mode in (None, "normal", "task-switch", "colocate") else \
-        capacity - int(args.static_train_gb * GB)
-    trainer = start_trainer(args, addr if server else None, ckpt, steps) if with_train else None
-    if trainer is not None:  # warm up: the job's first steps (CUDA init, allocator) are not measured
-        deadline = time.monotonic() + WARMUP_TIMEOUT_S
-        while len(steps) < args.warmup_steps and trainer.poll() is None:
-            if time.monotonic() > deadline:
-                trainer.kill()
-                if server is not None:
-                    server.close()
-                raise RuntimeError(f"{mode or 'training-alone'}: the training job made {len(steps)} of its "
-                                   f"{args.warmup_steps} warm-up steps in {WARMUP_TIMEOUT_S:.0f} s; it said last:\n"
-                                   + "\n".join(trainer.last_lines))
-            time.sleep(0.05)
-    done = threading.Event()
+    if inf is not None:
+        inf.start(server, capacity - int(args.static_train_gb * GB) if phase == "static" else capacity)
+    timeline, done = [], threading.Event()
 
     def sample():
         while not done.is_set():
@@ -193,7 +236,7 @@ def run_one(args, mode: str | None, with_train: bool, with_infer: bool, ckpt: st
     threading.Thread(target=sample, daemon=True).start()
     t0 = time.monotonic()
     lat = []
-    for at, model in (arrivals if with_infer else []):
+    for at, model in (arrivals if inf is not None else []):
         while time.monotonic() - t0 < at:
             time.sleep(min(0.001, max(0.0, at - (time.monotonic() - t0))))
         try:
@@ -206,24 +249,19 @@ def run_one(args, mode: str | None, with_train: bool, with_infer: bool, ckpt: st
         time.sleep(0.05)
     t1 = time.monotonic()
     done.set()
-    rate = None
-    if trainer is not None:
-        inside = [s for t, s in steps if t0 <= t <= t1]
-        rate = (len(inside) * args.global_batch) / (t1 - t0) if inside else 0.0
-        trainer.terminate()
-        trainer.wait(30)
-    if server is not None:
-        server.close()
-    out = {"mode": mode or ("inference-alone" if with_infer else "training-alone"), "latencies": lat,
-           "train_samples_per_s": rate, "handovers": inf.parts if inf else [], "failures": inf.failures if inf else 0,
+    out = {"mode": phase, "latencies": lat,
+           "train_samples_per_s": job.samples_per_s(t0, t1, args.global_batch) if job else None,
+           "handovers": inf.parts if inf else [], "failures": inf.failures if inf else 0,
            "timeline": [(t - t0, a, b, c) for t, a, b, c in timeline]}
-    del inf
-    torch.cuda.empty_cache() if device.type == "cuda" else None
+    if inf is not None:
+        inf.start(None, 0)  # the next run starts with nothing resident
+    elif device.type == "cuda":
+        torch.cuda.empty_cache()
     return out
 
 
 REFERENCES = ("inference-alone", "training-alone")
-WARMUP_TIMEOUT_S = 120.0
+JOB_TIMEOUT_S = 300.0  # a job's start-up and warm-up steps, or its settling into a new run
 
 
 def phase_row(r: dict, solo: float | None, train_alone: float | None) -> dict:
@@ -294,64 +332,117 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main() -> int:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", type=int, default=4, help="OPT-1.3B-sized models (default 4)")
     p.add_argument("--model-gb", type=float, default=2.63, help="GB of weights per model (OPT-1.3B bf16: 2.63)")
     p.add_argument("--rate", type=float, default=4.0, help="requests per second")
     p.add_argument("--cv", type=float, default=4.0, help="coefficient of variation of inter-arrivals (bursty > 1)")
-    p.add_argument("--duration", type=float, default=60.0)
+    p.add_argument("--duration", type=float, default=20.0, help="seconds of each run")
     p.add_argument("--tokens", type=int, default=32, help="decode tokens per request")
     p.add_argument("--capacity-gb", type=float, default=24.0, help="GB shared by inference and training")
     p.add_argument("--static-train-gb", type=float, default=14.0, help="static mode: training's share")
     p.add_argument("--idle", type=float, default=2.0, help="seconds of inference idle before memory goes back")
     p.add_argument("--at-boundary", action="store_true", help="release at micro-batch boundaries, not at once")
-    p.add_argument("--train-model", default=None, help="the job's model (default: a GPT-2-medium shape)")
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--global-batch", type=int, default=32)
-    p.add_argument("--micro-batch", type=int, default=16)
-    p.add_argument("--warmup-steps", type=int, default=3)
+    p.add_argument("--job", choices=sorted(JOBS), default="gpt",
+                   help="gpt: computron train; resnet: examples/resnet_colocated.py")
+    p.add_argument("--train-model", default=None, help="gpt: the job's model (default: a GPT-2-medium shape)")
+    p.add_argument("--train-args", default="", help="more arguments for the job's command line")
+    p.add_argument("--seq-len", type=int, default=512, help="gpt: tokens per sample")
+    p.add_argument("--global-batch", type=int, default=None, help="default: gpt 32, resnet 128")
+    p.add_argument("--micro-batch", type=int, default=None, help="default: gpt 16, resnet 64")
+    p.add_argument("--run-ahead", type=int, default=8, help="the colocated job's run-ahead bound (0: unbounded)")
+    p.add_argument("--warmup-steps", type=int, default=3, help="job steps before its first measured run")
     p.add_argument("--modes", default=",".join((*REFERENCES, *MODES)),
                    help="phases to run now, of inference-alone, training-alone and the modes; runs are kept in "
-                        "bench/results/hybrid_<tag>_runs.json, so a long comparison can be split over several "
+                        "bench/results/hybrid_<tag>_runs.json, so a comparison can be split over several "
                         "invocations (same settings, same trace) and the summary covers every phase stored")
-    p.add_argument("--repeats", type=int, default=1, help="runs per phase; figures are medians over them")
+    p.add_argument("--repeats", type=int, default=3, help="runs per phase; figures are medians over them")
     p.add_argument("--fresh", action="store_true", help="drop the runs stored under this tag first")
     p.add_argument("--device", default="cuda")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tag", default="h100")
-    args = p.parse_args()
+    p.add_argument("--out", default=str(RESULTS), help="directory for the results")
+    args = p.parse_args(argv)
+    for k, v in JOBS[args.job].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
     phases = args.modes.split(",")
     unknown = [m for m in phases if m not in (*REFERENCES, *MODES)]
     if unknown or args.repeats < 1:
         p.error(f"unknown phase(s) {unknown}; known: {', '.join((*REFERENCES, *MODES))}" if unknown
                 else "--repeats must be at least 1")
-    settings = {k: v for k, v in vars(args).items() if k not in ("modes", "repeats", "fresh", "tag")}
-    RESULTS.mkdir(exist_ok=True)
-    store = RESULTS / f"hybrid_{args.tag}_runs.json"
+    settings = {k: v for k, v in vars(args).items() if k not in ("modes", "repeats", "fresh", "tag", "out")}
+    results = Path(args.out)
+    results.mkdir(parents=True, exist_ok=True)
+    store = results / f"hybrid_{args.tag}_runs.json"
     runs: dict[str, list[dict]] = {}
     if store.is_file() and not args.fresh:
         saved = json.loads(store.read_text())
         if saved["settings"] != settings:
             p.error(f"{store} holds runs with other settings ({saved['settings']}); use --fresh or another --tag")
         runs = saved["runs"]
-    ckpt = args.train_model or gpt2_medium_checkpoint(Path(tempfile.gettempdir()) / "computron-gpt2-medium")
+    device, startup = torch.device(args.device), {}
+
+    def timed(name, fn):
+        t = time.monotonic()
+        out = fn()
+        startup[name] = time.monotonic() - t
+        print(f"start-up: {name} {startup[name]:.1f} s", flush=True)
+        return out
+
+    ckpt = None
+    if args.job == "gpt":
+        ckpt = args.train_model or timed("checkpoint_s", lambda: gpt2_medium_checkpoint(
+            Path(tempfile.gettempdir()) / "computron-gpt2-medium"))
     arrivals = trace(args)
+    inf = timed("host_images_s", lambda: Inference(args, device)) if set(phases) - {"training-alone"} else None
     for phase in phases:
         runs[phase] = []
+
+    def record(r):
+        if runs[r["mode"]]:
+            r["timeline"] = []  # one timeline per phase is plotted; the file stays small
+        runs[r["mode"]].append(r)
+        store.write_text(json.dumps({"settings": settings, "runs": runs}))  # after each run: nothing is lost
+        print(json.dumps(phase_row(r, None, None)), flush=True)
+
+    for _ in range(args.repeats if "inference-alone" in phases else 0):
+        record(run_phase(args, "inference-alone", inf, None, None, arrivals))
+    if "training-alone" in phases:
+        job = Job(job_command(args, ckpt, None))
+        startup["alone_job_warmup_s"] = job.wait_steps(args.warmup_steps, 0, "training-alone")
         for _ in range(args.repeats):
-            with_train, with_infer = phase != "inference-alone", phase != "training-alone"
-            r = run_one(args, phase if phase in MODES else None, with_train, with_infer, ckpt, arrivals)
-            if runs[phase]:
-                r["timeline"] = []  # one timeline per phase is plotted; the file stays small
-            runs[phase].append(r)
-        store.write_text(json.dumps({"settings": settings, "runs": runs}))  # after each phase: nothing is lost
-        print(json.dumps(summarize(runs)["rows"]), flush=True)
-    out = RESULTS / f"hybrid_{args.tag}.json"
+            record(run_phase(args, "training-alone", None, job, None, arrivals))
+        job.stop()
+    modes, job = [m for m in MODES if m in phases], None
+    addr = tempfile.mktemp(suffix=".sock")
+    for _ in range(args.repeats if modes else 0):
+        for mode in modes:  # repeats go round the modes: drift spreads over all of them
+            server = arbiter(args, mode, addr, inf)
+            if job is None:
+                job = Job(job_command(args, ckpt, addr))
+                startup["colocated_job_warmup_s"] = job.wait_steps(args.warmup_steps, 0, mode)
+            else:  # the job finds the new arbiter; one step under it before the run
+                deadline = time.monotonic() + JOB_TIMEOUT_S
+                while not server.trainer_connected(0) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                job.wait_steps(1, time.monotonic(), mode)
+            try:
+                record(run_phase(args, mode, inf, job, server, arrivals))
+            finally:
+                server.on_share = None
+                server.close()
+    if job is not None:
+        job.stop()
+    for name in ("alone_job_warmup_s", "colocated_job_warmup_s"):
+        if name in startup:
+            print(f"start-up: {name} {startup[name]:.1f} s (process start to {args.warmup_steps} steps)")
     summary = summarize(runs)
-    out.write_text(json.dumps({"args": vars(args), "requests": len(arrivals), **summary,
-                               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"},
-                              indent=1))
+    out = results / f"hybrid_{args.tag}.json"
+    out.write_text(json.dumps({"args": vars(args), "startup": startup, "requests": len(arrivals), **summary,
+                               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1))
     plot(runs, out.with_suffix(".png"))
     for row in summary["rows"]:
         print(json.dumps(row))

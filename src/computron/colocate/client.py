@@ -20,10 +20,17 @@ modules raise :class:`Abandoned` in its forward or backward), else it finishes; 
 ``empty_cache``), picks a micro-batch that fits, and acknowledges. A limit under the smallest
 micro-batch pauses training: ``on_pause`` moves its state off the GPU, ``on_resume`` back.
 Without an address, nothing limits the job. Lives in the training process; CPU or GPU.
+
+On a GPU the host queues kernels far ahead of their execution, and freeing memory waits for
+everything queued. So the watched modules are also fences: each call in the forward and each
+gradient in the backward records a CUDA event, and the host waits for the event recorded
+``run_ahead`` such points earlier before it queues more. An abandon order is then seen, and the
+memory freed, after at most that much queued GPU work.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 import time
@@ -48,10 +55,26 @@ def _noop() -> None:
     pass
 
 
+def cuda_fence(t):
+    """A CUDA event recorded on ``t``'s device's current stream (None for a CPU tensor: its work is done)."""
+    if not t.is_cuda:
+        return None
+    import torch
+
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(t.device))
+    return ev
+
+
 class Colocation:
     def __init__(self, address: str | None = None, device: int = 0, memory: MemoryModel | None = None,
-                 on_pause=_noop, on_resume=_noop, release=_noop, measure=None, reconnect_s: float = 0.05):
+                 on_pause=_noop, on_resume=_noop, release=_noop, measure=None, reconnect_s: float = 0.05,
+                 run_ahead: int = 8, fence=None):
+        if run_ahead < 0:
+            raise ValueError(f"run_ahead must be >= 0 (0: unbounded), got {run_ahead}")
         self.address, self.device = address, device
+        self.run_ahead = run_ahead  # watched points the host may queue ahead of the GPU; 0: unbounded
+        self.fence = fence or cuda_fence  # tensor -> an event after the work queued so far, or None
         self.memory = memory or MemoryModel(0, 0)
         self.on_pause, self.on_resume, self.release = on_pause, on_resume, release
         self.measure = measure  # (start, stop) -> peak bytes of the micro-batch; None: not measured
@@ -66,6 +89,7 @@ class Colocation:
         self._running = 0
         self._abandon = self._immediate = False
         self._paused = False
+        self._fences: collections.deque = collections.deque()  # events of the running micro-batch, oldest first
         self._chan: Channel | None = None
         self._closed = False
         self._min_bytes = self.memory.predict(1)
@@ -108,6 +132,7 @@ class Colocation:
     @contextlib.contextmanager
     def step(self, micro_batch: int):
         state = StepState(micro_batch)
+        self._fences.clear()
         with self._cond:  # a limit that came after micro_batch() chose this size: abandon at once
             self._running = micro_batch
             self._abandon = (self._immediate and self._limit_id > self._acked_id
@@ -127,20 +152,35 @@ class Colocation:
             self.memory.record(micro_batch, state.peak_bytes)
 
     def watch(self, module) -> None:
-        """Hooks on ``module``'s submodules holding parameters: an abandon order stops the forward or backward."""
+        """Hooks on ``module``'s submodules holding parameters, at each call in the forward and each
+        gradient of a call's output in the backward: the host waits there until the GPU work queued
+        ``run_ahead`` points earlier is done, then an abandon order raises :class:`Abandoned`."""
         def check(*_):
             if self._abandon:
                 raise Abandoned()
 
-        def on_output(_mod, _inp, out):
+        def point(t):
+            self._bound(t)
             check()
+
+        def on_output(_mod, _inp, out):
             if getattr(out, "requires_grad", False):
-                out.register_hook(check)
+                out.register_hook(point)
+            point(out)
 
         for m in module.modules():
             if any(True for _ in m.parameters(recurse=False)):
                 m.register_forward_pre_hook(check)
                 m.register_forward_hook(on_output)
+
+    def _bound(self, t) -> None:
+        """Record a fence after the work queued for ``t``; wait for the one ``run_ahead`` fences back."""
+        if not self.run_ahead or not hasattr(t, "device") or (ev := self.fence(t)) is None:
+            return
+        q = self._fences
+        q.append(ev)
+        while len(q) > self.run_ahead:
+            q.popleft().synchronize()
 
     def close(self) -> None:
         self._closed = True

@@ -106,6 +106,8 @@ class ArbiterServer:
         self._acks: dict[int, dict] = {}
         self._closed = False
         self._listener = listen(address)
+        fam, path = family(address)
+        self._socket_file = os.stat(path).st_ino if fam == socket.AF_UNIX else None
         self._threads = [threading.Thread(target=self._accept, daemon=True),
                          threading.Thread(target=self._ticker, args=(tick_s,), daemon=True)]
         for t in self._threads:
@@ -153,8 +155,19 @@ class ArbiterServer:
             return device in self._trainers
 
     def close(self) -> None:
+        """Stop listening and drop the jobs (they keep their last limit and look for the next server)."""
         self._closed = True
+        try:  # wakes the accepting thread: closing alone leaves it accepting on the same socket
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self._listener.close()
+        _, path = family(self.address)
+        try:
+            if self._socket_file is not None and os.stat(path).st_ino == self._socket_file:
+                os.unlink(path)  # this server's socket file (not one a newer server made at the same path)
+        except OSError:
+            pass
         with self._lock:
             for ch in self._trainers.values():
                 ch.close()
@@ -185,6 +198,9 @@ class ArbiterServer:
             try:
                 sock, _ = self._listener.accept()
             except OSError:
+                return
+            if self._closed:
+                sock.close()
                 return
             threading.Thread(target=self._serve, args=(Channel(sock),), daemon=True).start()
 

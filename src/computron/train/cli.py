@@ -34,6 +34,8 @@ def add_parser(sub) -> None:
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint when it holds one")
     p.add_argument("--colocate", default=None, metavar="ADDRESS", help="the arbiter's socket path or host:port")
     p.add_argument("--colocate-device", type=int, default=0)
+    p.add_argument("--colocate-run-ahead", type=int, default=d.colocate_run_ahead,
+                   help="module calls the host may queue ahead of the GPU, so that a handover is acted on within that much queued work (0: unbounded)")
     p.add_argument("--json", default=None, help="write per-step records to this JSON file")
     g = p.add_argument_group("parallelism (one process per rank: --nproc, or torchrun's environment)")
     g.add_argument("--nproc", type=int, default=1, help="processes to start on this machine")

@@ -31,3 +31,4 @@ class TrainConfig:
     timeout_s: float = 300.0  # a collective waiting longer than this fails the job
     colocate: str | None = None  # the arbiter server's address (a socket path or host:port)
     colocate_device: int = 0
+    colocate_run_ahead: int = 8  # watched module calls the host may queue ahead of the GPU (0: unbounded)

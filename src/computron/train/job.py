@@ -160,7 +160,7 @@ class Trainer:
                                on_resume=lambda: self.offload(self.device),
                                release=torch.cuda.empty_cache if cuda else (lambda: None),
                                measure=(torch.cuda.reset_peak_memory_stats, torch.cuda.max_memory_allocated)
-                               if cuda else None)
+                               if cuda else None, run_ahead=cfg.colocate_run_ahead if cfg.colocate else 0)
         self.colo.watch(self.model)
         if cfg.resume and cfg.checkpoint and (Path(cfg.checkpoint) / "state.json").is_file():
             self.load(cfg.checkpoint)

@@ -1,0 +1,111 @@
+"""The training side's run-ahead bound and abandon points, on the CPU with scripted fences.
+
+A CPU tensor's work is done when its call returns, so these tests hand ``Colocation`` a fence
+factory that stands in for CUDA events and record when the host waits on each.
+"""
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from computron.colocate.client import Colocation, cuda_fence
+from computron.colocate.memmodel import MemoryModel
+
+
+class Fences:
+    """Fence factory: numbers the fences in creation order and logs each wait as (fence, fences made by then)."""
+
+    def __init__(self, on_make=None):
+        self.made, self.waits, self.on_make = 0, [], on_make
+
+    def __call__(self, t):
+        i = self.made
+        self.made += 1
+        if self.on_make is not None:
+            self.on_make(i)
+        fences = self
+
+        class Event:
+            def synchronize(self):
+                fences.waits.append((i, fences.made))
+
+        return Event()
+
+
+def net(width=8, depth=5):
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth)])
+
+
+def micro_batch(model, colo, x):
+    with colo.step(x.shape[0]) as s:
+        loss = model(x).square().sum()
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+    return s, (None if s.abandoned else grads)
+
+
+@pytest.mark.parametrize("run_ahead", [1, 3, 8])
+def test_the_host_waits_for_the_fence_run_ahead_points_back(run_ahead):
+    fences = Fences()
+    model, colo = net(), Colocation(run_ahead=run_ahead, fence=fences)
+    colo.watch(model)
+    s, _ = micro_batch(model, colo, torch.randn(4, 8))
+    assert not s.abandoned
+    assert fences.made == 10  # 5 watched Linears: one point in the forward, one in the backward each
+    # fence i is waited for as soon as fence i + run_ahead exists, never later: at most run_ahead outstanding
+    assert fences.waits == [(i, i + run_ahead + 1) for i in range(fences.made - run_ahead)]
+
+
+def test_no_bound_records_no_fences_and_a_negative_bound_is_refused():
+    fences = Fences()
+    model, colo = net(), Colocation(run_ahead=0, fence=fences)
+    colo.watch(model)
+    micro_batch(model, colo, torch.randn(4, 8))
+    assert fences.made == 0
+    with pytest.raises(ValueError, match="run_ahead must be >= 0"):
+        Colocation(run_ahead=-1)
+
+
+@pytest.mark.parametrize("at", [2, 7])  # a forward point, a backward point
+def test_an_order_arriving_while_the_host_waits_abandons_at_that_point(at):
+    colo = Colocation(memory=MemoryModel(100, 10, rel_margin=0.0), run_ahead=2)
+    limit = {"t": "limit", "id": 1, "bytes": 125, "immediate": True}  # fits 2 samples, not 4
+    fences = Fences(on_make=lambda i: colo.deliver(limit) if i == at else None)
+    colo.fence = fences
+    model = net()
+    colo.watch(model)
+    assert colo.micro_batch(most=4) == 4
+    s, grads = micro_batch(model, colo, torch.randn(4, 8))
+    assert s.abandoned and grads is None and colo.abandoned == 1
+    assert fences.made == at + 1  # nothing was queued past the point where the order was seen
+    assert colo.micro_batch(most=4) == 2  # redone at the size that fits
+    s, grads = micro_batch(model, colo, torch.randn(2, 8))
+    assert not s.abandoned and len(grads) == 10
+
+
+def test_the_cuda_fence_is_none_for_cpu_tensors():
+    assert cuda_fence(torch.zeros(1)) is None
+
+
+def test_a_closed_server_takes_no_connection_and_the_job_finds_the_next_one(tmp_path):
+    from computron.colocate.arbiter import Arbiter, ArbiterConfig
+    from computron.colocate.protocol import ArbiterServer
+
+    addr = str(tmp_path / "arbiter.sock")
+    first = ArbiterServer(Arbiter(ArbiterConfig(mode="colocate", capacity=1000)), addr)
+    colo = Colocation(addr, reconnect_s=0.01)
+    try:
+        assert colo.wait_connected(5.0) and first.trainer_connected(0)
+        first.close()
+        time.sleep(0.3)  # the job tries to reconnect meanwhile: the closed server must not answer
+        assert not first.trainer_connected(0)
+        second = ArbiterServer(Arbiter(ArbiterConfig(mode="colocate", capacity=1000)), addr)
+        deadline = time.monotonic() + 5.0
+        while not second.trainer_connected(0) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert second.trainer_connected(0)
+        second.close()
+    finally:
+        colo.close()

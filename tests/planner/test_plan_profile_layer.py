@@ -39,6 +39,28 @@ def test_profile_records_which_layer_it_measured():
     gpu = GPU_TYPES["a100-80gb"]
     assert cm.head(gpu, 1, 2) == (heads[1]["fwd_s"], heads[1]["bwd_s"])
     assert cm.head(gpu, 2, 2) != cm.head(gpu, 1, 2)  # tp=2 not measured: the roofline
+    # the layer recomputed as the trainer checkpoints it: what it adds to the backward is measured
+    rec = {(e["tp"], e["mbs"]): e for e in got["entries"] if e.get("part") == "recompute"}
+    assert sorted(rec) == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    plain = {(e["tp"], e["mbs"]): e for e in layers}
+    want = max(rec[1, 2]["bwd_s"] - plain[1, 2]["bwd_s"], 0.0)
+    assert cm.recomputed(gpu, 1, 2, 1, fwd=123.0) == want != 123.0
+    assert cm.recomputed(gpu, 1, 2, 2, fwd=123.0) == 123.0  # cp > 1 was not measured: the forward again
     gpt = TransformerShape("g", "gpt", 2, 64, 4, 256, 256, 16, 8, dropout=True)  # the runtime has no dropout
     assert runtime_layer(gpt, 1, torch.device("cpu"), torch.float32) is None
     assert run_profile(gpt, [1], [1], device="cpu", warmup=1, repeats=2, log=lambda s: None)["layer"] == "reference"
+
+
+def test_profiling_leaves_no_tensor_behind():
+    """The activation count's graph once kept itself alive (a saved output held by its own graph):
+    the memory of every profile then stayed allocated under the trainer measured next."""
+    import gc
+
+    def tensors():
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if torch.is_tensor(o))
+
+    before = tensors()
+    llama = TransformerShape("l", "llama", 2, 64, 4, 172, 256, 16, 8, kv_heads=2, flash_attention=True)
+    run_profile(llama, [1], [2], device="cpu", warmup=1, repeats=1, log=lambda s: None)
+    assert tensors() == before

@@ -67,3 +67,16 @@ def test_what_cannot_run_is_refused_with_the_reason(tmp_path, capsys):
     uneven = replace(read_plan(eight), pp=4, dp=1, partition=(3, 4, 2, 3))
     with pytest.raises(ValueError, match=r"Megatron-LM cannot express the partition \[3, 4, 2, 3\]"):
         emit(uneven, "megatron", None, 5)
+
+
+def test_a_plan_beyond_the_runtime_is_refused_with_the_reason(tmp_path, capsys):
+    zero3 = _estimate(tmp_path, "gpt2", "a100-80gb:8x1", "--tp", "2", "--pp", "1", "--dp", "4", "--mbs", "2",
+                      "--zero", "3")
+    assert main(["plan", "launch", str(zero3), "--device", "cpu"]) == 2
+    assert "uses ZeRO stage 3, which the training runtime and its launch files do not run" in capsys.readouterr().err
+    (tmp_path / "cp").mkdir()
+    (tmp_path / "flash.yaml").write_text(TINY + "flash_attention: true\n")
+    cp = _estimate(tmp_path / "cp", str(tmp_path / "flash.yaml"), "a100-80gb:8x1", "--tp", "2", "--pp", "1",
+                   "--dp", "2", "--cp", "2", "--mbs", "1")
+    assert main(["plan", "launch", str(cp), "--emit", "megatron", "--device", "cpu"]) == 2
+    assert "uses context parallelism cp=2" in capsys.readouterr().err

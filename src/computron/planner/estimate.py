@@ -122,7 +122,7 @@ class CostModel:
     def head(self, gpu: GpuType, tp: int, mbs: int, cp: int = 1) -> tuple[float, float]:
         """(fwd s, bwd s) of the last stage's final norm, logits and loss on one TP rank: measured
         where the profile has them (cp=1), else the roofline (``costs.head_compute``)."""
-        got = self.profile.lookup_head(gpu.name, tp, mbs) if self.profile and cp == 1 else None
+        got = self.profile.lookup_part("head", gpu.name, tp, mbs) if self.profile and cp == 1 else None
         return got if got is not None else costs.head_compute(self.model.context_shard(cp), gpu, tp, mbs, self.a)
 
     def parts(self, gpu: GpuType, tp: int, mbs: int, sp: bool = False, cp: int = 1, fp8: bool = False) -> dict:
@@ -147,9 +147,18 @@ class CostModel:
             f, bw, act = self.layer(node.gpu, tp, mbs, sp, rec == "selective", cp, fp8)
             over = self.parts(node.gpu, tp, mbs, sp, cp, fp8) if tp_overlap else None
             ftp, btp = costs.layer_tp_comm(m, tp, mbs, node.intra_bw, self.a, over)
-            again = f + ftp if rec == "full" else self.core(node.gpu, tp, mbs, cp) if rec == "selective" else 0.0
+            again = self.recomputed(node.gpu, tp, mbs, cp, f) + ftp if rec == "full" else \
+                self.core(node.gpu, tp, mbs, cp) if rec == "selective" else 0.0
             hit = self._cache[key] = (f, bw, ftp, btp, again, act)
         return hit
+
+    def recomputed(self, gpu: GpuType, tp: int, mbs: int, cp: int, fwd: float) -> float:
+        """Seconds full recomputation adds to one layer's backward: measured where the profile has
+        the layer recomputed (its backward less the plain one's: the forward again and the
+        checkpointing's own work), else the forward ``fwd`` again."""
+        got = self.profile.lookup_part("recompute", gpu.name, tp, mbs) if self.profile and cp == 1 else None
+        plain = self.profile.lookup(gpu.name, tp, mbs) if got is not None else None
+        return fwd if plain is None else max(got[1] - plain[1], 0.0)
 
     def core(self, gpu: GpuType, tp: int, mbs: int, cp: int = 1) -> float:
         """Seconds selective recomputation adds to one layer's backward (costs.attention_core_forward)."""

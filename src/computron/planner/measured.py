@@ -3,8 +3,9 @@
 What flows through: a JSON or YAML profile file becomes a :class:`ProfileTable`; the cost model
 asks it ``lookup(gpu, tp, mbs)`` and gets (forward s, backward s, activation bytes) of one layer
 on one TP rank, communication excluded, or None when that GPU/tp was not measured (the roofline
-is used then); ``lookup_head`` the same for the last stage's norm, logits and loss, where the
-profile has entries with ``"part": "head"``. Between measured micro-batch sizes times are interpolated linearly; outside them
+is used then); ``lookup_part`` the same for other parts the profile measured (entries with
+``"part": "head"``: the last stage's norm, logits and loss; ``"recompute"``: a layer whose
+activations are recomputed in the backward). Between measured micro-batch sizes times are interpolated linearly; outside them
 they are scaled in proportion to the micro-batch size from the nearest measurement.
 """
 
@@ -46,13 +47,15 @@ def _interpolate(rows: list[tuple], mbs: int) -> tuple:
 @dataclass
 class ProfileTable:
     """Measured costs for one GPU type: ``entries[tp]`` = sorted [(mbs, fwd_s, bwd_s, act_bytes)] of one
-    layer; ``heads[tp]`` = sorted [(mbs, fwd_s, bwd_s)] of the last stage's norm, logits and loss."""
+    layer; ``parts[part][tp]`` = sorted [(mbs, fwd_s, bwd_s)] of another measured part: ``head`` (the
+    last stage's norm, logits and loss), ``recompute`` (one layer with full activation recomputation,
+    as the training runtime checkpoints it)."""
 
     gpu: str
     shape: dict
     entries: dict[int, list[tuple[int, float, float, float | None]]] = field(default_factory=dict)
     source: str = ""
-    heads: dict[int, list[tuple[int, float, float]]] = field(default_factory=dict)
+    parts: dict[str, dict[int, list[tuple[int, float, float]]]] = field(default_factory=dict)
 
     def check_model(self, m: TransformerShape) -> None:
         """Raise when the profile was measured for another layer shape."""
@@ -67,11 +70,10 @@ class ProfileTable:
             return None
         return _interpolate(self.entries[tp], mbs)
 
-    def lookup_head(self, gpu: str, tp: int, mbs: int) -> tuple[float, float] | None:
-        """(fwd_s, bwd_s) of the head and loss on one TP rank, or None when not measured."""
-        if gpu != self.gpu or tp not in self.heads:
-            return None
-        return _interpolate(self.heads[tp], mbs)
+    def lookup_part(self, part: str, gpu: str, tp: int, mbs: int) -> tuple[float, float] | None:
+        """(fwd_s, bwd_s) of ``part`` (``head``, ``recompute``) on one TP rank, or None when not measured."""
+        rows = self.parts.get(part, {}).get(tp) if gpu == self.gpu else None
+        return None if rows is None else _interpolate(rows, mbs)
 
 
 def table_from_dict(data: dict, source: str = "", gpu: str | None = None) -> ProfileTable:
@@ -79,23 +81,24 @@ def table_from_dict(data: dict, source: str = "", gpu: str | None = None) -> Pro
     if not isinstance(data, dict) or "entries" not in data:
         raise PlannerError(f"profile {source}: not a planner profile (no 'entries'; expected format {FORMAT})")
     entries: dict[int, list] = {}
-    heads: dict[int, list] = {}
+    parts: dict[str, dict[int, list]] = {}
     for e in data["entries"]:
         try:
-            if e.get("part", "layer") == "head":
-                heads.setdefault(int(e["tp"]), []).append((int(e["mbs"]), float(e["fwd_s"]), float(e["bwd_s"])))
+            if e.get("part", "layer") != "layer":
+                parts.setdefault(e["part"], {}).setdefault(int(e["tp"]), []).append(
+                    (int(e["mbs"]), float(e["fwd_s"]), float(e["bwd_s"])))
                 continue
             row = (int(e["mbs"]), float(e["fwd_s"]), float(e["bwd_s"]),
                    None if e.get("act_bytes") is None else float(e["act_bytes"]))
             entries.setdefault(int(e["tp"]), []).append(row)
         except (KeyError, TypeError, ValueError) as err:
             raise PlannerError(f"profile {source}: bad entry {e!r} ({err})") from None
-    for rows in (*entries.values(), *heads.values()):
+    for rows in (*entries.values(), *(r for by_tp in parts.values() for r in by_tp.values())):
         rows.sort()
     name = (gpu or data.get("gpu") or "").lower()
     if not name:
         raise PlannerError(f"profile {source}: no GPU type recorded; pass the GPU type it was measured on")
-    return ProfileTable(name, dict(data.get("model", {})), entries, source, heads)
+    return ProfileTable(name, dict(data.get("model", {})), entries, source, parts)
 
 
 def load_profile(path: str, gpu: str | None = None) -> ProfileTable:

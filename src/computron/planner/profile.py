@@ -3,7 +3,8 @@
 What flows through: a TransformerShape, TP degrees and micro-batch sizes go in; a profile dict (the
 file format measured.py reads) comes out, one entry per (tp, mbs) with the median forward and
 backward seconds of one layer shard and the bytes it saves for backward, and (runtime layers, tp=1)
-one ``"part": "head"`` entry per mbs for the last stage's norm, logits and loss.
+one ``"part": "head"`` entry per mbs for the last stage's norm, logits and loss, and one
+``"part": "recompute"`` entry per (tp, mbs) for the layer under activation checkpointing.
 
 The layer is the one this project's training runtime runs (``computron.models``' decoder layer,
 bf16 weights, fused attention) as ``computron train`` runs it: its backward includes adding the bf16
@@ -207,14 +208,16 @@ def build_layer(m: TransformerShape, tp: int, device, dtype):
 
 
 def measure(layer, mbs: int, m: TransformerShape, device, dtype, warmup: int = 3, repeats: int = 10,
-            accumulate: bool = False, depth: int | None = None) -> dict:
+            accumulate: bool = False, depth: int | None = None, recompute: bool = False) -> dict:
     """Median forward and backward seconds of ``layer`` on a (mbs, seq, hidden) input, and the bytes
     of the tensors autograd saves (activations, parameters excluded). ``depth`` copies of the layer
     run in a chain, timed as a whole and divided by ``depth``: as in a model, the host queues a
     layer's kernels while the GPU runs the previous one (one layer between two synchronisations
     measures the host's launch time and the GPU's time added up, which small layers are dominated
     by). Default: 4 copies, fewer for layers of over 1 GiB of weights. ``accumulate``: the backward
-    also adds each parameter's gradient into a float32 accumulator (the trainer's micro-batch loop)."""
+    also adds each parameter's gradient into a float32 accumulator (the trainer's micro-batch loop).
+    ``recompute``: each layer runs under activation checkpointing, as the trainer's ``recompute``
+    wraps its layers."""
     import copy
 
     import torch
@@ -235,9 +238,11 @@ def measure(layer, mbs: int, m: TransformerShape, device, dtype, warmup: int = 3
             torch.cuda.synchronize(device)
         return time.perf_counter()
 
+    from torch.utils.checkpoint import checkpoint
+
     def chain(y):
         for one in layers:
-            y = one(y)
+            y = checkpoint(one, y, use_reentrant=False) if recompute else one(y)
         return y
 
     fwd, bwd = [], []
@@ -257,13 +262,12 @@ def measure(layer, mbs: int, m: TransformerShape, device, dtype, warmup: int = 3
             p.grad = None
     seen: dict[int, int] = {}
 
-    def pack(t):
+    def pack(t):  # keeps nothing: a saved output kept by its own graph would make a cycle gc cannot see
         st = t.untyped_storage()
         if st.data_ptr() not in params:
             seen[st.data_ptr()] = st.nbytes()
-        return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None):  # this graph is never run backward
         y = chain(x)
     act = float(sum(seen.values())) / depth
     peak = None
@@ -279,7 +283,7 @@ def measure(layer, mbs: int, m: TransformerShape, device, dtype, warmup: int = 3
 
 
 def run_profile(m: TransformerShape, tps: list[int], sizes: list[int], device: str = "auto", gpu: str | None = None,
-                warmup: int = 3, repeats: int = 10, log=print) -> dict:
+                warmup: int = 3, repeats: int = 10, log=print, recompute: bool = True) -> dict:
     """Profile every (tp, mbs) and return the profile file's content (see measured.py)."""
     import torch
 
@@ -302,6 +306,11 @@ def run_profile(m: TransformerShape, tps: list[int], sizes: list[int], device: s
             entries.append(e)
             log(f"tp={tp} mbs={b}: forward {e['fwd_s'] * 1e3:.3f} ms, backward {e['bwd_s'] * 1e3:.3f} ms, "
                 f"saved activations {e['act_bytes'] / 2**20:.1f} MiB")
+            if kind == "runtime" and recompute:
+                r = measure(layer, b, m, dev, dtype, warmup, repeats, accumulate=True, recompute=True)
+                entries.append({"tp": tp, "part": "recompute", "mbs": b, "fwd_s": r["fwd_s"], "bwd_s": r["bwd_s"]})
+                log(f"tp={tp} mbs={b}: recomputed layer forward {r['fwd_s'] * 1e3:.3f} ms, "
+                    f"backward {r['bwd_s'] * 1e3:.3f} ms")
         del layer
         head = runtime_head(m, dev, dtype) if tp == 1 else None  # tp > 1: the roofline's head (logits gathered)
         for b in sizes if head is not None else ():

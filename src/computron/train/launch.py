@@ -81,6 +81,11 @@ def read_plan(path: str | Path, index: int = 1) -> Layout:
         row = data["plans"][index - 1]
     try:
         m, detail = data["model"], row["detail"]
+        beyond = [f"context parallelism cp={row['cp']}"] * (row.get("cp", 1) > 1) + \
+            [f"ZeRO stage {row['zero']}"] * (row.get("zero", 0) >= 2) + ["fp8 matrix products"] * bool(row.get("fp8"))
+        if beyond:
+            raise LaunchError(f"plan {path} uses {', '.join(beyond)}, which the training runtime and its launch files "
+                              "do not run (ZeRO-1 at most, no cp, bf16): search with --zero 0,1 --cp 1 and without --fp8")
         world = row["tp"] * row["pp"] * row["dp"]
         nodes = len(detail["placement"])
         if world % nodes:

@@ -64,3 +64,14 @@ def test_profiling_leaves_no_tensor_behind():
     llama = TransformerShape("l", "llama", 2, 64, 4, 172, 256, 16, 8, kv_heads=2, flash_attention=True)
     run_profile(llama, [1], [2], device="cpu", warmup=1, repeats=1, log=lambda s: None)
     assert tensors() == before
+
+
+def test_saved_activations_are_counted_whole():
+    """What one layer keeps for its backward, counted while every saved tensor is still alive: a
+    GPT-style layer (LayerNorm, GeLU MLP, fused attention) keeps at least its four inputs of the
+    matrix products, the two norm inputs and the MLP's up-projection output."""
+    m = TransformerShape("g", "gpt", 2, 64, 4, 256, 256, 16, 8, flash_attention=True, dropout=False)
+    got = run_profile(m, [1], [2], device="cpu", warmup=1, repeats=1, log=lambda s: None, recompute=False)
+    (e,) = [e for e in got["entries"] if e.get("part", "layer") == "layer"]
+    tokens = 2 * 16
+    assert e["act_bytes"] >= 4 * tokens * (6 * m.hidden + 2 * m.ffn)

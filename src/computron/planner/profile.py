@@ -214,7 +214,7 @@ def measure(layer, mbs: int, m: TransformerShape, device, dtype, warmup: int = 3
     run in a chain, timed as a whole and divided by ``depth``: as in a model, the host queues a
     layer's kernels while the GPU runs the previous one (one layer between two synchronisations
     measures the host's launch time and the GPU's time added up, which small layers are dominated
-    by). Default: 4 copies, fewer for layers of over 1 GiB of weights. ``accumulate``: the backward
+    by). Default: 8 copies, fewer for layers of over 256 MiB of weights. ``accumulate``: the backward
     also adds each parameter's gradient into a float32 accumulator (the trainer's micro-batch loop).
     ``recompute``: each layer runs under activation checkpointing, as the trainer's ``recompute``
     wraps its layers."""
@@ -225,7 +225,7 @@ def measure(layer, mbs: int, m: TransformerShape, device, dtype, warmup: int = 3
     cuda = device.type == "cuda"
     if depth is None:
         size = sum(p.numel() * p.element_size() for p in layer.parameters())
-        depth = 4 if size <= 2**30 else 2 if size <= 4 * 2**30 else 1
+        depth = 8 if size <= 2**28 else 4 if size <= 2**30 else 2 if size <= 4 * 2**30 else 1
     layers = [layer] + [copy.deepcopy(layer) for _ in range(depth - 1)]
     x = torch.randn(mbs, m.seq_len, m.hidden, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn_like(x)
@@ -262,13 +262,18 @@ def measure(layer, mbs: int, m: TransformerShape, device, dtype, warmup: int = 3
             p.grad = None
     seen: dict[int, int] = {}
 
-    def pack(t):  # keeps nothing: a saved output kept by its own graph would make a cycle gc cannot see
-        st = t.untyped_storage()
-        if st.data_ptr() not in params:
-            seen[st.data_ptr()] = st.nbytes()
+    kept: list = []  # the saved tensors, alive until counted (a freed one's address is reused)
+
+    def pack(t):  # the graph keeps nothing: a saved output held by its own graph is a cycle gc cannot see
+        kept.append(t)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None):  # this graph is never run backward
         y = chain(x)
+    for t in kept:
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = st.nbytes()
+    del kept
     act = float(sum(seen.values())) / depth
     peak = None
     if cuda:

@@ -43,9 +43,9 @@ def test_profile_records_which_layer_it_measured():
     rec = {(e["tp"], e["mbs"]): e for e in got["entries"] if e.get("part") == "recompute"}
     assert sorted(rec) == [(1, 1), (1, 2), (2, 1), (2, 2)]
     plain = {(e["tp"], e["mbs"]): e for e in layers}
-    want = max(rec[1, 2]["bwd_s"] - plain[1, 2]["bwd_s"], 0.0)
-    assert cm.recomputed(gpu, 1, 2, 1, fwd=123.0) == want != 123.0
-    assert cm.recomputed(gpu, 1, 2, 2, fwd=123.0) == 123.0  # cp > 1 was not measured: the forward again
+    want = (max(rec[1, 2]["fwd_s"] - plain[1, 2]["fwd_s"], 0.0), max(rec[1, 2]["bwd_s"] - plain[1, 2]["bwd_s"], 0.0))
+    assert cm.recomputed(gpu, 1, 2, 1, fwd=123.0) == want != (0.0, 123.0)
+    assert cm.recomputed(gpu, 1, 2, 2, fwd=123.0) == (0.0, 123.0)  # cp > 1 was not measured: the forward again
     gpt = TransformerShape("g", "gpt", 2, 64, 4, 256, 256, 16, 8, dropout=True)  # the runtime has no dropout
     assert runtime_layer(gpt, 1, torch.device("cpu"), torch.float32) is None
     assert run_profile(gpt, [1], [1], device="cpu", warmup=1, repeats=2, log=lambda s: None)["layer"] == "reference"

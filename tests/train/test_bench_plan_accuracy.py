@@ -45,6 +45,18 @@ def test_plan_accuracy_profiles_the_trainers_layer_first(tmp_path):
         [str(tmp_path / "acc_profile_tiny-llama_s32.json")]
     for r in rows:  # predicted from the measured layer (a CPU's layer is far slower than the A100 roofline's)
         assert r["predicted_s"] > 2 * r["roofline_s"] > 0
+    # a stored result predicted again (no device), its profiles found in another directory
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    for f in tmp_path.glob("acc_profile_*.json"):
+        f.rename(moved / f.name)
+    assert main(["bench", "plan-accuracy", "--rescore", str(tmp_path / "acc.json"), "--profiles", str(moved),
+                 "--out", str(tmp_path / "again")]) == 0
+    again = json.loads((tmp_path / "again.json").read_text())
+    assert again["rescored"] and [r["measured_s"] for r in again["rows"]] == [r["measured_s"] for r in rows]
+    assert [r["predicted_s"] for r in again["rows"]] == pytest.approx([r["predicted_s"] for r in rows], rel=1e-12)
+    assert [r["profile"] for r in again["rows"]] == [str(moved / "acc_profile_tiny-llama_s16.json")] * 2 + \
+        [str(moved / "acc_profile_tiny-llama_s32.json")]
 
 
 def test_configurations_and_rank_correlation():

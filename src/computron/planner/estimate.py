@@ -147,18 +147,22 @@ class CostModel:
             f, bw, act = self.layer(node.gpu, tp, mbs, sp, rec == "selective", cp, fp8)
             over = self.parts(node.gpu, tp, mbs, sp, cp, fp8) if tp_overlap else None
             ftp, btp = costs.layer_tp_comm(m, tp, mbs, node.intra_bw, self.a, over)
-            again = self.recomputed(node.gpu, tp, mbs, cp, f) + ftp if rec == "full" else \
-                self.core(node.gpu, tp, mbs, cp) if rec == "selective" else 0.0
+            again = self.core(node.gpu, tp, mbs, cp) if rec == "selective" else 0.0
+            if rec == "full":
+                slower, again = self.recomputed(node.gpu, tp, mbs, cp, f)
+                f, again = f + slower, again + ftp
             hit = self._cache[key] = (f, bw, ftp, btp, again, act)
         return hit
 
-    def recomputed(self, gpu: GpuType, tp: int, mbs: int, cp: int, fwd: float) -> float:
-        """Seconds full recomputation adds to one layer's backward: measured where the profile has
-        the layer recomputed (its backward less the plain one's: the forward again and the
-        checkpointing's own work), else the forward ``fwd`` again."""
+    def recomputed(self, gpu: GpuType, tp: int, mbs: int, cp: int, fwd: float) -> tuple[float, float]:
+        """Seconds full recomputation adds to one layer's (forward, backward): measured where the
+        profile has the layer recomputed (each less the plain layer's: the checkpointing's own work
+        in the forward; the forward again and that work in the backward), else (0, ``fwd``)."""
         got = self.profile.lookup_part("recompute", gpu.name, tp, mbs) if self.profile and cp == 1 else None
         plain = self.profile.lookup(gpu.name, tp, mbs) if got is not None else None
-        return fwd if plain is None else max(got[1] - plain[1], 0.0)
+        if plain is None:
+            return 0.0, fwd
+        return max(got[0] - plain[0], 0.0), max(got[1] - plain[1], 0.0)
 
     def core(self, gpu: GpuType, tp: int, mbs: int, cp: int = 1) -> float:
         """Seconds selective recomputation adds to one layer's backward (costs.attention_core_forward)."""

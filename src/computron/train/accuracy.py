@@ -227,30 +227,59 @@ def run(configs: list[Config], gpu: str, device: str, dtype: str, profile: str |
     rows = []
     for cfg in configs:
         got = measure(cfg, device, dtype, warmup, steps)
-        shape = shape_of(got.pop("shape"), cfg.seq_len, cfg.global_batch)
         prof = profiles.get((cfg.model, cfg.seq_len)) if profile == "auto" else profile
-        pred_s, pred_mem = predict(shape, gpu, cfg, prof)
-        row = {"config": cfg.label, "model": cfg.model, "mbs": cfg.mbs, "global_batch": cfg.global_batch,
-               "seq_len": cfg.seq_len, "recompute": cfg.recompute, "tp": cfg.tp, "pp": cfg.pp, "dp": cfg.dp,
-               "v": cfg.v, "zero1": cfg.zero1, "measured_s": got["time_s"], "predicted_s": pred_s,
-               "time_error": pred_s / got["time_s"] - 1, "measured_bytes": got["peak_bytes"],
-               "predicted_bytes": pred_mem, "memory_error": pred_mem / got["peak_bytes"] - 1,
-               "tflops_per_gpu": got["tflops_per_gpu"], "profile": prof}
-        if prof:
-            row["roofline_s"], row["roofline_bytes"] = predict(shape, gpu, cfg, None)
-        rows.append(row)
-        log(f"{cfg.label:40s} measured {row['measured_s']:.4f} s predicted {pred_s:.4f} s "
-            f"({row['time_error']:+.1%}); memory {row['measured_bytes'] / 2**30:.2f} GiB predicted "
-            f"{pred_mem / 2**30:.2f} GiB ({row['memory_error']:+.1%}); {row['tflops_per_gpu']:.1f} TFLOP/s")
-    rate = matmul_tflops(device, dtype)
+        rows.append(score(cfg, got["shape"], got, gpu, prof, log))
+    return {"gpu": gpu, "device": device, "dtype": dtype, "profile": profile, "rows": rows,
+            "summary": summarize(rows, matmul_tflops(device, dtype))}
+
+
+def score(cfg: Config, model_cfg, got: dict, gpu: str, prof: str | None, log=print) -> dict:
+    """One result row: the measurement ``got`` (time_s, peak_bytes, tflops_per_gpu) against the
+    planner's prediction from the profile ``prof`` (and the roofline's, when a profile is used)."""
+    shape = shape_of(model_cfg, cfg.seq_len, cfg.global_batch)
+    pred_s, pred_mem = predict(shape, gpu, cfg, prof)
+    row = {"config": cfg.label, "model": cfg.model, "mbs": cfg.mbs, "global_batch": cfg.global_batch,
+           "seq_len": cfg.seq_len, "recompute": cfg.recompute, "tp": cfg.tp, "pp": cfg.pp, "dp": cfg.dp,
+           "v": cfg.v, "zero1": cfg.zero1, "measured_s": got["time_s"], "predicted_s": pred_s,
+           "time_error": pred_s / got["time_s"] - 1, "measured_bytes": got["peak_bytes"],
+           "predicted_bytes": pred_mem, "memory_error": pred_mem / got["peak_bytes"] - 1,
+           "tflops_per_gpu": got["tflops_per_gpu"], "profile": prof}
+    if prof:
+        row["roofline_s"], row["roofline_bytes"] = predict(shape, gpu, cfg, None)
+    log(f"{cfg.label:40s} measured {row['measured_s']:.4f} s predicted {pred_s:.4f} s "
+        f"({row['time_error']:+.1%}); memory {row['measured_bytes'] / 2**30:.2f} GiB predicted "
+        f"{pred_mem / 2**30:.2f} GiB ({row['memory_error']:+.1%}); {row['tflops_per_gpu']:.1f} TFLOP/s")
+    return row
+
+
+def summarize(rows: list[dict], rate: float) -> dict:
     best = max(rows, key=lambda r: r["tflops_per_gpu"])
-    summary = {"configs": len(rows), "time_mean_abs_error": statistics.fmean(abs(r["time_error"]) for r in rows),
-               "time_worst_abs_error": max(abs(r["time_error"]) for r in rows),
-               "memory_mean_abs_error": statistics.fmean(abs(r["memory_error"]) for r in rows),
-               "spearman": spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]),
-               "best": best["config"], "best_tflops_per_gpu": best["tflops_per_gpu"],
-               "matmul_tflops": rate, "best_fraction_of_matmul": best["tflops_per_gpu"] / rate}
-    return {"gpu": gpu, "device": device, "dtype": dtype, "profile": profile, "rows": rows, "summary": summary}
+    return {"configs": len(rows), "time_mean_abs_error": statistics.fmean(abs(r["time_error"]) for r in rows),
+            "time_worst_abs_error": max(abs(r["time_error"]) for r in rows),
+            "memory_mean_abs_error": statistics.fmean(abs(r["memory_error"]) for r in rows),
+            "spearman": spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]),
+            "best": best["config"], "best_tflops_per_gpu": best["tflops_per_gpu"],
+            "matmul_tflops": rate, "best_fraction_of_matmul": best["tflops_per_gpu"] / rate}
+
+
+def rescore(result: dict, profiles: str | None, log=print) -> dict:
+    """A stored result's measurements predicted again by the planner as it is now (no device needed),
+    each row from its own profile file, looked up by name in the directory ``profiles``."""
+    import os
+
+    from ..models import resolve_model
+
+    rows = []
+    for r in result["rows"]:
+        layout = ",".join(f"{k}={r[k]}" for k in ("tp", "pp", "dp", "v")) + ",zero1" * bool(r["zero1"])
+        cfg = Config.parse(f"{r['model']}:{r['mbs']}:{r['global_batch']}:{r['seq_len']}" + ":full" * r["recompute"]
+                           + "@" + layout)
+        prof = r.get("profile")
+        if prof and profiles:
+            prof = os.path.join(profiles, os.path.basename(prof))
+        got = {"time_s": r["measured_s"], "peak_bytes": r["measured_bytes"], "tflops_per_gpu": r["tflops_per_gpu"]}
+        rows.append(score(cfg, resolve_model(cfg.model, dtype="float32")[0], got, result["gpu"], prof, log))
+    return {**result, "rows": rows, "summary": summarize(rows, result["summary"]["matmul_tflops"]), "rescored": True}
 
 
 def plot(result: dict, path: str) -> None:
@@ -296,12 +325,18 @@ def add_bench_parser(bsub) -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--out", default="bench/results/plan_accuracy", help="writes OUT.json and OUT.png")
+    p.add_argument("--rescore", metavar="RESULT.json", default=None,
+                   help="predict a stored result's measurements again with the planner as it is now (no device)")
+    p.add_argument("--profiles", metavar="DIR", default=None, help="with --rescore: the directory of its profiles")
     p.set_defaults(func=cmd)
 
 
 def cmd(args) -> int:
     from pathlib import Path
 
+    if args.rescore:
+        result = rescore(json.loads(Path(args.rescore).read_text()), args.profiles)
+        return _write(result, args.out)
     try:
         configs = [Config.parse(c) for c in (args.config or DEFAULT_CONFIGS)]
     except ValueError as e:
@@ -329,12 +364,18 @@ def cmd(args) -> int:
     profile = args.profile or ("auto" if args.device.startswith("cuda") else "roofline")
     result = run(configs, gpu, args.device, dtype, None if profile == "roofline" else profile, args.warmup, args.steps,
                  out=args.out)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out + ".json").write_text(json.dumps(result, indent=1) + "\n")
-    plot(result, args.out + ".png")
+    return _write(result, args.out)
+
+
+def _write(result: dict, out: str) -> int:
+    from pathlib import Path
+
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out + ".json").write_text(json.dumps(result, indent=1) + "\n")
+    plot(result, out + ".png")
     s = result["summary"]
     print(f"{s['configs']} configurations: time error {s['time_mean_abs_error']:.1%} mean, {s['time_worst_abs_error']:.1%} "
           f"worst; memory error {s['memory_mean_abs_error']:.1%} mean; rank correlation {s['spearman']:.2f}; best "
           f"{s['best']} at {s['best_tflops_per_gpu']:.1f} TFLOP/s = {s['best_fraction_of_matmul']:.0%} of the measured "
-          f"{s['matmul_tflops']:.0f} TFLOP/s matrix rate; wrote {args.out}.json, {args.out}.png")
+          f"{s['matmul_tflops']:.0f} TFLOP/s matrix rate; wrote {out}.json, {out}.png")
     return 0

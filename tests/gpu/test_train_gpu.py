@@ -1,0 +1,49 @@
+"""The trainer on CUDA in bf16 (bf16 weight copies, float32 masters and gradients, fused AdamW)
+against the same job in float32, and the profile's measured head and recomputed layer on CUDA:
+run on the lent GPU machine with `pytest -m gpu tests/gpu/test_train_gpu.py`."""
+
+import pytest
+import torch
+
+from computron.train.config import TrainConfig
+from computron.train.job import Trainer
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+CFG = dict(model="tiny-llama", seq_len=64, global_batch=8, micro_batch=4, steps=4, lr=1e-3, device="cuda",
+           synthetic_tokens=1 << 14)
+
+
+def test_bf16_training_follows_float32_and_keeps_its_books():
+    ref = Trainer(TrainConfig(**CFG, dtype="float32"))
+    got = Trainer(TrainConfig(**CFG, dtype="bfloat16"))
+    assert got.opt.defaults.get("fused") is True
+    r = [ref.train_step() for _ in range(4)]
+    g = [got.train_step() for _ in range(4)]
+    for a, b in zip(r, g):  # the same data and updates: the losses agree to bf16's rounding
+        assert abs(a["loss"] - b["loss"]) < 0.01 * a["loss"], (a["loss"], b["loss"])
+        assert b["micro_batches"] == [4, 4] and b["peak_bytes"][0] > 0
+    for (name, p), w in zip(got.params.items(), got.work):
+        assert p.is_cuda and p.dtype == torch.float32 and w.dtype == torch.bfloat16, name
+        assert torch.equal(w, p.detach().to(torch.bfloat16)), name
+    # the masters moved as the float32 job's did (Adam's step is lr-sized: compare within a few steps of it)
+    for name, p in ref.params.items():
+        torch.testing.assert_close(got.params[name].detach(), p.detach(), rtol=0, atol=4 * 4 * CFG["lr"])
+
+
+def test_profile_measures_head_and_recompute_on_cuda():
+    from computron.planner.model import TransformerShape
+    from computron.planner.profile import run_profile
+
+    import gc
+
+    m = TransformerShape("l", "llama", 2, 256, 4, 688, 1024, 128, 8, kv_heads=2, flash_attention=True,
+                         dtype="bfloat16")
+    gc.collect()
+    before = torch.cuda.memory_allocated()
+    got = run_profile(m, [1], [1, 2], device="cuda", warmup=2, repeats=3, log=lambda s: None)
+    gc.collect()
+    parts = {(e.get("part", "layer"), e["mbs"]) for e in got["entries"]}
+    assert parts == {(p, b) for p in ("layer", "head", "recompute") for b in (1, 2)}
+    assert got["dtype"] == "bfloat16" and got["layer"] == "runtime"
+    assert torch.cuda.memory_allocated() - before < 2**20  # nothing of the profile stays allocated

@@ -56,7 +56,12 @@ def measure(args, run_ahead: int, ckpt: str | None) -> dict:
                 while server.arbiter.shares(0)[1] < capacity and time.monotonic() < deadline:
                     time.sleep(0.005)
                 time.sleep(rng.uniform(0, args.gap))  # a random moment of the job's step
-                rec = server.demand(0, int(args.demand_gb * GB), timeout=60)
+                try:
+                    rec = server.demand(0, int(args.demand_gb * GB), timeout=60)
+                except TimeoutError as e:  # say what the job and the arbiter were doing
+                    state = "running" if job.p.poll() is None else f"exited with {job.p.returncode}"
+                    raise RuntimeError(f"{e}; arbiter shares (inference, training) {server.arbiter.shares(0)}; the "
+                                       f"job ({state}) said last:\n" + "\n".join(job.last_lines)) from None
                 if rec["release_s"] is not None:
                     out["handovers"].append({k: rec[k] for k in ("wait_s", "signal_s", "release_s", "ack_s")})
                 server.demand(0, 0)  # inference idles from now: after --idle the memory goes back

@@ -73,7 +73,8 @@ def estimate(model: str, cluster: str, global_batch: int, flags: str, tmp: str) 
         return json.load(f)
 
 
-def main() -> int:
+def validate(log=print) -> list[dict]:
+    """Every published row estimated: fits (default margin), fits_card, and the time error where published."""
     from computron.planner.costs import DEFAULT
 
     reserve, rows = DEFAULT.memory_reserve_gib * 2**30, []
@@ -95,9 +96,14 @@ def main() -> int:
             rows.append(row)
             err = f", predicted {got['iteration_s']:.2f} s against {published:.2f} s ({row['error']:+.1%})" \
                 if published else ""
-            print(f"{label}: {'fits' if row['fits'] else 'does NOT fit'} ({row['max_mem_gib']:.1f} GiB on the"
+            log(f"{label}: {'fits' if row['fits'] else 'does NOT fit'} ({row['max_mem_gib']:.1f} GiB on the"
                   f" fullest stage, {row['usable_gib']:.1f} usable with the default margin; "
                   f"{'within' if row['fits_card'] else 'over'} the card's {row['card_gib']:.1f}){err}")
+    return rows
+
+
+def main() -> int:
+    rows = validate()
     out = os.path.join(HERE, "results", "plan_validate_h100.json")
     with open(out, "w") as f:
         json.dump({"date": datetime.date.today().isoformat(), "rows": rows, "all_fit": all(r["fits"] for r in rows),

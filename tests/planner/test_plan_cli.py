@@ -111,6 +111,10 @@ def test_profile_on_cpu_feeds_estimate_and_search(tmp_path, capsys):
     code, _, err = run(["estimate", "--model", str(model), "--cluster", "a100-80gb:8x1", "--tp", "2", "--pp", "2",
                         "--dp", "2", "--mbs", "2", "--seq-len", "64", "--profile", str(prof)], capsys)
     assert code == 2 and "seq_len" in err
+    # a tp that does not split the heads is refused, not profiled as a smaller shard
+    code, _, err = run(["profile", "--model", str(model), "--tp", "3", "--device", "cpu", "--out",
+                        str(tmp_path / "x.json")], capsys)
+    assert code == 2 and "tp=3 does not divide" in err and not (tmp_path / "x.json").exists()
 
 
 def test_add_parser_wires_into_a_top_level_cli(capsys):

@@ -71,3 +71,16 @@ def test_configurations_and_rank_correlation():
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
     assert spearman([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)
+
+
+def test_bad_inputs_are_refused_before_any_measurement(tmp_path, capsys):
+    out = str(tmp_path / "acc")
+    assert main(["bench", "plan-accuracy", "--rescore", str(tmp_path / "none.json"), "--out", out]) == 2
+    assert "none.json is not a readable plan-accuracy result" in capsys.readouterr().err
+    (tmp_path / "other.json").write_text('{"rows": [{"model": "tiny-opt"}]}')
+    assert main(["bench", "plan-accuracy", "--rescore", str(tmp_path / "other.json"), "--out", out]) == 2
+    assert "other.json is not a readable plan-accuracy result (KeyError" in capsys.readouterr().err
+    assert main(["bench", "plan-accuracy", "--device", "cpu", "--gpu", "a100-80gb", "--profile",
+                 str(tmp_path / "missing.json"), "--config", "tiny-opt:1:2:8", "--out", out]) == 2
+    assert "missing.json' does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "acc.json").exists()

@@ -371,6 +371,9 @@ def cmd_profile(args) -> int:
     from .profile import run_profile
 
     m = _model(args)
+    if bad := [t for t in args.tp if m.heads % t or m.ffn % t]:
+        raise PlannerError(f"tp={bad[0]} does not divide {m.name}'s {m.heads} heads and {m.ffn} FFN columns "
+                           "into equal shards")
     data = run_profile(m, list(args.tp), list(args.mbs), args.device, args.gpu_type, args.warmup, args.repeats)
     report.write_json(data, args.out)
     print(f"wrote {args.out} ({len(data['entries'])} entries, GPU type {data['gpu']!r} on {data['device_name']})")

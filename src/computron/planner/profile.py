@@ -44,41 +44,57 @@ def planner_gpu_name(device_name: str, memory_bytes: float = 0.0) -> str:
     return "unknown"
 
 
+def _runtime_config(m: TransformerShape, tp: int, layers: int):
+    """The runtime's ``ModelConfig`` of ``layers`` layers of one TP shard of ``m``, or None when the
+    runtime cannot run the shape (dropout, or attention that is not fused)."""
+    if m.dropout or not m.flash_attention:
+        return None
+    from ..models.config import ModelConfig
+
+    llama = m.family == "llama"
+    return ModelConfig(m.name, "llama" if llama else "gpt2", m.vocab, m.hidden, layers, m.heads // tp, m.ffn // tp,
+                       m.seq_len, num_kv_heads=m.kv_heads_per_rank(tp), head_size=m.head_dim,
+                       norm="rmsnorm" if llama else "layernorm", position="rope" if llama else "learned",
+                       activation="silu" if llama else "gelu_new", gated_mlp=m.gated, attn_bias=m.biases,
+                       mlp_bias=m.biases, norm_bias=m.biases, tie_embeddings=m.tie_embeddings, dtype="bfloat16")
+
+
+def _bind_random(module, cfg, device, dtype) -> None:
+    """Trainable random weights for ``module``'s parameters, initialised as a preset's are."""
+    import torch
+
+    from ..models.transformer import bind_weights, init_std
+
+    weights = {}
+    for n, p in module.named_parameters():
+        std = init_std(n, cfg)
+        weights[n] = (torch.ones(p.shape) if std is None else torch.randn(p.shape) * std).to(device, dtype)
+    bind_weights(module, weights)
+    for p in module.parameters():
+        p.requires_grad_(True)
+
+
 def runtime_layer(m: TransformerShape, tp: int, device, dtype):
     """The training runtime's decoder layer for one TP shard of ``m`` taking ``[mbs, seq, hidden]``,
     or None when the runtime cannot run the shape (dropout, or attention that is not fused)."""
-    if m.dropout or not m.flash_attention:
+    cfg = _runtime_config(m, tp, 1)
+    if cfg is None:
         return None
     import torch
     from torch import nn
 
-    from ..models.config import ModelConfig
-    from ..models.transformer import DecoderLayer, DenseBatch, bind_weights, init_std, rope_tables
-
-    llama = m.family == "llama"
-    cfg = ModelConfig(m.name, "llama" if llama else "gpt2", m.vocab, m.hidden, 1, m.heads // tp, m.ffn // tp,
-                      m.seq_len, num_kv_heads=m.kv_heads_per_rank(tp), head_size=m.head_dim,
-                      norm="rmsnorm" if llama else "layernorm", position="rope" if llama else "learned",
-                      activation="silu" if llama else "gelu_new", gated_mlp=m.gated, attn_bias=m.biases,
-                      mlp_bias=m.biases, norm_bias=m.biases, dtype="bfloat16")
+    from ..models.transformer import DecoderLayer, DenseBatch, rope_tables
 
     class Layer(nn.Module):
         def __init__(self):
             super().__init__()
             self.layer, self.rope = DecoderLayer(cfg, 0), {}
-            weights = {}
-            for n, p in self.layer.named_parameters():
-                std = init_std(n, cfg)
-                t = torch.ones(p.shape) if std is None else torch.randn(p.shape) * std
-                weights[n] = t.to(device=device, dtype=dtype)
-            bind_weights(self.layer, weights)
-            for p in self.layer.parameters():
-                p.requires_grad_(True)
+            _bind_random(self.layer, cfg, device, dtype)
 
         def forward(self, x):
             b, s, h = x.shape
             batch = DenseBatch(b)
-            if llama:  # the trainer computes these once per micro-batch, not per layer
+            if cfg.position == "rope":  # the trainer computes these once per micro-batch, not per layer
                 if (b, s) not in self.rope:
                     self.rope[b, s] = rope_tables(cfg, torch.arange(s, device=x.device).repeat(b), x.dtype)
                 batch.rope = self.rope[b, s]
@@ -91,31 +107,19 @@ def runtime_head(m: TransformerShape, device, dtype):
     """The training runtime's last-stage head at tp=1 (final norm, logits over the vocabulary padded
     as the trainer pads it, the trainer's summed cross-entropy) as a module taking hidden states
     ``[N, hidden]`` and targets ``[N]`` to the loss, or None when the runtime cannot run the shape."""
-    if m.dropout or not m.flash_attention:
+    cfg = _runtime_config(m, 1, 0)
+    if cfg is None:
         return None
-    import torch
     from torch import nn
 
-    from ..models.config import ModelConfig
-    from ..models.transformer import DecoderLM, bind_weights, init_std
+    from ..models.transformer import DecoderLM
     from ..train.job import HEAD_ALIGN, SoftmaxCrossEntropy
-
-    llama = m.family == "llama"
-    cfg = ModelConfig(m.name, "llama" if llama else "gpt2", m.vocab, m.hidden, 0, m.heads, m.ffn, m.seq_len,
-                      num_kv_heads=m.kv, norm="rmsnorm" if llama else "layernorm", norm_bias=m.biases,
-                      tie_embeddings=m.tie_embeddings, dtype="bfloat16")
 
     class Head(nn.Module):
         def __init__(self):
             super().__init__()
             self.lm = DecoderLM(cfg, first=False, last=True)
-            weights = {}
-            for n, p in self.lm.named_parameters():
-                std = init_std(n, cfg)
-                weights[n] = (torch.ones(p.shape) if std is None else torch.randn(p.shape) * std).to(device, dtype)
-            bind_weights(self.lm, weights)
-            for p in self.lm.parameters():
-                p.requires_grad_(True)
+            _bind_random(self.lm, cfg, device, dtype)
 
         def forward(self, x, targets):
             return SoftmaxCrossEntropy.apply(self.lm.head(x, HEAD_ALIGN), targets)

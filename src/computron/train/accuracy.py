@@ -335,7 +335,16 @@ def cmd(args) -> int:
     from pathlib import Path
 
     if args.rescore:
-        result = rescore(json.loads(Path(args.rescore).read_text()), args.profiles)
+        try:
+            result = rescore(json.loads(Path(args.rescore).read_text()), args.profiles)
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+            print(f"error: {args.rescore} is not a readable plan-accuracy result ({type(e).__name__}: {e})",
+                  file=sys.stderr)
+            return 2
+        except ValueError as e:  # a profile it names is missing or of another shape
+            print(f"error: {e}" + ("" if args.profiles else "; pass the directory of its profiles with --profiles"),
+                  file=sys.stderr)
+            return 2
         return _write(result, args.out)
     try:
         configs = [Config.parse(c) for c in (args.config or DEFAULT_CONFIGS)]
@@ -362,6 +371,14 @@ def cmd(args) -> int:
             return 2
     dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     profile = args.profile or ("auto" if args.device.startswith("cuda") else "roofline")
+    if profile not in ("auto", "roofline"):  # read it now, not after the measurements it would waste
+        from ..planner.measured import load_profile
+
+        try:
+            load_profile(profile, gpu)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     result = run(configs, gpu, args.device, dtype, None if profile == "roofline" else profile, args.warmup, args.steps,
                  out=args.out)
     return _write(result, args.out)

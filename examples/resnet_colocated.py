@@ -31,6 +31,7 @@ from torch import nn
 
 from computron.colocate.client import Colocation
 from computron.colocate.memmodel import MemoryModel
+from computron.colocate.park import Parking, training_slots
 
 BLOCKS = {14: (1, 1, 1, 1), 26: (2, 2, 2, 2), 50: (3, 4, 6, 3), 101: (3, 4, 23, 3), 152: (3, 8, 36, 3)}
 
@@ -129,17 +130,6 @@ class Images:
         return self.x[idx].to(device, non_blocking=True), self.y[idx].to(device, non_blocking=True)
 
 
-def move(model: nn.Module, opt: torch.optim.Optimizer, device) -> None:
-    """Weights, gradients, buffers and momentum to ``device`` (pause: the host; resume: back)."""
-    model.to(device)
-    for p in model.parameters():
-        if p.grad is not None:
-            p.grad = p.grad.to(device)
-        st = opt.state.get(p, {})
-        if st.get("momentum_buffer") is not None:
-            st["momentum_buffer"] = st["momentum_buffer"].to(device)
-
-
 def train(args, log=print) -> list[dict]:
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -149,8 +139,10 @@ def train(args, log=print) -> list[dict]:
         model = model.to(memory_format=torch.channels_last)
     params = list(model.parameters())
     opt = torch.optim.SGD(params, lr=args.lr, momentum=0.9, weight_decay=1e-4)
+    # a pause parks weights, gradients, momentum and batch-norm statistics in pinned host memory
+    parking = Parking(lambda: training_slots(params, opt, model.buffers()), device)
     colo = Colocation(args.colocate, args.colocate_device, memory_model(args),
-                      on_pause=lambda: move(model, opt, torch.device("cpu")), on_resume=lambda: move(model, opt, device),
+                      on_pause=parking.park, on_resume=lambda: parking.unpark(colo.resume_stopped),
                       release=torch.cuda.empty_cache if cuda else (lambda: None),
                       measure=(torch.cuda.reset_peak_memory_stats, torch.cuda.max_memory_allocated) if cuda else None,
                       run_ahead=args.run_ahead if args.colocate else 0)

@@ -47,3 +47,25 @@ def test_profile_measures_head_and_recompute_on_cuda():
     assert parts == {(p, b) for p in ("layer", "head", "recompute") for b in (1, 2)}
     assert got["dtype"] == "bfloat16" and got["layer"] == "runtime"
     assert torch.cuda.memory_allocated() - before < 2**20  # nothing of the profile stays allocated
+
+
+def test_a_pause_frees_the_device_through_pinned_buffers_and_a_stopped_resume_frees_its_copies():
+    tr = Trainer(TrainConfig(**CFG, dtype="bfloat16"))
+    tr.train_step()
+    before = {n: p.detach().clone() for n, p in tr.params.items()}
+    torch.cuda.synchronize()
+    used = torch.cuda.memory_allocated()
+    tr._pause()
+    state = 4 * sum(p.numel() * 4 for p in tr.params.values())  # masters, gradients (None here: 3), moments
+    freed = used - torch.cuda.memory_allocated()
+    assert tr.parking.parked_bytes >= 3 * state // 4 and freed >= tr.parking.parked_bytes
+    assert all(b.is_pinned() for b in tr.parking._host.values())
+    assert all(not p.is_cuda for p in tr.params.values())
+    assert not tr.parking.unpark(lambda: True)  # an order during the resume: its copies are dropped
+    assert abs(torch.cuda.memory_allocated() - (used - freed)) < (1 << 20)
+    assert tr._resume()
+    for n, p in tr.params.items():
+        assert p.is_cuda and torch.equal(p.detach(), before[n]), n
+    for w, p in zip(tr.work, tr.params.values()):
+        assert torch.equal(w, p.detach().to(torch.bfloat16))
+    tr.train_step()  # and training goes on

@@ -1,6 +1,9 @@
 """The training job on the CPU (fp32): micro-batch changes keep the update, abandoned micro-batches
 are redone, checkpoints resume exactly, and the dense forward equals the serving forward."""
 
+import threading
+
+import pytest
 import torch
 
 from computron.models.kvcache import KVPool, block_bytes, paged_batch
@@ -65,16 +68,32 @@ def test_an_abandoned_micro_batch_is_redone_with_the_same_data_and_loss():
         torch.testing.assert_close(got.params[name].detach(), p, rtol=1e-5, atol=1e-2 * CFG["lr"])
 
 
-def test_pause_below_the_smallest_micro_batch_offloads_and_resumes(monkeypatch):
-    tr = Trainer(TrainConfig(**{**CFG, "micro_batch": 4}))
-    colo = tr.colo
-    events = []
-    colo.on_pause, colo.on_resume = (lambda: events.append("pause")), (lambda: events.append("resume"))
-    colo.deliver({"t": "limit", "id": 1, "bytes": 0, "immediate": False})
-    import threading
-    threading.Timer(0.2, colo.deliver, args=({"t": "limit", "id": 2, "bytes": 1 << 40, "immediate": False},)).start()
-    rec = tr.train_step()
-    assert events == ["pause", "resume"] and colo.paused_s >= 0.15 and rec["micro_batches"] == [4, 4]
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_pause_mid_step_parks_the_state_and_the_run_equals_an_undisturbed_one(dtype):
+    """Paused between the two micro-batches of step 2 (gradients half accumulated, AdamW moments
+    present): the state goes to host buffers and comes back, the bf16 copies are remade, and every
+    parameter ends equal to a run that never paused."""
+    cfg = TrainConfig(**{**CFG, "micro_batch": 4, "dtype": dtype})
+    ref, got = Trainer(cfg), Trainer(cfg)
+    colo, calls, pick = got.colo, [], got.colo.micro_batch
+
+    def micro_batch(most):
+        calls.append(most)
+        if len(calls) == 4:  # step 2, second micro-batch: no room for one sample until 0.2 s later
+            colo.deliver({"t": "limit", "id": 1, "bytes": 0, "immediate": False})
+            threading.Timer(0.2, colo.deliver,
+                            args=({"t": "limit", "id": 2, "bytes": 1 << 40, "immediate": False},)).start()
+        return pick(most)
+
+    colo.micro_batch = micro_batch
+    for _ in range(3):
+        r, g = ref.train_step(), got.train_step()
+        assert g["micro_batches"] == [4, 4] and r["loss"] == g["loss"]
+    assert colo.paused_s >= 0.15 and got.parking.parked_bytes > 0 and not got.parking.parked
+    masters = sum(p.numel() * 4 for p in got.params.values())
+    assert got.parking.parked_bytes == 4 * masters  # masters, gradients, two moments
+    for name, p in params(ref).items():
+        torch.testing.assert_close(got.params[name].detach(), p, rtol=0, atol=0)
 
 
 def test_resume_from_a_checkpoint_continues_exactly(tmp_path):

@@ -18,7 +18,8 @@ thread. Otherwise, with ``immediate`` the running micro-batch is abandoned (hook
 modules raise :class:`Abandoned` in its forward or backward), else it finishes; the loop's next
 ``micro_batch`` call frees memory (``release``: on CUDA the caching allocator's
 ``empty_cache``), picks a micro-batch that fits, and acknowledges. A limit under the smallest
-micro-batch pauses training: ``on_pause`` moves its state off the GPU, ``on_resume`` back.
+micro-batch pauses training: ``on_pause`` moves its state off the GPU, ``on_resume`` back
+(``park.py``: through pinned host buffers; a resume stops when an order needs the memory again).
 Without an address, nothing limits the job. Lives in the training process; CPU or GPU.
 
 On a GPU the host queues kernels far ahead of their execution, and freeing memory waits for
@@ -88,7 +89,8 @@ class Colocation:
         self._committed = 0  # bytes the job may be using now (its running or last micro-batch)
         self._running = 0
         self._abandon = self._immediate = False
-        self._paused = False
+        self._paused = self._resuming = False
+        self.resume_s = 0.0
         self._fences: collections.deque = collections.deque()  # events of the running micro-batch, oldest first
         self._chan: Channel | None = None
         self._closed = False
@@ -104,30 +106,58 @@ class Colocation:
             return self._cond.wait_for(lambda: self._chan is not None and self._limit is not None, timeout)
 
     def micro_batch(self, most: int) -> int:
-        """The largest micro-batch (<= ``most``) that fits the current limit; blocks while none does."""
-        with self._cond:
-            while True:
-                m = most if self._limit is None else self.memory.largest(self._limit, most)
-                if m >= 1:
-                    break
-                if not self._paused:
-                    self._paused = True
-                    self._committed = 0
-                    self.on_pause()
-                    self.release()
-                self._ack()
-                t0 = time.monotonic()
-                self._cond.wait(0.5)
-                self.paused_s += time.monotonic() - t0
-            if self._paused:
-                self._paused = False
-                self.on_resume()
-            if self._limit_id > self._acked_id:
+        """The largest micro-batch (<= ``most``) that fits the current limit; blocks while none does.
+
+        Pausing and resuming (``on_pause``, ``on_resume``) run outside the lock that delivering an
+        order takes, so an order is acknowledged while the state moves whenever the memory it asks
+        for is already free, and an order that needs the memory back stops a resume in progress
+        (``resume_stopped``; ``on_resume`` returns False when it stopped)."""
+        while True:
+            with self._cond:
+                m = self._fit(most)
+                if m >= 1 and not self._paused:
+                    if self._limit_id > self._acked_id:
+                        self.release()
+                        self._committed = self.memory.predict(m)
+                        self._ack()
+                    self._committed = max(self._committed, self.memory.predict(m))
+                    return m
+                if m < 1 and self._paused:
+                    self._ack()
+                    t0 = time.monotonic()
+                    self._cond.wait(0.5)
+                    self.paused_s += time.monotonic() - t0
+                    continue
+                if m >= 1:  # paused, and a micro-batch fits again: resume, committed to the smallest one
+                    self._committed = self.memory.predict(1)
+                    self._resuming = True
+            if m < 1:  # committed stays until the state is off: an order under it waits for the pause
+                self.on_pause()
                 self.release()
-                self._committed = self.memory.predict(m)
-                self._ack()
-            self._committed = max(self._committed, self.memory.predict(m))
-            return m
+                with self._cond:
+                    self._paused, self._committed = True, 0
+                    self._ack()
+                continue
+            t0 = time.monotonic()
+            back = self.on_resume() is not False
+            with self._cond:
+                self._resuming = False
+                self.resume_s += time.monotonic() - t0
+                if back:
+                    self._paused = False
+                else:
+                    self._committed = 0
+            if not back:
+                self.release()
+
+    def resume_stopped(self) -> bool:
+        """Whether an order that came during the resume in progress leaves no room for any micro-batch
+        (``on_resume`` asks this between chunks and stops, leaving the state off the device)."""
+        limit = self._limit
+        return self._resuming and limit is not None and limit < self.memory.predict(1)
+
+    def _fit(self, most: int) -> int:
+        return most if self._limit is None else self.memory.largest(self._limit, most)
 
     @contextlib.contextmanager
     def step(self, micro_batch: int):
@@ -203,8 +233,8 @@ class Colocation:
         with self._cond:
             self._limit, self._limit_id, self._received = int(msg["bytes"]), int(msg["id"]), time.monotonic()
             self._immediate = bool(msg.get("immediate"))
-            if self._committed <= self._limit and not self._paused:
-                self._ack()  # nothing to free: answer now
+            if self._committed <= self._limit:
+                self._ack()  # nothing to free: answer now (a paused job has committed nothing)
             elif msg.get("immediate") and self._running:
                 self._abandon = True
             self._cond.notify_all()

@@ -44,6 +44,7 @@ from torch import nn
 
 from ..colocate.client import Colocation
 from ..colocate.memmodel import MemoryModel, estimate
+from ..colocate.park import Parking, training_slots
 from ..models import checkpoint as ckpt
 from ..models import load_tokenizer, load_weights, resolve_model, save_checkpoint
 from ..models.config import ModelConfig
@@ -155,9 +156,9 @@ class Trainer:
         self.step_no = 0
         self.samples_seen: list[list[int]] = []  # per step, the sample ids in the order they were used
         cuda = self.device.type == "cuda"
+        self.parking = Parking(lambda: training_slots(self.params.values(), self.opt), self.device)
         self.colo = Colocation(cfg.colocate, cfg.colocate_device, self.memory_model(),
-                               on_pause=lambda: self.offload(torch.device("cpu")),
-                               on_resume=lambda: self.offload(self.device),
+                               on_pause=self._pause, on_resume=self._resume,
                                release=torch.cuda.empty_cache if cuda else (lambda: None),
                                measure=(torch.cuda.reset_peak_memory_stats, torch.cuda.max_memory_allocated)
                                if cuda else None, run_ahead=cfg.colocate_run_ahead if cfg.colocate else 0)
@@ -252,18 +253,24 @@ class Trainer:
         fixed, per = estimate(n, 4, self.cfg.seq_len, c.hidden_size, c.num_layers, c.vocab_size, act)
         return MemoryModel(fixed, per)
 
-    def offload(self, device: torch.device) -> None:
-        """Move weights, gradients and optimizer state to ``device`` (pause: off the GPU; resume: back)."""
-        for w, p in zip(self.work, self.params.values()):
-            if w is not p:
-                w.data = w.data.to(device)
-        for p in self.params.values():
-            p.data = p.data.to(device)
-            if p.grad is not None:
-                p.grad = p.grad.to(device)
-            for k, v in self.opt.state.get(p, {}).items():
-                if torch.is_tensor(v) and k != "step":
-                    self.opt.state[p][k] = v.to(device)
+    def _bf16_copies(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(w, p) for w, p in zip(self.work, self.params.values()) if w is not p]
+
+    def _pause(self) -> None:
+        """Off the device: masters, gradients and AdamW moments parked in pinned host memory
+        (``colocate/park.py``); the bf16 copies are dropped, remade from the masters on resume."""
+        for w, _ in self._bf16_copies():
+            w.data = torch.empty(0, dtype=w.dtype, device=self.device)
+        self.parking.park()
+
+    def _resume(self) -> bool:
+        """Back on the device, unless an order stops it (False: the state stays parked)."""
+        if not self.parking.unpark(self.colo.resume_stopped):
+            return False
+        for w, p in self._bf16_copies():
+            w.data = torch.empty(p.shape, dtype=w.dtype, device=self.device)
+        self._refresh()
+        return True
 
     # ---- one step ------------------------------------------------------------------------------
 
@@ -328,7 +335,7 @@ class Trainer:
 
     def _refresh(self) -> None:
         """The model's bf16 weights from the updated masters (nothing to do when they are the masters)."""
-        pairs = [(w, p) for w, p in zip(self.work, self.params.values()) if w is not p]
+        pairs = self._bf16_copies()
         if pairs:
             with torch.no_grad():
                 torch._foreach_copy_([w for w, _ in pairs], [p for _, p in pairs])

@@ -33,6 +33,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -171,13 +172,14 @@ def job_command(args, ckpt: str | None, addr: str | None) -> list[str]:
 class Job:
     """The training job's process; its step lines are timed as they come."""
 
-    def __init__(self, cmd: list[str]):
+    def __init__(self, cmd: list[str], timeout_s: float = 300.0):
+        self.timeout_s = timeout_s  # for its start-up and warm-up steps, or its settling into a new run
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"),
                                                                          os.environ.get("PYTHONPATH")]))}
         self.t0 = time.monotonic()
         self.p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
         self.steps: list[float] = []  # when each step line came
-        self.last_lines = collections.deque(maxlen=30)  # what it said last, shown if it never gets going
+        self.last_lines = collections.deque(maxlen=120)  # what it said last, shown if it never gets going
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self):
@@ -190,12 +192,15 @@ class Job:
 
     def wait_steps(self, n: int, after: float, what: str) -> float:
         """Wait for ``n`` steps ending after ``after``; the seconds since the job started."""
-        deadline = time.monotonic() + JOB_TIMEOUT_S
+        deadline = time.monotonic() + self.timeout_s
         while sum(t > after for t in self.steps) < n:
             if self.p.poll() is not None or time.monotonic() > deadline:
+                if self.p.poll() is None:  # stuck: its threads' stacks (the train CLI prints them on SIGUSR1)
+                    self.p.send_signal(signal.SIGUSR1)
+                    time.sleep(2.0)
                 self.stop()
                 raise RuntimeError(f"{what}: the training job made {sum(t > after for t in self.steps)} of {n} steps "
-                                   f"in {JOB_TIMEOUT_S:.0f} s; it said last:\n" + "\n".join(self.last_lines))
+                                   f"in {self.timeout_s:.0f} s; it said last:\n" + "\n".join(self.last_lines))
             time.sleep(0.02)
         return time.monotonic() - self.t0
 
@@ -261,7 +266,6 @@ def run_phase(args, phase: str, inf: Inference | None, job: Job | None, server: 
 
 
 REFERENCES = ("inference-alone", "training-alone")
-JOB_TIMEOUT_S = 300.0  # a job's start-up and warm-up steps, or its settling into a new run
 
 
 def phase_row(r: dict, solo: float | None, train_alone: float | None) -> dict:
@@ -357,6 +361,8 @@ def main(argv=None) -> int:
                    help="phases to run now, of inference-alone, training-alone and the modes; runs are kept in "
                         "bench/results/hybrid_<tag>_runs.json, so a comparison can be split over several "
                         "invocations (same settings, same trace) and the summary covers every phase stored")
+    p.add_argument("--job-timeout", type=float, default=300.0,
+                   help="seconds a job may take to start, warm up, or make its first step under a new arbiter")
     p.add_argument("--repeats", type=int, default=3, help="runs per phase; figures are medians over them")
     p.add_argument("--fresh", action="store_true", help="drop the runs stored under this tag first")
     p.add_argument("--device", default="cuda")
@@ -410,7 +416,7 @@ def main(argv=None) -> int:
     for _ in range(args.repeats if "inference-alone" in phases else 0):
         record(run_phase(args, "inference-alone", inf, None, None, arrivals))
     if "training-alone" in phases:
-        job = Job(job_command(args, ckpt, None))
+        job = Job(job_command(args, ckpt, None), args.job_timeout)
         startup["alone_job_warmup_s"] = job.wait_steps(args.warmup_steps, 0, "training-alone")
         for _ in range(args.repeats):
             record(run_phase(args, "training-alone", None, job, None, arrivals))
@@ -421,10 +427,10 @@ def main(argv=None) -> int:
         for mode in modes:  # repeats go round the modes: drift spreads over all of them
             server = arbiter(args, mode, addr, inf)
             if job is None:
-                job = Job(job_command(args, ckpt, addr))
+                job = Job(job_command(args, ckpt, addr), args.job_timeout)
                 startup["colocated_job_warmup_s"] = job.wait_steps(args.warmup_steps, 0, mode)
             else:  # the job finds the new arbiter; one step under it before the run
-                deadline = time.monotonic() + JOB_TIMEOUT_S
+                deadline = time.monotonic() + job.timeout_s
                 while not server.trainer_connected(0) and time.monotonic() < deadline:
                     time.sleep(0.01)
                 job.wait_steps(1, time.monotonic(), mode)

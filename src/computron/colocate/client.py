@@ -150,6 +150,11 @@ class Colocation:
             if not back:
                 self.release()
 
+    @property
+    def limit(self) -> int | None:
+        """Bytes the server allows the job now (None: no limit)."""
+        return self._limit
+
     def resume_stopped(self) -> bool:
         """Whether an order that came during the resume in progress leaves no room for any micro-batch
         (``on_resume`` asks this between chunks and stops, leaving the state off the device)."""

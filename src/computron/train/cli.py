@@ -5,8 +5,10 @@ data, tensor and pipeline parallelism."""
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import sys
 from dataclasses import fields
 
@@ -85,6 +87,8 @@ def run_rank(args) -> int:
     from .config import TrainConfig
     from .job import Trainer
 
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID` prints every thread's stack (a job that seems stuck)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     world = max(dist.env_world(), args.nproc)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     device = dist.local_device(device)

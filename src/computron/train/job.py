@@ -125,6 +125,10 @@ def _all_reduce(tensors: list[torch.Tensor], group) -> None:
         x.copy_(y.view_as(x))
 
 
+def _gib(n: int | None) -> str:
+    return "no limit" if n is None else f"{n / 2**30:.2f} GiB"
+
+
 def _fold_grad(master: torch.Tensor, work: torch.Tensor) -> None:
     """Add ``work``'s gradient (bf16) into ``master``'s float32 one and drop it."""
     master.grad = work.grad.float() if master.grad is None else master.grad.add_(work.grad)
@@ -259,17 +263,27 @@ class Trainer:
     def _pause(self) -> None:
         """Off the device: masters, gradients and AdamW moments parked in pinned host memory
         (``colocate/park.py``); the bf16 copies are dropped, remade from the masters on resume."""
+        t0 = time.perf_counter()
         for w, _ in self._bf16_copies():
             w.data = torch.empty(0, dtype=w.dtype, device=self.device)
         self.parking.park()
+        mem = self.colo.memory
+        fixed, per = mem.coefficients()
+        self.log(f"paused: the limit of {_gib(self.colo.limit)} is under the smallest micro-batch's "
+                 f"{_gib(mem.predict(1))} (fit {_gib(int(fixed))} + {per / 2**20:.0f} MiB a sample over "
+                 f"{len(mem.points)} measured sizes); {_gib(self.parking.parked_bytes)} parked in "
+                 f"{(time.perf_counter() - t0) * 1e3:.0f} ms")
 
     def _resume(self) -> bool:
         """Back on the device, unless an order stops it (False: the state stays parked)."""
+        t0 = time.perf_counter()
         if not self.parking.unpark(self.colo.resume_stopped):
+            self.log("resume stopped: an order needs the memory again")
             return False
         for w, p in self._bf16_copies():
             w.data = torch.empty(p.shape, dtype=w.dtype, device=self.device)
         self._refresh()
+        self.log(f"resumed under a limit of {_gib(self.colo.limit)} in {(time.perf_counter() - t0) * 1e3:.0f} ms")
         return True
 
     # ---- one step ------------------------------------------------------------------------------

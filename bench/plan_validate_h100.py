@@ -11,7 +11,11 @@ Sources (facts quoted, not fitted; nothing here was used to choose a constant):
   256; Llama 3.1 405B on 1,024 GPUs, bf16: tp 8, pp 8, cp 2, virtual stages 8, sequence parallelism,
   micro-batch 1, global batch 1,536. All at 8,192 tokens (the recipes' user-buffer configurations
   and ``seq_length``), with Megatron's distributed optimizer (ZeRO-1 over the data-parallel and
-  context ranks). No recomputation is set. Megatron splits layers evenly over the pp x v chunks
+  context ranks) and gradients reduced in bf16 (the Llama 3 performance configs set
+  ``grad_reduce_in_fp32`` off: the planner's default 16 bytes a parameter). No recomputation is set.
+  The fp8 run's precision preset (``fp8_cs``: Megatron-Bridge's ``bf16_with_fp8_current_scaling_mixed``
+  with its bf16 first and last layers turned off) keeps the weights in fp8 (``fp8_param_gather``),
+  which the planner assumes with ``--fp8`` (``Assumptions.fp8_params``). Megatron splits layers evenly over the pp x v chunks
   (``--partition`` below); 405B's 126 layers do not divide into its 64 chunks and the recipe's
   split is not given, so the planner's own partition stands in for it. These rows are checked for
   fit only.

@@ -287,6 +287,23 @@ def test_dp_sync_by_zero_stage_is_the_zero_papers_volume():
     assert costs.dp_allreduce(P, n, bw, 0.0, a, 1, gathered=P * 1) == pytest.approx(1.5 * half)
 
 
+def test_fsdp2_copies_by_hand():
+    """ZeRO-3 as FSDP2 runs it: per micro-batch a layer's gathered weights are copied out of the
+    all-gather buffer before its forward and again before its backward (read + write 2 bytes a
+    parameter each), and its gradients copied into the reduce-scatter buffer (read 2, write the
+    reduce dtype's g); memory-bound at hbm_bw * hbm_eff."""
+    h100, P = GPU_TYPES["h100"], 855_638_016  # one Llama 3 70B layer at tp 1
+    bw = 3350e9 * 0.8
+    a = Assumptions()
+    f, b = costs.zero3_copy_time(P, h100, a)
+    assert f == pytest.approx(4 * P / bw) and f == pytest.approx(1.2771e-3, rel=1e-4)
+    assert b == pytest.approx((4 + 2 + 2) * P / bw)
+    f18, b18 = costs.zero3_copy_time(P, h100, Assumptions(bytes_per_param=18))  # fp32 reduce: write 4
+    assert f18 == f and b18 == pytest.approx((4 + 2 + 4) * P / bw)
+    assert costs.zero3_copy_time(P, h100, a, e_w=1) == pytest.approx((2 * P / bw, (2 + 4) * P / bw))
+    assert costs.zero3_copy_time(P, h100, Assumptions(zero3_copies=False)) == (0.0, 0.0)
+
+
 def test_embedding_keeps_only_token_ids_and_dropout_mask():
     # its output is the first layer's input, counted there (Korthikanti et al. 2022, Section 4.3)
     llama = preset("llama-3-70b")

@@ -195,6 +195,41 @@ def test_fp8_and_tp_overlap_are_faster_where_they_apply():
         PlanConfig(dims, 1, tp_overlap=True)
 
 
+def test_zero3_copies_enter_each_layer_op_by_hand():
+    """The published FSDP run's layout (Llama 3 70B, FSDP over 64 ranks, cp 2, full recomputation):
+    each layer's forward op gains the copy-out, its backward the copy-out and the gradients' copy-in,
+    serial on the compute stream and reported under dp; ZeRO-1 and ZeRO-2 gain nothing."""
+    m = replace(preset("llama-3-70b"), global_batch=128)
+    dims = ParallelDims(dp=32, tp=1, pp=1, cp=2)
+    P, bw = m.layer_params(1), 3350e9 * 0.8
+    runs = {}
+    for name, a in (("copies", Assumptions(bytes_per_param=18)),
+                    ("flat", Assumptions(bytes_per_param=18, zero3_copies=False))):
+        cm = CostModel(m, a)
+        node = parse_compact("h100:8x8").node_types[0]
+        ctx = PlanContext(cm, stage_envs((node,) * 8, dims, a), PlanConfig(dims, 1, recompute=True, zero=3))
+        runs[name] = (ctx.stages[0], ctx.result((80,), "given", (node,) * 8))
+    (st, r), (st0, r0) = runs["copies"], runs["flat"]
+    assert st.lf - st0.lf == pytest.approx(4 * P / bw)
+    assert st.lb - st0.lb == pytest.approx((4 + 2 + 4) * P / bw)
+    assert st.l_zero - st0.l_zero == pytest.approx(14 * P / bw)
+    # 4 micro-batches x (80 layers + the embedding and head) x 14 bytes a parameter, and the
+    # replicas' wait on top; the embedding's and head's copies count as their compute
+    extra, fixed = 4 * 80 * 14 * P / bw, 4 * 14 * (m.embedding_params(1) + m.head_params(1, 1)) / bw
+    z = costs.straggler_factor(32)
+    assert r.iteration_s - r0.iteration_s == pytest.approx((extra + fixed) * (1 + z))
+    assert r.breakdown["dp"] - r0.breakdown["dp"] == pytest.approx(extra * (1 + z) + fixed * z)
+    for zero in (1, 2):
+        a = Assumptions()
+        cm = CostModel(m, a)
+        node = parse_compact("h100:8x8").node_types[0]
+        with_c = PlanContext(cm, stage_envs((node,) * 8, dims, a), PlanConfig(dims, 1, recompute=True, zero=zero))
+        b = Assumptions(zero3_copies=False)
+        without = PlanContext(CostModel(m, b), stage_envs((node,) * 8, dims, b), PlanConfig(dims, 1, recompute=True,
+                                                                                              zero=zero))
+        assert with_c.stages[0].lf == without.stages[0].lf and with_c.stages[0].lb == without.stages[0].lb
+
+
 def test_fp8_first_stage_memory_of_the_published_run_by_hand():
     """Megatron-Bridge's fp8 Llama 3 70B run (tp 4, pp 8, v 5, dp 2, ZeRO-1, sequence parallelism,
     256 sequences): its first stage, counted by hand, is 65.0 GiB, within the 71.0 GiB usable."""

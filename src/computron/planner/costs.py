@@ -50,6 +50,10 @@ class Assumptions:
     # (Megatron-Bridge's current- and delayed-scaling presets); False: a 16-bit weight plus cached
     # fp8 copies (Megatron-LM's default)
     fp8_params: bool = True
+    # ZeRO-3 as PyTorch FSDP2 runs it (per-parameter sharding): every all-gather's output is copied
+    # out into the parameters and every gradient copied into the reduce-scatter buffer, on the
+    # compute stream (:func:`zero3_copy_time`); False: flat buffers whose views are the parameters
+    zero3_copies: bool = True
 
     def __post_init__(self) -> None:
         if self.bytes_per_param not in (16, 18, 20):
@@ -371,6 +375,21 @@ def zero_layer_comm(layer_params: float, dp: int, bw: float, latency: float, zer
 def weight_gather_bytes(fp8: bool, e: int, a: Assumptions = DEFAULT) -> int:
     """Bytes per layer weight that ZeRO gathers: 1 with fp8 weights (``a.fp8_params``), else e."""
     return 1 if fp8 and a.fp8_params else e
+
+
+def zero3_copy_time(params: float, gpu: GpuType, a: Assumptions = DEFAULT, e_w: int = 2, e: int = 2) -> tuple[float, float]:
+    """(fwd, bwd) seconds of ZeRO-3's copies on the compute stream for ``params`` parameters per
+    micro-batch, as PyTorch FSDP2 (``fully_shard``, per-parameter sharding) runs them: after each
+    all-gather its output is copied out into the parameters (``wait_for_unshard``'s copy-out: read
+    and write ``e_w`` bytes a parameter, before the forward and again before the backward), and
+    after the backward the gradients are copied, cast to the reduce dtype (g = ``a.grad_bytes``),
+    into the reduce-scatter buffer (read e, write g). Memory-bound: ``bytes / (hbm_bw * hbm_eff)``.
+    Nothing without ``a.zero3_copies`` (flat buffers whose views are the parameters)."""
+    if not a.zero3_copies:
+        return 0.0, 0.0
+    bw = gpu.hbm_bw * a.hbm_eff
+    out = 2.0 * e_w * params / bw
+    return out, out + (e + a.grad_bytes) * params / bw
 
 
 def straggler_factor(dp: int, a: Assumptions = DEFAULT) -> float:

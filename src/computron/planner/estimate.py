@@ -384,9 +384,12 @@ class PlanContext:
             xf, xb = max(zf - f, 0.0), max(zb - bw, 0.0)  # ZeRO traffic under the layer's compute
             if cfg.recompute:  # the forward run again pays its traffic again
                 rec += xf + cf
-            lf, lb = f + ftp + xf + cf, bw + btp + xb + cb + rec
+            # ZeRO-3's copy-out of the gathered weights and copy-in of the gradients, on the compute stream
+            kf, kb = costs.zero3_copy_time(m.layer_params(t), node.gpu, a, e_w, e) if cfg.zero == 3 else (0.0, 0.0)
+            lf, lb = f + ftp + xf + cf + kf, bw + btp + xb + cb + rec + kb
             k = 2 if cfg.recompute else 1
-            cand = (lf + lb, node, lf, lb, ftp, btp + (ftp if cfg.recompute else 0.0), rec, act, k * xf + xb, k * cf + cb)
+            cand = (lf + lb, node, lf, lb, ftp, btp + (ftp if cfg.recompute else 0.0), rec, act, k * xf + xb + kf + kb,
+                    k * cf + cb)
             if best is None or cand[0] > best[0]:
                 best = cand
         _, node, lf, lb, ftp, btp, rec, act, l_zero, l_cp = best
@@ -405,7 +408,8 @@ class PlanContext:
             fixed += m.head_params(t, p)
         if fixed and cfg.zero >= 2:  # the embedding's and head's ZeRO traffic, under their compute
             gf, gb = costs.zero_layer_comm(fixed, n_sh, env.dp_bw, env.dp_latency, cfg.zero, a, e)
-            ef, eb = ef + max(gf - ef, 0.0), eb + max(gb - eb, 0.0)
+            kf, kb = costs.zero3_copy_time(fixed, gpu, a, e, e) if cfg.zero == 3 else (0.0, 0.0)
+            ef, eb = ef + max(gf - ef, 0.0) + kf, eb + max(gb - eb, 0.0) + kb
         nxt, prv = self.envs[s], self.envs[(s - 1) % p]
         send_next = self._p2p(nxt, self.envs[(s + 1) % p]) if p > 1 else 0.0
         send_prev = self._p2p(prv, env) if p > 1 else 0.0

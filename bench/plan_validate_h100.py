@@ -11,14 +11,21 @@ Sources (facts quoted, not fitted; nothing here was used to choose a constant):
   256; Llama 3.1 405B on 1,024 GPUs, bf16: tp 8, pp 8, cp 2, virtual stages 8, sequence parallelism,
   micro-batch 1, global batch 1,536. All at 8,192 tokens (the recipes' user-buffer configurations
   and ``seq_length``), with Megatron's distributed optimizer (ZeRO-1 over the data-parallel and
-  context ranks). No recomputation is set. Megatron splits layers evenly over the pp x v chunks
+  context ranks) and gradients reduced in bf16 (the Llama 3 performance configs set
+  ``grad_reduce_in_fp32`` off: the planner's default 16 bytes a parameter). No recomputation is set.
+  The fp8 run's precision preset (``fp8_cs``: Megatron-Bridge's ``bf16_with_fp8_current_scaling_mixed``
+  with its bf16 first and last layers turned off) keeps the weights in fp8 (``fp8_param_gather``),
+  which the planner assumes with ``--fp8`` (``Assumptions.fp8_params``). Megatron splits layers evenly over the pp x v chunks
   (``--partition`` below); 405B's 126 layers do not divide into its 64 chunks and the recipe's
   split is not given, so the planner's own partition stands in for it. These rows are checked for
   fit only.
 - NVIDIA NeMo AutoModel performance summary, DGX-H100, BF16: Llama 3 70B on 64 GPUs, global batch
-  128, micro-batch 1, 8,192 tokens, tp 1, pp 1, cp 2, FSDP over 32 ranks: 18.90 s per global step.
-  The table does not say whether activations are checkpointed; a 70B layer's activations at 4,096
-  tokens a rank cannot all be kept in 80 GB, so full recomputation is assumed (said in the output).
+  128, micro-batch 1 (4 accumulation steps), 8,192 tokens, tp 1, pp 1, cp 2, FSDP over 32 ranks,
+  "TE + fsdp2_prefetch": 18.90 s per global step. The table does not say whether activations are
+  checkpointed; a 70B layer's activations at 4,096 tokens a rank cannot all be kept in 80 GB, so
+  full recomputation is assumed (said in the output). AutoModel's FSDP2 default mixed-precision
+  policy computes in bf16 and reduces gradients in fp32 (``FSDP2Config.mp_policy``):
+  ``--bytes-per-param 18`` (fp32 gradients).
 
 Llama 3.1 405B's shape (126 layers, hidden 16,384, 128 heads, 8 key/value heads, FFN 53,248,
 vocabulary 128,256) is from the Llama 3 paper (Dubey et al. 2024, Table 3).
@@ -55,7 +62,7 @@ ROWS = [
     ("Megatron-Bridge Llama 3.1 405B bf16, 1,024 GPUs", "405b", "h100:8x128", 1536,
      "--tp 8 --pp 8 --dp 8 --cp 2 --mbs 1 --zero 1 --virtual-stages 8 --sequence-parallel", None),
     ("NeMo AutoModel Llama 3 70B bf16 FSDP, 64 GPUs (full recomputation assumed)", "llama-3-70b", "h100:8x8", 128,
-     "--tp 1 --pp 1 --dp 32 --cp 2 --mbs 1 --zero 3 --recompute full", 18.90),
+     "--tp 1 --pp 1 --dp 32 --cp 2 --mbs 1 --zero 3 --recompute full --bytes-per-param 18", 18.90),
 ]
 
 

@@ -246,14 +246,21 @@ def test_state_bytes_by_zero_stage():
     assert costs.state_bytes(P, n, 2, a) == pytest.approx((2 + (2 + 12) / n) * P)
     assert costs.state_bytes(P, n, 3, a) == pytest.approx(16 / n * P)
     assert costs.state_bytes(P, n, 2, Assumptions(bytes_per_param=20)) == pytest.approx((2 + (6 + 12) / n) * P)
-    # fp8 weight copies (weight + transpose, 1 byte each) on every unsharded weight
-    assert costs.state_bytes(P, n, 1, a, fp8=True) == pytest.approx((2 + 2 + 12 / n + 2) * P)
-    assert costs.state_bytes(P, n, 3, a, fp8=True) == pytest.approx(16 / n * P)
-    # stage 3 gathers two layers (16-bit, + fp8 copies) and, on the end stages, the embedding
+    # fp8 weights (fp8_param_gather, NVIDIA's fp8 recipes): the fp8 weight and its transpose, 1 byte
+    # each, replace the 16-bit weight; a ZeRO-3 shard holds only its fp8 bytes
+    assert costs.state_bytes(P, n, 1, a, fp8=True) == pytest.approx((1 + 1 + 2 + 12 / n) * P)
+    assert costs.state_bytes(P, n, 3, a, fp8=True) == pytest.approx((1 + 2 + 12) / n * P)
+    # without (Megatron-LM's default) they are cached next to the 16-bit weight
+    b = Assumptions(fp8_params=False)
+    assert costs.state_bytes(P, n, 1, b, fp8=True) == pytest.approx((2 + 2 + 12 / n + 2) * P)
+    assert costs.state_bytes(P, n, 3, b, fp8=True) == pytest.approx(16 / n * P)
+    # stage 3 gathers two layers (16-bit, or fp8 + transpose; 4 bytes with both) and, on the end
+    # stages, the 16-bit embedding or head
     assert costs.zero_working_bytes(10.0, 5.0, 1, a) == 0.0
     assert costs.zero_working_bytes(10.0, 5.0, 2, a) == pytest.approx(10 * 2)
     assert costs.zero_working_bytes(10.0, 5.0, 3, a) == pytest.approx(10 * 2 + 25 * 2)
-    assert costs.zero_working_bytes(10.0, 5.0, 3, a, fp8=True) == pytest.approx(10 * 2 + 25 * 4)
+    assert costs.zero_working_bytes(10.0, 5.0, 3, a, fp8=True) == pytest.approx(10 * 2 + 25 * 2)
+    assert costs.zero_working_bytes(10.0, 5.0, 3, b, fp8=True) == pytest.approx(10 * 2 + 20 * 4 + 5 * 2)
 
 
 def test_dp_sync_by_zero_stage_is_the_zero_papers_volume():
@@ -274,6 +281,36 @@ def test_dp_sync_by_zero_stage_is_the_zero_papers_volume():
     assert (f, b) == pytest.approx((half, 2 * half)) and f + b == pytest.approx(3 * half)
     assert costs.optimizer_step(1e9, A100, 4, 2, Assumptions(kernel_overhead_s=0.0)) == pytest.approx(
         1e9 / 4 * 40 / (2039e9 * 0.8))
+    # fp8 weights are gathered in 1 byte (fp8_param_gather): stage 1's all-gather halves
+    assert costs.weight_gather_bytes(True, 2, a) == 1 and costs.weight_gather_bytes(False, 2, a) == 2
+    assert costs.weight_gather_bytes(True, 2, Assumptions(fp8_params=False)) == 2
+    assert costs.dp_allreduce(P, n, bw, 0.0, a, 1, gathered=P * 1) == pytest.approx(1.5 * half)
+
+
+def test_fsdp2_copies_by_hand():
+    """ZeRO-3 as FSDP2 runs it: per micro-batch a layer's gathered weights are copied out of the
+    all-gather buffer before its forward and again before its backward (read + write 2 bytes a
+    parameter each), and its gradients copied into the reduce-scatter buffer (read 2, write the
+    reduce dtype's g); memory-bound at hbm_bw * hbm_eff."""
+    h100, P = GPU_TYPES["h100"], 855_638_016  # one Llama 3 70B layer at tp 1
+    bw = 3350e9 * 0.8
+    a = Assumptions()
+    f, b = costs.zero3_copy_time(P, h100, a)
+    assert f == pytest.approx(4 * P / bw) and f == pytest.approx(1.2771e-3, rel=1e-4)
+    assert b == pytest.approx((4 + 2 + 2) * P / bw)
+    f18, b18 = costs.zero3_copy_time(P, h100, Assumptions(bytes_per_param=18))  # fp32 reduce: write 4
+    assert f18 == f and b18 == pytest.approx((4 + 2 + 4) * P / bw)
+    assert costs.zero3_copy_time(P, h100, a, e_w=1) == pytest.approx((2 * P / bw, (2 + 4) * P / bw))
+    assert costs.zero3_copy_time(P, h100, Assumptions(zero3_copies=False)) == (0.0, 0.0)
+
+
+def test_embedding_keeps_only_token_ids_and_dropout_mask():
+    # its output is the first layer's input, counted there (Korthikanti et al. 2022, Section 4.3)
+    llama = preset("llama-3-70b")
+    assert costs.embedding_activation_bytes(llama, 1) == 8 * 8192
+    g = preset("gpt3-175b")
+    assert costs.embedding_activation_bytes(g, 2) == 8 * 4096 + 4096 * 12288
+    assert costs.embedding_activation_bytes(g, 2, 8, sp=True) == 8 * 4096 + 4096 * 12288 / 8
 
 
 def test_context_parallel_attention_and_ring():
@@ -329,4 +366,22 @@ def test_fp8_keeps_the_gemm_inputs_in_one_byte():
     M = b * s
     for sp in (False, True):
         saved = costs.activation_bytes(m, t, b, sp) - costs.activation_bytes(m, t, b, sp, fp8=True)
-        assert saved == pytest.approx(M * (2 * h / (t if sp else 1) + h / t + f / t))
+        # QKV and MLP-up inputs and the MLP-down input in 1 byte; the fused attention keeps its
+        # 16-bit output, so the projection's fp8 copy of it adds a byte
+        assert saved == pytest.approx(M * (2 * h / (t if sp else 1) + f / t - h / t))
+    # unfused attention keeps no copy of its output: the projection's fp8 copy replaces it
+    g = preset("gpt3-13b")
+    saved = costs.activation_bytes(g, 8, 1) - costs.activation_bytes(g, 8, 1, fp8=True)
+    assert saved == pytest.approx(g.seq_len * (2 * g.hidden + g.hidden / 8 + g.ffn / 8))
+
+
+def test_fp8_llama3_70b_layer_by_hand():
+    """The published fp8 run's layer (Llama 3 70B, tp 4, sequence parallelism, 8,192 tokens),
+    counted by hand in bytes per token: norm inputs 2 x 2h/4, QKV and MLP-up inputs in fp8 2 x h/4,
+    Q 2h/4, K and V 2 x 2 x 256, O 2h/4 + its fp8 copy h/4, SwiGLU input 2 x 2f/4, MLP-down input
+    in fp8 f/4; plus fused attention's 4-byte log-sum-exp per query and head."""
+    m = preset("llama-3-70b")
+    h, f, s = 8192, 28672, 8192
+    per_token = 2 * 2 * h / 4 + 2 * h / 4 + 2 * h / 4 + 2 * 2 * 2 * 128 + 2 * h / 4 + h / 4 + 2 * 2 * f / 4 + f / 4
+    assert per_token == 59392
+    assert costs.activation_bytes(m, 4, 1, sp=True, fp8=True) == pytest.approx(s * per_token + 4 * 16 * s)

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from computron.planner.schedule import inflight_closed_form, inflight_from_order, lower_bound, op_order, simulate
+from computron.planner.schedule import (first_chunk_from_order, first_chunk_inflight, inflight_closed_form,
+                                        inflight_from_order, lower_bound, op_order, simulate)
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
@@ -37,6 +38,15 @@ def test_inflight_closed_form_matches_op_order(p, v, m):
         ops = op_order(p, v, m, s)
         assert len(ops) == 2 * m * v and len(set(ops)) == len(ops)
         assert inflight_closed_form(p, v, m, s) == inflight_from_order(ops)
+
+
+@pytest.mark.parametrize("p,v,m", [(1, 1, 3), (4, 1, 2), (4, 1, 9), (3, 2, 6), (4, 2, 8), (4, 3, 12), (8, 2, 16),
+                                   (8, 5, 8), (8, 5, 128), (2, 4, 2), (5, 3, 40)])
+def test_first_chunk_inflight_matches_op_order(p, v, m):
+    # the embedding's micro-batches on the first stage: all of them in 1F1B (min(p, m)), but
+    # only 2p of the 2(p-1) + (v-1)p + 1 interleaved (chunk, micro-batch) pairs (16 of 47 at p=8, v=5)
+    assert first_chunk_inflight(p, v, m) == first_chunk_from_order(op_order(p, v, m, 0))
+    assert first_chunk_inflight(8, 5, 128) == 16 and inflight_closed_form(8, 5, 128, 0) == 47
 
 
 @settings(max_examples=40, deadline=None)

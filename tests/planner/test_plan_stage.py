@@ -137,8 +137,8 @@ def test_published_sequence_parallel_selective_run_fits_and_is_faster():
     assert out["sel"].breakdown["recompute"] < 0.2 * out["full"].breakdown["recompute"]
 
 
-def _one(m, spec, dims, **kw):
-    cm = CostModel(m)
+def _one(m, spec, dims, a=None, **kw):
+    cm = CostModel(m, a or Assumptions())
     cl = parse_compact(spec)
     node = cl.node_types[0]
     placement = (node,) * (dims.world_size // node.gpus_per_node)
@@ -183,9 +183,69 @@ def test_fp8_and_tp_overlap_are_faster_where_they_apply():
     fp8 = _one(m, "h100:8x1", dims, sp=True, recompute=True, fp8=True)
     ovl = _one(m, "h100:8x1", dims, sp=True, recompute=True, tp_overlap=True)
     assert fp8.iteration_s < base.iteration_s and fp8.breakdown["compute"] < base.breakdown["compute"]
-    assert max(fp8.stage_memory) > max(base.stage_memory)  # the fp8 weight copies
+    # fp8 weights and their transposes replace the 16-bit weights (fp8_param_gather) ...
+    assert max(fp8.stage_memory) <= max(base.stage_memory)
+    # ... or come on top of them (Megatron-LM's default): 2 more bytes a layer parameter
+    cached = _one(m, "h100:8x1", dims, Assumptions(fp8_params=False), sp=True, recompute=True, fp8=True)
+    assert max(cached.stage_memory) - max(fp8.stage_memory) == pytest.approx(2 * m.layers * m.layer_params(8))
     assert ovl.breakdown["tp"] < base.breakdown["tp"] and ovl.iteration_s < base.iteration_s
     with pytest.raises(ValueError, match="no fp8"):
         _one(m, "a100-80gb:8x1", dims, sp=True, fp8=True)
     with pytest.raises(ValueError, match="needs sequence parallelism"):
         PlanConfig(dims, 1, tp_overlap=True)
+
+
+def test_zero3_copies_enter_each_layer_op_by_hand():
+    """The published FSDP run's layout (Llama 3 70B, FSDP over 64 ranks, cp 2, full recomputation):
+    each layer's forward op gains the copy-out, its backward the copy-out and the gradients' copy-in,
+    serial on the compute stream and reported under dp; ZeRO-1 and ZeRO-2 gain nothing."""
+    m = replace(preset("llama-3-70b"), global_batch=128)
+    dims = ParallelDims(dp=32, tp=1, pp=1, cp=2)
+    P, bw = m.layer_params(1), 3350e9 * 0.8
+    runs = {}
+    for name, a in (("copies", Assumptions(bytes_per_param=18)),
+                    ("flat", Assumptions(bytes_per_param=18, zero3_copies=False))):
+        cm = CostModel(m, a)
+        node = parse_compact("h100:8x8").node_types[0]
+        ctx = PlanContext(cm, stage_envs((node,) * 8, dims, a), PlanConfig(dims, 1, recompute=True, zero=3))
+        runs[name] = (ctx.stages[0], ctx.result((80,), "given", (node,) * 8))
+    (st, r), (st0, r0) = runs["copies"], runs["flat"]
+    assert st.lf - st0.lf == pytest.approx(4 * P / bw)
+    assert st.lb - st0.lb == pytest.approx((4 + 2 + 4) * P / bw)
+    assert st.l_zero - st0.l_zero == pytest.approx(14 * P / bw)
+    # 4 micro-batches x (80 layers + the embedding and head) x 14 bytes a parameter, and the
+    # replicas' wait on top; the embedding's and head's copies count as their compute
+    extra, fixed = 4 * 80 * 14 * P / bw, 4 * 14 * (m.embedding_params(1) + m.head_params(1, 1)) / bw
+    z = costs.straggler_factor(32)
+    assert r.iteration_s - r0.iteration_s == pytest.approx((extra + fixed) * (1 + z))
+    assert r.breakdown["dp"] - r0.breakdown["dp"] == pytest.approx(extra * (1 + z) + fixed * z)
+    for zero in (1, 2):
+        a = Assumptions()
+        cm = CostModel(m, a)
+        node = parse_compact("h100:8x8").node_types[0]
+        with_c = PlanContext(cm, stage_envs((node,) * 8, dims, a), PlanConfig(dims, 1, recompute=True, zero=zero))
+        b = Assumptions(zero3_copies=False)
+        without = PlanContext(CostModel(m, b), stage_envs((node,) * 8, dims, b), PlanConfig(dims, 1, recompute=True,
+                                                                                              zero=zero))
+        assert with_c.stages[0].lf == without.stages[0].lf and with_c.stages[0].lb == without.stages[0].lb
+
+
+def test_fp8_first_stage_memory_of_the_published_run_by_hand():
+    """Megatron-Bridge's fp8 Llama 3 70B run (tp 4, pp 8, v 5, dp 2, ZeRO-1, sequence parallelism,
+    256 sequences): its first stage, counted by hand, is 65.0 GiB, within the 71.0 GiB usable."""
+    m = replace(preset("llama-3-70b"), global_batch=256)
+    dims = ParallelDims(dp=2, tp=4, pp=8)
+    a = Assumptions()
+    node = parse_compact("h100:8x8").node_types[0]
+    ctx = PlanContext(CostModel(m, a), stage_envs((node,) * 8, dims, a),
+                      PlanConfig(dims, 1, v=5, zero=1, sp=True, fp8=True))
+    layer, emb = m.layer_params(4), m.embedding_params(4)
+    # fp8 weight + transpose (2), bf16 gradient (2), fp32 master, m, v over dp 2 (6); the embedding
+    # keeps its 16-bit weight (2 + 2 + 6)
+    states = 10 * layer * 10 + emb * 10
+    # 47 (chunk, micro-batch) pairs in flight, 2 layers each, 59,392 bytes a token a layer (plus the
+    # fused attention's log-sum-exp); 16 first-chunk micro-batches keep their 8-byte token ids
+    acts = 47 * 2 * (8192 * 59392 + 4 * 16 * 8192) + 16 * 8 * 8192
+    assert ctx.memory(0, 10) == pytest.approx(states + acts)
+    assert ctx.memory(0, 10) / 2**30 == pytest.approx(65.0, abs=0.05)
+    assert ctx.stages[0].usable / 2**30 == pytest.approx(71.0)

@@ -45,6 +45,15 @@ class Assumptions:
     # with v chunks pays it v times per micro-batch where plain 1F1B pays it once
     dp_jitter: float = 0.03  # relative spread (std) of one data-parallel replica's pipeline time
     fp8_eff_ratio: float = 0.9  # fp8 GEMM efficiency relative to the GPU's bf16 GEMM efficiency
+    # with fp8, the layers' weights live only as fp8 (plus the transpose Hopper's fp8 GEMMs need)
+    # and are gathered in fp8: Megatron's fp8_param_gather, which NVIDIA's fp8 recipes set
+    # (Megatron-Bridge's current- and delayed-scaling presets); False: a 16-bit weight plus cached
+    # fp8 copies (Megatron-LM's default)
+    fp8_params: bool = True
+    # ZeRO-3 as PyTorch FSDP2 runs it (per-parameter sharding): every all-gather's output is copied
+    # out into the parameters and every gradient copied into the reduce-scatter buffer, on the
+    # compute stream (:func:`zero3_copy_time`); False: flat buffers whose views are the parameters
+    zero3_copies: bool = True
 
     def __post_init__(self) -> None:
         if self.bytes_per_param not in (16, 18, 20):
@@ -318,7 +327,7 @@ def ring_half(nbytes: float, n: int, bw: float, latency: float) -> float:
 
 
 def dp_allreduce(params_rank: float, dp: int, bw: float, latency: float, a: Assumptions = DEFAULT,
-                 zero: int = 0, e: int = 2) -> float:
+                 zero: int = 0, e: int = 2, gathered: float | None = None) -> float:
     """Once per iteration, the data-parallel synchronisation of one stage's TP shard over the dp
     ranks (ring, slowest link), by ZeRO stage (Rajbhandari et al. 2020, "ZeRO", Section 7.2,
     communication volumes with Psi parameters: data parallelism 2 Psi, stages 1-2 2 Psi, stage 3
@@ -330,10 +339,13 @@ def dp_allreduce(params_rank: float, dp: int, bw: float, latency: float, a: Assu
     - 2: the gradients were reduce-scattered micro-batch by micro-batch during the backward
       (:func:`zero_layer_comm`); left: the all-gather of the parameters, ``(n-1)/n * P * e``;
     - 3: nothing: the parameters stay sharded, gathered layer by layer when used.
+
+    ``gathered``: the bytes the all-gather moves when not ``params_rank * e`` (fp8 layer weights
+    are gathered in 1 byte, :func:`weight_gather_bytes`).
     """
     if zero == 0:
         return ring_allreduce(params_rank * a.grad_bytes, dp, bw, latency)
-    ag = ring_half(params_rank * e, dp, bw, latency)
+    ag = ring_half(params_rank * e if gathered is None else gathered, dp, bw, latency)
     if zero == 1:
         return ring_half(params_rank * a.grad_bytes, dp, bw, latency) + ag
     return ag if zero == 2 else 0.0
@@ -358,6 +370,26 @@ def zero_layer_comm(layer_params: float, dp: int, bw: float, latency: float, zer
         return 0.0, rs
     ag = ring_half(layer_params * e, dp, bw, latency)
     return ag, ag + rs
+
+
+def weight_gather_bytes(fp8: bool, e: int, a: Assumptions = DEFAULT) -> int:
+    """Bytes per layer weight that ZeRO gathers: 1 with fp8 weights (``a.fp8_params``), else e."""
+    return 1 if fp8 and a.fp8_params else e
+
+
+def zero3_copy_time(params: float, gpu: GpuType, a: Assumptions = DEFAULT, e_w: int = 2, e: int = 2) -> tuple[float, float]:
+    """(fwd, bwd) seconds of ZeRO-3's copies on the compute stream for ``params`` parameters per
+    micro-batch, as PyTorch FSDP2 (``fully_shard``, per-parameter sharding) runs them: after each
+    all-gather its output is copied out into the parameters (``wait_for_unshard``'s copy-out: read
+    and write ``e_w`` bytes a parameter, before the forward and again before the backward), and
+    after the backward the gradients are copied, cast to the reduce dtype (g = ``a.grad_bytes``),
+    into the reduce-scatter buffer (read e, write g). Memory-bound: ``bytes / (hbm_bw * hbm_eff)``.
+    Nothing without ``a.zero3_copies`` (flat buffers whose views are the parameters)."""
+    if not a.zero3_copies:
+        return 0.0, 0.0
+    bw = gpu.hbm_bw * a.hbm_eff
+    out = 2.0 * e_w * params / bw
+    return out, out + (e + a.grad_bytes) * params / bw
 
 
 def straggler_factor(dp: int, a: Assumptions = DEFAULT) -> float:
@@ -407,9 +439,12 @@ def activation_bytes(m: TransformerShape, t: int, b: int, sp: bool = False, sele
     selective recomputation drops the scores (recomputed, :func:`attention_core_forward`). For GPT
     these give Korthikanti's ``sbh(34/t + 5as/(ht))``, ``sbh(10 + 24/t)`` and ``sbh * 34/t``.
 
-    ``fp8``: Transformer Engine keeps the inputs of the four weight GEMMs as their fp8 casts, 1
-    byte instead of e: the QKV and MLP-up inputs (h each, replicated unless ``sp``), the
-    attention output (h/t) and the MLP-down input (f/t).
+    ``fp8``: Transformer Engine keeps the input of each weight GEMM as its fp8 cast, the one its
+    weight-gradient GEMM reads (1 byte): the QKV and MLP-up inputs (h each, replicated unless
+    ``sp``) and the MLP-down input (f/t) replace their 16-bit copies, which nothing else keeps.
+    The attention output (h/t) is the exception: with fused attention its 16-bit copy stays kept
+    (the fused backward reads O), so the output projection's fp8 copy adds 1 byte; with
+    unfused attention nothing else keeps O and the fp8 copy replaces it.
     """
     e, s, h = m.bytes_per_elem, m.seq_len, m.hidden
     M = b * s
@@ -422,7 +457,10 @@ def activation_bytes(m: TransformerShape, t: int, b: int, sp: bool = False, sele
         sc = 0.0
     else:
         sc = heads * s * s * ((2 * e + 1) if m.dropout else e)
-    low = (e - 1) * M * (2 * h / (t if sp else 1) + h / t + m.ffn / t) if fp8 else 0.0
+    low = 0.0
+    if fp8:
+        out = -M * h / t if m.flash_attention else (e - 1) * M * h / t  # attention output, see above
+        low = (e - 1) * M * (2 * h / (t if sp else 1) + m.ffn / t) + out
     return rep + sh + sc - low
 
 
@@ -432,10 +470,15 @@ def layer_input_bytes(m: TransformerShape, b: int, t: int = 1, sp: bool = False)
     return m.bytes_per_elem * b * m.seq_len * m.hidden / (t if sp else 1)
 
 
-def embedding_activation_bytes(m: TransformerShape, b: int) -> float:
-    """First stage: embedding output (+ its dropout mask)."""
+def embedding_activation_bytes(m: TransformerShape, b: int, t: int = 1, sp: bool = False) -> float:
+    """First stage, per micro-batch whose first chunk is in flight: the token ids (int64, 8 bytes
+    a token) and, with dropout, the embedding dropout's 1-byte mask (``M*h``, divided by t with
+    sequence parallelism, which scatters the embedding output before its dropout). The embedding
+    output itself is the first layer's input, already counted in that layer's activations
+    (Korthikanti et al. 2022, Section 4.3; Megatron-LM's theoretical memory estimate counts the
+    same two terms)."""
     M = b * m.seq_len
-    return m.bytes_per_elem * M * m.hidden + (M * m.hidden if m.dropout else 0)
+    return 8.0 * M + (M * m.hidden / (t if sp else 1) if m.dropout else 0.0)
 
 
 def head_activation_bytes(m: TransformerShape, t: int, b: int) -> float:
@@ -446,26 +489,35 @@ def head_activation_bytes(m: TransformerShape, t: int, b: int) -> float:
 def state_bytes(params_rank: float, dp: int, zero: int, a: Assumptions = DEFAULT, fp8: bool = False) -> float:
     """Weights, gradients and Adam state per rank: ``P * bytes_per_param`` = 2 (16-bit weights) +
     gradient bytes (2, 4 or 6) + 12 (fp32 master, m, v). ZeRO shards over the dp ranks the
-    optimizer state (stage >= 1), then the gradients (>= 2), then the weights (3). ``fp8``
-    (Transformer Engine keeps an fp8 copy of each weight and of its transpose between
-    micro-batches): 2 more bytes per unsharded weight (stage 3: see :func:`zero_working_bytes`)."""
+    optimizer state (stage >= 1), then the gradients (>= 2), then the weights (3).
+
+    ``fp8`` (only for the layers' weight-GEMM parameters; the embedding and head stay 16-bit):
+    Transformer Engine's fp8 GEMMs on Hopper read the weight and its transpose in fp8, 1 byte
+    each, kept between micro-batches. With ``a.fp8_params`` (fp8_param_gather) they replace the
+    16-bit weight, so an unsharded weight still takes 2 bytes and a ZeRO-3 shard 1 (its fp8
+    bytes; the transpose is made after the gather, :func:`zero_working_bytes`); without, they
+    come on top: 2 more bytes per unsharded weight."""
     opt, w = 12.0, 2.0
-    g = a.bytes_per_param - opt - w
+    if fp8 and a.fp8_params and zero >= 3:
+        w = 1.0
+    g = a.bytes_per_param - opt - 2.0
     per = (w / dp if zero >= 3 else w) + (g / dp if zero >= 2 else g) + (opt / dp if zero >= 1 else opt)
-    return params_rank * (per + (2.0 if fp8 and zero < 3 else 0.0))
+    return params_rank * (per + (2.0 if fp8 and not a.fp8_params and zero < 3 else 0.0))
 
 
 def zero_working_bytes(layer_params: float, fixed_params: float, zero: int, a: Assumptions = DEFAULT,
                        fp8: bool = False) -> float:
     """Full tensors ZeRO-2/3 hold for a moment: stage 2 one layer's gradient being reduced; stage
-    3 also two layers' gathered 16-bit weights (the one computing, the next prefetched; their
-    fp8 copies with ``fp8``) and, on the first and last stage, the gathered embedding or head."""
+    3 also two layers' gathered weights (the one computing, the next prefetched: 16-bit, or with
+    ``fp8`` the fp8 weight and its transpose, 2 bytes either way, 4 without ``a.fp8_params``) and,
+    on the first and last stage, the gathered 16-bit embedding or head."""
     if zero < 2:
         return 0.0
     grad = layer_params * (a.bytes_per_param - 14)
     if zero == 2:
         return grad
-    return grad + (2 * layer_params + fixed_params) * (2.0 + (2.0 if fp8 else 0.0))
+    per = 2.0 + (2.0 if fp8 and not a.fp8_params else 0.0)
+    return grad + 2 * layer_params * per + fixed_params * 2.0
 
 
 def usable_memory(gpu: GpuType, a: Assumptions = DEFAULT) -> float:

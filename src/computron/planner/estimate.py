@@ -186,7 +186,7 @@ class MemoryTerms:
     fixed_params: float  # embedding (first stage), final norm + head (last stage)
     act_layer: float  # kept per layer per in-flight micro-batch
     act_work: float  # one layer's full activations while it is recomputed
-    act_fixed_mb: float  # per in-flight micro-batch (embedding output)
+    act_fixed_mb: float  # per micro-batch in flight in the first chunk (token ids, embedding dropout mask)
     act_fixed: float  # once (logits)
 
 
@@ -199,7 +199,7 @@ def memory_terms(m: TransformerShape, tp: int, mbs: int, s: int, p: int, recompu
     fixed = act_mb = act_fixed = 0.0
     if s == 0:
         fixed += m.embedding_params(tp)
-        act_mb = costs.embedding_activation_bytes(ml, mbs)
+        act_mb = costs.embedding_activation_bytes(ml, mbs, tp, sp and tp > 1)
     if s == p - 1:
         fixed += m.head_params(tp, p)
         act_fixed = costs.head_activation_bytes(ml, tp, mbs)
@@ -208,26 +208,29 @@ def memory_terms(m: TransformerShape, tp: int, mbs: int, s: int, p: int, recompu
 
 
 def stage_memory(t: MemoryTerms, n: int, inflight: int, mb: int, v: int, dp: int, zero: int,
-                 a: Assumptions, fp8: bool = False) -> float:
+                 a: Assumptions, fp8: bool = False, first: int | None = None) -> float:
     """Bytes per GPU of a stage holding n layers with ``inflight`` (chunk, micro-batch) activations:
-    ``state_bytes(n*P_layer + P_fixed) + ZeRO working set + inflight*ceil(n/v)*A_kept + A_work + A_fixed``
-    (``dp``: the ranks ZeRO shards over)."""
-    states = costs.state_bytes(n * t.layer_params + t.fixed_params, dp, zero, a, fp8)
+    ``state_bytes(n*P_layer) + state_bytes(P_fixed) + ZeRO working set + inflight*ceil(n/v)*A_kept
+    + A_work + first*A_first + A_fixed`` (``dp``: the ranks ZeRO shards over; ``first``: micro-batches
+    in flight in the first chunk, :func:`schedule.first_chunk_inflight`, default ``min(inflight, mb)``;
+    fp8 concerns the layers' weights only)."""
+    states = costs.state_bytes(n * t.layer_params, dp, zero, a, fp8) + costs.state_bytes(t.fixed_params, dp, zero, a)
     states += costs.zero_working_bytes(t.layer_params, t.fixed_params, zero, a, fp8)
-    act = inflight * math.ceil(n / v) * t.act_layer + t.act_work + min(inflight, mb) * t.act_fixed_mb + t.act_fixed
+    first = min(inflight, mb) if first is None else first
+    act = inflight * math.ceil(n / v) * t.act_layer + t.act_work + first * t.act_fixed_mb + t.act_fixed
     return states + act
 
 
 def max_layers(t: MemoryTerms, usable: float, L: int, inflight: int, mb: int, v: int, dp: int, zero: int,
-               a: Assumptions, fp8: bool = False) -> int:
+               a: Assumptions, fp8: bool = False, first: int | None = None) -> int:
     """Most layers (<= L) a stage can hold within ``usable`` bytes; 0 when not even one fits.
     Memory is (nearly, through ceil(n/v)) linear in n: start from the linear solution and step to
     the exact last n that fits (memory grows with n)."""
     def fits(n: int) -> bool:
-        return stage_memory(t, n, inflight, mb, v, dp, zero, a, fp8) <= usable
+        return stage_memory(t, n, inflight, mb, v, dp, zero, a, fp8, first) <= usable
 
     slope = costs.state_bytes(t.layer_params, dp, zero, a, fp8) + inflight * t.act_layer / v
-    room = usable - stage_memory(t, 0, inflight, mb, v, dp, zero, a, fp8)
+    room = usable - stage_memory(t, 0, inflight, mb, v, dp, zero, a, fp8, first)
     n = min(L, max(0, math.floor(room / slope))) if slope > 0 else (L if room >= 0 else 0)
     while n < L and fits(n + 1):
         n += 1
@@ -372,7 +375,8 @@ class PlanContext:
         ml = m.context_shard(cp)
         env = self.envs[s]
         best = None
-        zf, zb = costs.zero_layer_comm(m.layer_params(t), n_sh, env.dp_bw, env.dp_latency, cfg.zero, a, e)
+        e_w = costs.weight_gather_bytes(cfg.fp8, e, a)  # fp8 weights are gathered in 1 byte
+        zf, zb = costs.zero_layer_comm(m.layer_params(t), n_sh, env.dp_bw, env.dp_latency, cfg.zero, a, e_w)
         for node in env.nodes:
             f, bw, ftp, btp, rec, act = self.cm.ops(node, t, b, cfg.sp, cfg.recomputation, cp, cfg.fp8, cfg.tp_overlap)
             attn = self.cm.parts(node.gpu, t, b, cfg.sp, cp, cfg.fp8)["attn"] if cp > 1 else 0.0
@@ -380,9 +384,12 @@ class PlanContext:
             xf, xb = max(zf - f, 0.0), max(zb - bw, 0.0)  # ZeRO traffic under the layer's compute
             if cfg.recompute:  # the forward run again pays its traffic again
                 rec += xf + cf
-            lf, lb = f + ftp + xf + cf, bw + btp + xb + cb + rec
+            # ZeRO-3's copy-out of the gathered weights and copy-in of the gradients, on the compute stream
+            kf, kb = costs.zero3_copy_time(m.layer_params(t), node.gpu, a, e_w, e) if cfg.zero == 3 else (0.0, 0.0)
+            lf, lb = f + ftp + xf + cf + kf, bw + btp + xb + cb + rec + kb
             k = 2 if cfg.recompute else 1
-            cand = (lf + lb, node, lf, lb, ftp, btp + (ftp if cfg.recompute else 0.0), rec, act, k * xf + xb, k * cf + cb)
+            cand = (lf + lb, node, lf, lb, ftp, btp + (ftp if cfg.recompute else 0.0), rec, act, k * xf + xb + kf + kb,
+                    k * cf + cb)
             if best is None or cand[0] > best[0]:
                 best = cand
         _, node, lf, lb, ftp, btp, rec, act, l_zero, l_cp = best
@@ -401,7 +408,8 @@ class PlanContext:
             fixed += m.head_params(t, p)
         if fixed and cfg.zero >= 2:  # the embedding's and head's ZeRO traffic, under their compute
             gf, gb = costs.zero_layer_comm(fixed, n_sh, env.dp_bw, env.dp_latency, cfg.zero, a, e)
-            ef, eb = ef + max(gf - ef, 0.0), eb + max(gb - eb, 0.0)
+            kf, kb = costs.zero3_copy_time(fixed, gpu, a, e, e) if cfg.zero == 3 else (0.0, 0.0)
+            ef, eb = ef + max(gf - ef, 0.0) + kf, eb + max(gb - eb, 0.0) + kb
         nxt, prv = self.envs[s], self.envs[(s - 1) % p]
         send_next = self._p2p(nxt, self.envs[(s + 1) % p]) if p > 1 else 0.0
         send_prev = self._p2p(prv, env) if p > 1 else 0.0
@@ -423,14 +431,15 @@ class PlanContext:
         """Bytes per GPU of stage s holding n layers: states + in-flight activations (+ fixed parts)."""
         cfg = self.cfg
         inflight = schedule.inflight_closed_form(self.p, cfg.v, self.mb, s)
-        return stage_memory(self.stages[s].mem, n, inflight, self.mb, cfg.v, cfg.shard, cfg.zero, self.cm.a, cfg.fp8)
+        return stage_memory(self.stages[s].mem, n, inflight, self.mb, cfg.v, cfg.shard, cfg.zero, self.cm.a, cfg.fp8,
+                            schedule.first_chunk_inflight(self.p, cfg.v, self.mb))
 
     def _cap(self, s: int) -> int:
         """Most layers stage s can hold within its usable memory (0 when even one does not fit)."""
         cfg = self.cfg
         inflight = schedule.inflight_closed_form(self.p, cfg.v, self.mb, s)
         return max_layers(self.stages[s].mem, self.stages[s].usable, self.m.layers, inflight, self.mb, cfg.v,
-                          cfg.shard, cfg.zero, self.cm.a, cfg.fp8)
+                          cfg.shard, cfg.zero, self.cm.a, cfg.fp8, schedule.first_chunk_inflight(self.p, cfg.v, self.mb))
 
     # ---- partitioning
     def linear_terms(self) -> tuple[list[float], list[float]]:
@@ -530,7 +539,9 @@ class PlanContext:
         for s, st in enumerate(self.stages):
             params = counts[s] * st.mem.layer_params + st.mem.fixed_params
             env = self.envs[s]
-            ar = costs.dp_allreduce(params, cfg.shard, env.dp_bw, env.dp_latency, a, cfg.zero, m.bytes_per_elem)
+            e = m.bytes_per_elem  # the weights' all-gather: fp8 layer weights in 1 byte
+            gathered = counts[s] * st.mem.layer_params * costs.weight_gather_bytes(cfg.fp8, e, a) + st.mem.fixed_params * e
+            ar = costs.dp_allreduce(params, cfg.shard, env.dp_bw, env.dp_latency, a, cfg.zero, e, gathered)
             if cfg.dp_overlap:
                 ar = max(ar - counts[s] * st.lb, 0.0)
             dp_t.append(ar)

@@ -64,6 +64,24 @@ def inflight_closed_form(p: int, v: int, m: int, s: int) -> int:
     return min(2 * (p - s - 1) + (v - 1) * p + 1, m * v)
 
 
+def first_chunk_inflight(p: int, v: int, m: int) -> int:
+    """Peak number of micro-batches the first stage holds in its first model chunk (the one with
+    the embedding): ``min(p, m)`` for 1F1B; interleaved ``min(2p, m)``: the warm-up walks p
+    micro-batches through all v chunks, then starts the next p on chunk 0, and chunk 0's first
+    backward comes only after all p of those have run forward."""
+    return min(p, m) if v == 1 else min(2 * p, m)
+
+
+def first_chunk_from_order(ops) -> int:
+    """Peak of chunk 0's (#forwards - #backwards) along stage 0's op order."""
+    peak = cur = 0
+    for kind, chunk, _ in ops:
+        if chunk == 0:
+            cur += 1 if kind == 0 else -1
+            peak = max(peak, cur)
+    return peak
+
+
 def inflight_from_order(ops) -> int:
     """Peak of (#forwards - #backwards) along an op order (what the closed form must equal)."""
     peak = cur = 0

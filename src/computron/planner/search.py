@@ -225,7 +225,7 @@ class _StageTables:
                 terms = memory_terms(m, dims.tp, b, s, dims.pp, rec == "full", act, self.sp, dims.cp)
                 inflight = schedule.inflight_closed_form(dims.pp, v, mb, s)
                 got.append(max_layers(terms, usable, m.layers, inflight, mb, v, dims.dp * dims.cp, zero, cm.a,
-                                      opts.fp8))
+                                      opts.fp8, schedule.first_chunk_inflight(dims.pp, v, mb)))
             self._caps[key] = got
         return got
 

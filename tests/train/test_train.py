@@ -41,6 +41,15 @@ def test_changing_micro_batch_gives_the_same_parameters_after_each_step():
     assert ref.samples_seen == got.samples_seen
 
 
+def test_a_micro_batch_limit_is_split_evenly():
+    """A limit of 5 samples on a batch of 8 runs 4 + 4 (not 5 + 3), 3 runs 3 + 3 + 2: as many
+    micro-batches as the limit needs, none larger than the others by more than one sample."""
+    for most, want in ((5, [4, 4]), (3, [3, 3, 2]), (8, [8]), (7, [4, 4])):
+        tr = Trainer(TrainConfig(**{**CFG, "steps": 1}))
+        tr.colo.micro_batch = lambda _most, most=most: most
+        assert tr.train_step()["micro_batches"] == want, most
+
+
 def test_an_abandoned_micro_batch_is_redone_with_the_same_data_and_loss():
     ref = Trainer(TrainConfig(**{**CFG, "micro_batch": 4}))
     got = Trainer(TrainConfig(**{**CFG, "micro_batch": 4}))

@@ -87,8 +87,8 @@ def run_rank(args) -> int:
     from .config import TrainConfig
     from .job import Trainer
 
-    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID` prints every thread's stack (a job that seems stuck)
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    if hasattr(signal, "SIGUSR1") and sys.__stderr__ is not None:
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)  # `kill -USR1 PID`: where it waits
     world = max(dist.env_world(), args.nproc)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     device = dist.local_device(device)

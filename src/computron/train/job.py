@@ -304,7 +304,9 @@ class Trainer:
         """One replica's batch in micro-batches (the size colocation allows), gradients added up."""
         pos, loss, sizes, masters = 0, 0.0, [], list(self.params.values())
         while pos < len(ids):
-            m = min(self.colo.micro_batch(self.cfg.micro_batch), len(ids) - pos)
+            left = len(ids) - pos
+            m = self.colo.micro_batch(self.cfg.micro_batch)
+            m = -(-left // -(-left // m))  # as many micro-batches as size m needs, evened out: 32 by 10 is 4 x 8
             with self.colo.step(m) as s:
                 part, grads = self._micro(ids[pos:pos + m])
             if s.abandoned:

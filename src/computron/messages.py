@@ -152,7 +152,7 @@ class Residency:
         return bool(self.evict or self.load or self.release)
 
 
-@dataclass
+@dataclass(slots=True)
 class SeqInput:
     req_id: str
     tokens: list[int]  # the new tokens of this step (the prompt on prefill, one token on decode)

@@ -343,27 +343,39 @@ class EngineCore:
                     c.prompt_logprobs = lps
         now = self.clock()
         reqs, out, logprobs = self.requests, result.tokens, result.logprobs
-        plain = not logprobs and self.on_token is None  # a run's tokens can go in at once
+        plain = not logprobs and self.on_token is None  # tokens can go in at once (as _append would)
         for b in batches:
             compute = result.compute_s.get(b.model, 0.0)
+            loaded = result.loaded.get(b.model, 0.0)
             eos = self.models[b.model].config.eos_token_id
             for rid in b.requests:
                 r = reqs.get(rid)
-                if r is None or rid not in out or rid in requeued:  # requeued: it recomputes them
+                tokens = out.get(rid)
+                if r is None or tokens is None or rid in requeued:  # requeued: it recomputes them
                     continue
                 r.compute_s += compute
-                if not r.output_ids:
-                    r.first_token_at, r.load_s, r.evict_s = now, result.loaded.get(b.model, 0.0), evict_s
-                tokens = out[rid]
-                if type(tokens) is int:
-                    self._append(r, tokens, logprobs.get(rid))
-                elif plain and (r.params.ignore_eos or eos not in tokens):
-                    room = r.params.max_tokens - len(r.output_ids)
-                    r.output_ids.extend(tokens[:room] if room < len(tokens) else tokens)
+                ids = r.output_ids
+                if not ids:
+                    r.first_token_at, r.load_s, r.evict_s = now, loaded, evict_s
+                if not plain:
+                    if type(tokens) is int:
+                        self._append(r, tokens, logprobs.get(rid))
+                    else:
+                        self._extend(r, tokens, logprobs.get(rid))
+                elif type(tokens) is int:
+                    if tokens == eos and not r.params.ignore_eos:
+                        self.finish(r, "stop")
+                    else:
+                        ids.append(tokens)
+                        if len(ids) >= r.params.max_tokens:
+                            self.finish(r, "length")
+                elif r.params.ignore_eos or eos not in tokens:
+                    room = r.params.max_tokens - len(ids)
+                    ids.extend(tokens[:room] if room < len(tokens) else tokens)
                     if room <= len(tokens):
                         self.finish(r, "length")
                 else:
-                    self._extend(r, tokens, logprobs.get(rid))
+                    self._extend(r, tokens)
 
     def _append(self, r: CoreRequest, token: int, logprob=None) -> None:
         eos = self.models[r.model].config.eos_token_id

@@ -12,8 +12,12 @@ from .state import LOADING, OFFLOADED, ModelState, SchedRequest, StepPlan
 
 class Memory:
     def free_bytes(self, device: int) -> int:
+        return self.free[device]
+
+    def _count_free(self, device: int) -> None:
+        """``free[device]``: its share less what is booked (weights, when they count, and KV cache)."""
         used = self.kv_used[device] + (self.weights_used[device] if self.counts_bytes else 0)
-        return self.shares[device] - used
+        self.free[device] = self.shares[device] - used
 
     def set_budget(self, device: int, nbytes: int) -> StepPlan:
         """From now on inference may use ``nbytes`` of ``device`` (capped at its configured budget,
@@ -23,6 +27,7 @@ class Memory:
         if nbytes < 0:
             raise ValueError(f"a budget must be >= 0 bytes, got {nbytes}")
         self.shares[device] = min(nbytes, self.config.budgets[device])
+        self._count_free(device)
         self._epoch += 1
         plan = StepPlan()
         idle = sorted((c for c in self.on_device[device].values() if not c.running and not c.pinned),
@@ -65,6 +70,7 @@ class Memory:
         for d, w in zip(m.devices, m.weights):
             self.weights_used[d] += w
             self.on_device[d][m.name] = m
+            self._count_free(d)
 
     def _set_offloaded(self, m: ModelState) -> None:
         self._epoch += 1
@@ -72,18 +78,23 @@ class Memory:
         for d, w in zip(m.devices, m.weights):
             self.weights_used[d] -= w
             del self.on_device[d][m.name]
+            self._count_free(d)
 
     def _victims(self, m: ModelState, need: dict[int, int], keep: set[str], evict_waiting: bool
                  ) -> tuple[list[ModelState], list[SchedRequest]] | None:
         """Models to evict (least recently used first) so ``need[d]`` more bytes fit on each device d,
         then, if those are not enough (and ``evict_waiting``), paused requests that give up their KV
         blocks; None when it cannot be done. Only models with nothing running are candidates."""
-        short = {d: n - self.free_bytes(d) for d, n in need.items() if n > self.free_bytes(d)}
+        free = self.free
+        short = {d: n - free[d] for d, n in need.items() if n > free[d]}
         if not short:
             return [], []
+        fresh = self._fresh
         cands = {c.name: c for d in short for c in self.on_device[d].values()
-                 if not c.running and not c.pinned and c.name not in keep and c.name not in self._fresh
+                 if not c.running and not c.pinned and c.name not in keep and c.name not in fresh
                  and (evict_waiting or not c.waiting)}
+        if not cands and not (evict_waiting and self.keeps_kv):
+            return None  # nothing to evict, no paused blocks to take
         victims = []
         for c in sorted(cands.values(), key=lambda c: c.last_used):
             if not short:
@@ -253,11 +264,11 @@ class Memory:
 
     def _can_start(self, m: ModelState) -> bool:
         """Could m's head request start now, evicting only models with nothing running?"""
-        if self._stuck.get((m.name, "start")) == self._epoch:
+        if m.stuck_start == self._epoch:
             return False
         ok = self._can_start_now(m)
         if not ok:
-            self._stuck[(m.name, "start")] = self._epoch
+            m.stuck_start = self._epoch
         return ok
 
     def _can_start_now(self, m: ModelState) -> bool:
@@ -286,11 +297,10 @@ class Memory:
     def _start_need(self, m: ModelState) -> dict[int, int]:
         """Bytes per device ``m`` needs to start: its weights (when not on its devices, and they
         count) and the blocks of its head request (none to resume paused requests: theirs are booked)."""
-        need = self._kv_need(m, 0 if m.paused else self._blocks_at_start(m.waiting[0]))
-        if not m.on_device and self.counts_bytes:
-            for d, w in zip(m.devices, m.weights):
-                need[d] += w
-        return need
+        blocks = 0 if m.paused else self._blocks_at_start(m.waiting[0])
+        if m.on_device or not self.counts_bytes:
+            return {d: blocks * bb for d, bb in zip(m.devices, m.block_bytes)}
+        return {d: blocks * bb + w for d, bb, w in zip(m.devices, m.block_bytes, m.weights)}
 
     def _blocks_at_start(self, req: SchedRequest) -> int:
         """Blocks a waiting request needs to start: its prompt, and what it made before a preemption."""
@@ -301,13 +311,25 @@ class Memory:
 
     def _room(self, m: ModelState) -> int:
         """How many more KV blocks of ``m`` fit now on all its devices."""
-        return min(self.free_bytes(d) // bb for d, bb in zip(m.devices, m.block_bytes))
+        free = self.free
+        return min(free[d] // bb for d, bb in zip(m.devices, m.block_bytes))
 
     def _fits(self, need: dict[int, int]) -> bool:
-        return all(n <= self.free_bytes(d) for d, n in need.items())
+        return all(n <= self.free[d] for d, n in need.items())
+
+    def _fits_blocks(self, m: ModelState, blocks: int) -> bool:
+        """``_fits(_kv_need(m, blocks))`` without the dict."""
+        free = self.free
+        for d, bb in zip(m.devices, m.block_bytes):
+            if blocks * bb > free[d]:
+                return False
+        return True
 
     def _take_blocks(self, m: ModelState, blocks: int) -> None:
         if blocks < 0:  # memory freed: what could not start may start now (taking it changes nothing)
             self._epoch += 1
+        kv, free = self.kv_used, self.free
         for d, bb in zip(m.devices, m.block_bytes):
-            self.kv_used[d] += blocks * bb
+            n = blocks * bb
+            kv[d] += n
+            free[d] -= n

@@ -115,10 +115,10 @@ class Scheduler(Memory):
         # Bumped whenever memory or what may be evicted changes; a model found unable to start
         # (or to be prefetched) stays so until then, so steady steps do not search again.
         self._epoch = 0
-        self._stuck: dict[tuple[str, str], int] = {}
         self._changes = 0  # bumped by arrivals and model changes; with _epoch it says "nothing changed"
         self._steady: tuple | None = None  # ((epoch, changes), model) after a step that only decoded it
         self.shares = list(self.config.budgets)  # what inference may use now (colocation: see set_budget)
+        self.free = list(self.shares)  # per device: the share less what is booked (kept as it changes)
 
     # ---- models --------------------------------------------------------------------------------
     def add_model(self, name: str, weights: tuple[int, ...] | int, kv_per_token: tuple[int, ...] | int,
@@ -201,7 +201,8 @@ class Scheduler(Memory):
     def joins_queue(self, model: str, arrival: float) -> bool:
         """Would a request of ``model`` arriving at ``arrival`` only wait behind others of its model?
         Then it changes no plan: a queue is looked at from its head, and a head that cannot start
-        keeps those behind it from starting; a steady batch goes on."""
+        keeps those behind it from starting; a steady batch goes on. If it does, so does any later
+        arrival of ``model`` (the simulator relies on that to look ahead cheaply)."""
         m = self.models.get(model)
         look = Deadlines.LOOK if self.slo is not None else 1  # slo: the first few waiting set its slack
         return m is not None and len(m.waiting) >= look and m.waiting[-1].arrival <= arrival
@@ -343,7 +344,7 @@ class Scheduler(Memory):
             if entry[2].state == "running" and entry[2].due == entry[1]:
                 due.append(entry)
         if due:
-            if not self._fits(self._kv_need(m, len(due))):
+            if not self._fits_blocks(m, len(due)):
                 for entry in due:
                     heapq.heappush(growth, entry)
                 return None
@@ -359,14 +360,18 @@ class Scheduler(Memory):
         reaches its last token before the last step, and the blocks its later tokens need are
         taken now, in the order single steps would take them, up to the first that does not fit."""
         ends = m.ends
-        while ends[0][2].state != "running" or ends[0][2].joined + ends[0][2].max_tokens != ends[0][0]:
+        while True:
+            end, _, req = ends[0]
+            if req.state == "running" and req.joined + req.max_tokens == end:
+                break
             heapq.heappop(ends)  # ended or preempted since: an entry of a request that runs is live
-        steps = min(max_steps, ends[0][0] - m.steps)
+        steps = min(max_steps, end - m.steps)
         growth, last = m.growth, m.steps + steps - 1
         room, taken = self._room(m), 0  # blocks that fit now; nothing else takes or frees any meanwhile
         same_step: list = []  # entries granted for the step of the last one: undone if that step is cut
         while growth and growth[0][0] <= last:
-            due, tie, req = growth[0]
+            entry = growth[0]
+            due, tie, req = entry
             if req.state != "running" or req.due != tie:
                 heapq.heappop(growth)
                 continue
@@ -381,10 +386,10 @@ class Scheduler(Memory):
                     self._epoch += 1
                 self._take_blocks(m, taken - len(same_step))
                 return due - m.steps  # the run ends before the token that needs it
-            same_step.append(heapq.heappop(growth))
+            same_step.append(entry)
             req.blocks += 1
             taken += 1
-            self._schedule_growth(m, req)
+            heapq.heapreplace(growth, self._next_growth(req))  # its entry for the block after
         self._take_blocks(m, taken)
         return max(steps, 1)
 
@@ -489,9 +494,9 @@ class Scheduler(Memory):
         """Load the next model with work that is not on its devices, if it fits beside the busy ones."""
         for key, m in self._chain(seen, self._by_age()):
             if not m.on_device and m.name not in claimed and m.has_work:
-                if self._stuck.get((m.name, "prefetch")) != self._epoch and not self._make_resident(
+                if m.stuck_prefetch != self._epoch and not self._make_resident(
                         m, claimed, plan, plan.prefetch, now, evict_waiting=False):
-                    self._stuck[(m.name, "prefetch")] = self._epoch
+                    m.stuck_prefetch = self._epoch
                 return
 
     def _fail_head(self, m: ModelState, plan: StepPlan, why: str) -> None:
@@ -529,20 +534,23 @@ class Scheduler(Memory):
 
     def _schedule_growth(self, m: ModelState, req: SchedRequest) -> None:
         """Note when the request's next token will not fit its blocks: at that step it needs another."""
+        heapq.heappush(m.growth, self._next_growth(req))
+
+    def _next_growth(self, req: SchedRequest) -> tuple:
+        """The growth entry of the request's next block: (the step that needs it, tie, request)."""
         req.due = next(self._tie)  # names its live entry: entries left from before a preemption are stale
-        step = req.blocks * self.config.block_tokens - req.prompt_len + req.joined + 1
-        heapq.heappush(m.growth, (step, req.due, req))
+        return req.blocks * self.config.block_tokens - req.prompt_len + req.joined + 1, req.due, req
 
     def _grow(self, m: ModelState, req: SchedRequest, blocks: int, plan: StepPlan, keep: set[str]) -> bool:
         """Give a running request ``blocks`` more blocks: evict idle models, else preempt this
         model's newest running requests. False when ``req`` itself had to be preempted."""
-        need = self._kv_need(m, blocks)
-        if not self._fits(need) and not self._make_room(m, need, keep, plan, evict_waiting=True):
+        if not self._fits_blocks(m, blocks) and \
+                not self._make_room(m, self._kv_need(m, blocks), keep, plan, evict_waiting=True):
             for victim in reversed(list(m.running.values())):
                 self._preempt(m, victim, plan)
                 if victim is req:
                     return False
-                if self._fits(need):
+                if self._fits_blocks(m, blocks):
                     break
         req.blocks += blocks
         self._take_blocks(m, blocks)
@@ -574,13 +582,15 @@ class Scheduler(Memory):
             if batch.prefill and tokens + length > cfg.max_tokens_per_step:
                 break
             blocks = self._blocks(length)
-            need = self._kv_need(m, blocks - (req.prefix.blocks if req.prefix and req.prefix.holders else 0))
-            if not self._fits(need) and not self._make_room(m, need, keep, plan, evict_waiting=True):
+            new = blocks - (req.prefix.blocks if req.prefix and req.prefix.holders else 0)
+            if not self._fits_blocks(m, new) and \
+                    not self._make_room(m, self._kv_need(m, new), keep, plan, evict_waiting=True):
                 if m.running or batch.prefill or req.id in plan.preempted:
                     break
                 if self._busy_near(m):
                     return None
-                self._fail_head(m, plan, f"request {req.id!r} needs {list(need.values())} bytes of KV cache on "
+                need = list(self._kv_need(m, new).values())
+                self._fail_head(m, plan, f"request {req.id!r} needs {need} bytes of KV cache on "
                                          f"devices {list(m.devices)} and only "
                                          f"{[self.free_bytes(d) for d in m.devices]} can be freed")
                 continue

@@ -57,6 +57,10 @@ class ModelState:
     steps: int = 0  # batches it has run: a running request has made ``steps - joined`` tokens
     growth: list = field(default_factory=list)  # heap of (due, tie, request): who needs a block when
     ends: list = field(default_factory=list)  # heap of (step, tie, request): when running requests make their last token
+    # the scheduler's epoch when it found this model unable to start (or to be prefetched): so it
+    # stays until memory or what may be evicted changes
+    stuck_start: int = -1
+    stuck_prefetch: int = -1
 
     @property
     def on_device(self) -> bool:
@@ -68,10 +72,11 @@ class ModelState:
 
     def oldest(self) -> float | None:
         """Arrival of its oldest outstanding request (running or waiting), None when idle."""
-        first = next(iter(self.running.values()), None) or next(iter(self.paused.values()), None)
-        a = first.arrival if first is not None else None
-        if self.waiting and (a is None or self.waiting[0].arrival < a):
-            a = self.waiting[0].arrival
+        first = self.running or self.paused
+        a = next(iter(first.values())).arrival if first else None
+        w = self.waiting
+        if w and (a is None or w[0].arrival < a):
+            a = w[0].arrival
         return a
 
 

@@ -195,12 +195,14 @@ class SimExecutor:
         now = self.clock.t
         result = StepResult()
         tokens, end, bt, cap = result.tokens, now, self.block_tokens, self.capacity
-        seqs, kv = self.seqs, self.kv
+        seqs, kv, steps = self.seqs, self.kv, 0
         for batch in batches:
             m = self.models[batch.model]
             if m.ready is None:
                 raise RuntimeError(f"model {batch.model!r} runs a batch but is not on its device")
             tok, d, bb, k = m.token, m.device, m.block_bytes, batch.steps
+            if k > steps:
+                steps = k
             if k > 1:
                 tok = [tok] * k
             prefill = decode = 0
@@ -239,7 +241,7 @@ class SimExecutor:
                 del self.unreported[batch.model]
             if finish > end:
                 end = finish
-        self.stats["steps"] += max(b.steps for b in batches) if batches else 0
+        self.stats["steps"] += steps
         self.clock.advance_to(end)
         if self.unreported:
             self._poll_loads(result.loaded)

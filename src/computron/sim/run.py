@@ -168,7 +168,13 @@ class Simulation:
 
         def bound(model: str, batch: int) -> int:
             j, stop = i, min(n, i + ARRIVALS_AHEAD)
-            while j < stop and sched.joins_queue(arrivals[j].model, arrivals[j].time):
+            joins: set[str] = set()  # models whose first arrival here joins: their later ones do too
+            while j < stop:
+                a = arrivals[j]
+                if a.model not in joins:
+                    if not sched.joins_queue(a.model, a.time):
+                        break
+                    joins.add(a.model)
                 j += 1
             until = arrivals[j].time if j < n else math.inf
             if sched.deadline is not None:  # a full search is due then

@@ -114,6 +114,9 @@ class EngineConfig:
     # A steady decode batch runs up to this many steps per call, each step's tokens fed to the next on
     # the device (one wait for the device per run); a request arriving meanwhile waits for the run's end.
     decode_steps: int = 1
+    # executor "workers": a worker starts the next decode step of a steady batch before the engine asks
+    # for it, hiding the control channel's round trip (engine/ahead.py); outputs are the same either way.
+    run_ahead: bool = True
     # executor "workers" over several nodes: take workers of other nodes at HOST:PORT (they connect
     # with `computron worker --connect`, authenticated by $COMPUTRON_WORKER_AUTHKEY) and start only the
     # workers of devices 0 .. local_devices - 1 here. None: $COMPUTRON_WORKERS_LISTEN and

@@ -170,6 +170,9 @@ class ExecuteBatch:
     seqs: list[SeqInput]
     trace: bool = False  # record when each layer group's copy ended and its compute started
     steps: int = 1  # decode steps to run back to back (each feeds its token to the next); > 1: decode only
+    # The engine expects to ask next for this batch again, every sequence one token on (its plan
+    # ``repeats``): an executor may start that step early and use it if so (the workers' run-ahead).
+    ahead: bool = False
 
 
 @dataclass

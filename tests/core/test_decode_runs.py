@@ -88,6 +88,17 @@ def test_runs_with_logprobs_and_penalties_equal_single_steps():
         assert [t for t, _ in top_a] == [t for t, _ in top_b]
 
 
+def test_runs_keep_the_logit_bias():
+    """A biased row's logits go through the host every step: a run fed on the device dropped the bias
+    after its first step (the banned token came back)."""
+    one, run = engine("tiny-llama", 1), engine("tiny-llama", 8)
+    free = one.generate("tiny-llama", PROMPTS[1], MIXED[0]).output_ids
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logit_bias={free[2]: -100.0})
+    want = one.generate("tiny-llama", PROMPTS[1], params).output_ids
+    assert free[2] not in want and want != free[:20]
+    assert run.generate("tiny-llama", PROMPTS[1], params).output_ids == want
+
+
 def test_runs_under_preemption_equal_undisturbed_requests():
     ref = engine("tiny-llama", 1)
     weights, per_token = ref.models["tiny-llama"].nbytes, ref.models["tiny-llama"].info.kv_bytes_per_token[0]

@@ -491,3 +491,35 @@ def test_runs_of_several_steps_keep_the_books(policy, seed):
             break
     assert not s.requests
     assert s.kv_used[0] == 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_plan_that_repeats_is_followed_by_the_same_batch(seed):
+    """``plan.repeats`` (single steps): when nothing arrives and requests end only by length, the
+    next plan is that same decode batch, one step on; and after a quiet step (one batch, decodes
+    only, no memory change) it is given whenever that is so."""
+    rng = random.Random(seed)
+    s = _sched(4_000_000, max_batch_size=rng.randint(2, 8), block_tokens=4)
+    for i in range(2):
+        s.add_model(f"m{i}", 512 * rng.randint(100, 300), KVT)
+    prev, n, repeated, missed = None, 0, 0, 0
+    for step in range(1500):
+        arrived = step < 1200 and rng.random() < 0.1
+        if arrived:
+            s.add_request(SchedRequest(f"r{n}", f"m{rng.randrange(2)}", rng.randint(1, 16), rng.randint(1, 40),
+                                       float(step)))
+            n += 1
+        plan = _run_step(s, now=float(step))
+        same = prev is not None and len(plan.batches) == 1 and not plan.batches[0].prefill and \
+            [(b.model, b.decode) for b in prev.batches] == [(b.model, b.decode) for b in plan.batches]
+        if prev is not None and prev.repeats and not arrived:
+            assert same and plan.steps == 1 and not (plan.loads or plan.evictions or plan.preempted)
+            repeated += 1
+        elif prev is not None and same and not arrived and not prev.batches[0].prefill and \
+                not (prev.prefetch or prev.loads or prev.evictions or prev.preempted or prev.failed):
+            missed += 1  # a quiet step followed by the same batch, though not foretold
+        prev = plan
+    assert repeated > 300 and missed == 0
+    s.add_request(SchedRequest("long", "m0", 4, 50, 2000.0))
+    s.schedule(2000.0)
+    assert not s.schedule(2001.0, max_steps=8).repeats  # runs of several steps: no single step foretold

@@ -297,7 +297,7 @@ class EngineCore:
         # prefill: see _prefill; decode: the last token, after the tokens already in the cache
         msgs = [ExecuteBatch(b.model, [self._prefill(r) for r in map(reqs.__getitem__, b.prefill)] +
                              [SeqInput(r.id, r.output_ids[-1:], len(r.prompt_ids) + len(r.output_ids) - 1, r.params)
-                              for r in map(reqs.__getitem__, b.decode)], self.trace, plan.steps)
+                              for r in map(reqs.__getitem__, b.decode)], self.trace, plan.steps, plan.repeats)
                 for b in batches]
         try:
             result = self.executor.execute(msgs).result()

@@ -4,7 +4,9 @@ every kernel of every layer from Python.
 A graph bakes in the addresses it read at capture: the weights (so graphs are kept only while
 the weights stay at the same address; an eviction and a reload at the same place keep them, a
 move drops them), the arena's KV pool (fixed for the executor's life), and its own static
-input buffers, which each step refills with one host-to-device copy. A batch of B sequences runs
+input buffers, which each step refills with one host-to-device copy (from a pinned staging
+buffer that is refilled only once that copy has left it: a step may be queued behind another
+without the host waiting for the first, the workers' run-ahead). A batch of B sequences runs
 in the smallest bucket >= B; padding rows have slot -1 (their keys and values are written
 nowhere) and length 0 (their attention reads nothing), and their logits are dropped.
 """
@@ -32,6 +34,7 @@ class DecodeGraph:
         t0 = time.perf_counter()
         n = bucket * (4 + width)
         self.host = torch.zeros(n, dtype=torch.int64, pin_memory=True)
+        self.staged = torch.cuda.Event()  # the last copy out of ``host`` ended
         self.inputs = torch.zeros(n, dtype=torch.int64, device=device)
         ids, pos, slots, lens = self.inputs[: 4 * bucket].view(4, bucket)
         slots.fill_(-1)
@@ -65,16 +68,22 @@ class DecodeGraph:
         for i, blocks in enumerate(tables):
             t[i, : len(blocks)] = blocks
 
-    def run(self, ids: list[int], pos: list[int], slots: list[int], lens: list[int],
+    def run(self, ids: list[int] | torch.Tensor, pos: list[int], slots: list[int], lens: list[int],
             tables: list[list[int]]) -> torch.Tensor:
-        """Logits [len(ids), vocab] of one decode step of these sequences. Table entries past a
+        """Logits [len(pos), vocab] of one decode step of these sequences; ``ids``: their tokens, from
+        the host or (a tensor) on the device, as the step before sampled them. Table entries past a
         sequence's blocks are left as they were: the kernels never read past its length."""
+        self.staged.synchronize()  # the last refill's copy has left the staging buffer (at once, usually)
+        fed = isinstance(ids, torch.Tensor)
         h = self.host.numpy()
-        self._fill(h[: 4 * self.bucket], ids, pos, slots, lens)
+        self._fill(h[: 4 * self.bucket], [0] * len(pos) if fed else ids, pos, slots, lens)
         self._tables(h[4 * self.bucket:], tables)
-        self.inputs.copy_(self.host, non_blocking=True)  # the step's sampling syncs before the next refill
+        self.inputs.copy_(self.host, non_blocking=True)
+        self.staged.record()
+        if fed:
+            self.inputs[: len(pos)].copy_(ids)
         self.graph.replay()
-        return self.logits[: len(ids)]
+        return self.logits[: len(pos)]
 
     def plan_run(self, first: list[int], pos: list[list[int]], slots: list[list[int]], lens: list[list[int]],
                  tables: list[list[int]]) -> None:

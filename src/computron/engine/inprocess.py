@@ -26,7 +26,7 @@ from ..memory.layout import WeightLayout, layout_for
 from ..memory.units import ALIGN, arena_capacity
 from ..memory.swapper import ImageSwapper, SwapIn
 from ..messages import (DeviceStatus, ExecuteBatch, ExecutorStatus, ModelDescription, ModelInfo, Residency,
-                        SeqInput, StepResult)
+                        SamplingParams, SeqInput, StepResult)
 from ..models import load_weights, resolve_model
 from ..models.config import ModelConfig
 from ..models.kvcache import KVPool, paged_batch
@@ -409,15 +409,14 @@ class InProcessExecutor:
     def _run_steps(self, batch: ExecuteBatch, result: StepResult) -> None:
         """Decode steps back to back, each sequence's token fed to its next step on the device:
         the host waits for the device once, for the whole run's tokens. Rows whose sampling needs
-        the host between steps (penalties, min_tokens, logprobs), a trace or a copy still in
-        flight take one step at a time instead."""
+        the host between steps (``hosted``), a trace or a copy still in flight take one step at a
+        time instead."""
         name = batch.model
         model = self.models[name]
         if not model.answers:
             raise ValueError(f"model {name!r}: this rank does not sample, so it cannot feed a run of "
                              f"{batch.steps} decode steps")
-        if batch.trace or self.resident[name].swap is not None or \
-                any(History.needed(s.params) or s.params.logprobs is not None for s in batch.seqs):
+        if batch.trace or self.resident[name].swap is not None or any(hosted(s.params) for s in batch.seqs):
             return self._run_steps_hosted(batch, result)
         k, bt = batch.steps, self.block_tokens
         seqs = [self._seq(model, s, ahead=k - 1) for s in batch.seqs]  # every block of the run, before binding
@@ -515,6 +514,13 @@ class InProcessExecutor:
     def shutdown(self) -> None:
         for name in list(self.resident):
             self._evict(name)
+
+
+def hosted(p: SamplingParams) -> bool:
+    """Does a row's sampling need the host between decode steps (its logits processors: penalties,
+    min_tokens, a logit bias; or its log-probabilities)? Rows that do not can be fed their previous
+    token on the device."""
+    return History.needed(p) or bool(p.logit_bias) or p.logprobs is not None
 
 
 def _timed_copy(dst: torch.Tensor, src: torch.Tensor) -> float:

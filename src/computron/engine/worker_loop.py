@@ -12,6 +12,10 @@ Messages, parent -> worker: ``(id, call, args)``; ``id`` None means no reply is 
 or an interim ``(id, "progress", text)``. Id 0 is the start-up reply. A ``step`` answers
 ``("ok", StepResult)`` or ``("err", ...)`` on a pipe of its own, read by the engine's thread.
 ``register`` runs on a thread, so steps keep being served while a model is built.
+
+With ``config.run_ahead`` the executor is the ``RunAheadExecutor`` (``ahead.py``): a step the engine
+expects to be followed by the same batch one token on starts that next step before the engine asks
+(on the CPU just after the answer is sent); any call but a step first drops such a step.
 """
 
 from __future__ import annotations
@@ -65,6 +69,8 @@ def worker_main(conn, config, device: int, world: int = 1, port: int = 0, steps=
                                     timeout=datetime.timedelta(seconds=120))
         if config.executor == "legacy":  # the original Computron's mechanics, a rank per worker
             from .legacy import LegacyExecutor as kind
+        elif config.run_ahead:  # the in-process executor, plus a decode step run ahead
+            from .ahead import RunAheadExecutor as kind
         else:
             from .inprocess import InProcessExecutor as kind
         if local is None or local == device or config.device == "cpu":
@@ -76,6 +82,7 @@ def worker_main(conn, config, device: int, world: int = 1, port: int = 0, steps=
         send(error_reply(0, e))
         return False
     send((0, "ok", None))
+    run_ahead, drop_ahead = getattr(ex, "run_ahead", None), getattr(ex, "drop_ahead", None)
 
     def step(args: tuple) -> None:
         """A step answers on its own pipe, read by the engine's thread itself (no hop through the
@@ -88,6 +95,8 @@ def worker_main(conn, config, device: int, world: int = 1, port: int = 0, steps=
             send((None, "step", reply))
         else:
             steps.send(reply)
+        if run_ahead is not None:
+            run_ahead()  # while the engine takes the answer in and plans its next step
 
     def serve(rid, name: str, args: tuple) -> None:
         try:
@@ -120,9 +129,13 @@ def worker_main(conn, config, device: int, world: int = 1, port: int = 0, steps=
         try:
             rid, name, args = conn.recv()
         except (EOFError, OSError):  # the parent died or closed the pipe: nothing more to serve
+            if drop_ahead is not None:
+                drop_ahead()
             ex.shutdown()
             leave()
             return False
+        if name != "step" and drop_ahead is not None:
+            drop_ahead()  # any other call comes between steps: the step run ahead is not the next one
         if name == "register":  # slow: build the host image while steps go on
             threading.Thread(target=serve, args=(rid, name, args), daemon=True).start()
         elif name == "step":

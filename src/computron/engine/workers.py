@@ -9,7 +9,10 @@ samples answers with the value (for ``execute``: the tokens). Only the dataclass
 ``computron.messages`` and plain values cross (pickled between our own processes; nothing a user
 sent is ever unpickled). The message format is described in ``worker_loop``; a registration's
 progress strings come back as interim messages, given to the ``progress`` callback on this
-executor's receiver thread.
+executor's receiver thread. The round trip of a step (~200 µs) is hidden behind the device's work
+by the workers themselves: a step the engine marks ``ahead`` (a steady batch it expects to repeat)
+makes the worker start the next step before it is asked for (``ahead.py``; ``run_ahead`` in the
+config, on by default); this side sends and reads steps as ever.
 
 Failure: one receiver thread per worker waits on the pipe and the process sentinel together
 (``multiprocessing.connection.wait``, 0.5 s timeout), so a worker that dies is noticed at once.

@@ -304,7 +304,8 @@ class Scheduler(Memory):
         exactly what as many single steps would, provided no request arrives (other than behind
         others, ``joins_queue``) or ends otherwise in between. A function of (model, batch size)
         may give the bound once the batch is known (a driver with a cost model: steps that end
-        before the next arrival)."""
+        before the next arrival). With single steps (``max_steps`` 1), a steady batch none of whose
+        requests makes its last token in this step is marked ``plan.repeats``."""
         self.step_count += 1
         steady = self._steady
         if steady is not None and steady[0] == (self._epoch, self._changes) and \
@@ -321,6 +322,7 @@ class Scheduler(Memory):
             m = self.models[b[0].model]
             self._steady = ((self._epoch, self._changes), m)
             plan.steps = self._run(m, max_steps)
+            plan.repeats = max_steps == 1 and self._lasts(m, 1)
         return plan
 
     def _run(self, m: ModelState, max_steps: int | Callable[[str, int], int]) -> int:
@@ -353,7 +355,18 @@ class Scheduler(Memory):
                 self._schedule_growth(m, req)
             self._take_blocks(m, len(due))
         m.last_used = self.step_count
-        return StepPlan(batches=[Batch(m.name, decode=list(m.running))], steps=self._run(m, max_steps))
+        steps = self._run(m, max_steps)
+        return StepPlan(batches=[Batch(m.name, decode=list(m.running))], steps=steps,
+                        repeats=max_steps == 1 and self._lasts(m, 1))
+
+    @staticmethod
+    def _lasts(m: ModelState, steps: int) -> bool:
+        """Does every running request of ``m`` still run after ``steps`` more steps (none makes its
+        last token in them)?"""
+        ends = m.ends
+        while ends and (ends[0][2].state != "running" or ends[0][2].joined + ends[0][2].max_tokens != ends[0][0]):
+            heapq.heappop(ends)  # ended or preempted since: an entry of a request that runs is live
+        return bool(ends) and ends[0][0] - m.steps > steps
 
     def _run_length(self, m: ModelState, max_steps: int) -> int:
         """How many steps (at most ``max_steps``) the batch may run from now: none of its requests

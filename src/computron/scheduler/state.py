@@ -103,7 +103,12 @@ class StepPlan:
     KV cache (they wait again and recompute). ``paused``: running requests stopped with their
     model's eviction whose caches stay on the devices (they resume as decodes). ``failed``: requests that can never run, with the
     reason (the scheduler has already dropped them). ``steps``: decode steps the (single, decode-only)
-    batch runs back to back; more than one only when ``schedule`` was allowed several.
+    batch runs back to back; more than one only when ``schedule`` was allowed several. ``repeats``:
+    the next plan is expected to be this same decode batch, one step on (a steady batch of single
+    steps in which no request makes its last token), unless something happens in between that the
+    scheduler cannot know now: an arrival that does not only queue, an end of another kind (EOS, a
+    stop string, an abort), a change of budget. A hint an executor may act on early (the workers'
+    run-ahead); nothing depends on it being right.
     """
 
     evictions: list[str] = field(default_factory=list)
@@ -114,6 +119,7 @@ class StepPlan:
     paused: list[str] = field(default_factory=list)
     failed: list[tuple[str, str]] = field(default_factory=list)
     steps: int = 1
+    repeats: bool = False
 
     @property
     def empty(self) -> bool:

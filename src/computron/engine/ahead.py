@@ -1,0 +1,247 @@
+"""Run-ahead: a worker starts the next decode step of a steady batch before the engine asks for it.
+
+Lives in a worker process (``worker_loop``), on its device: ``RunAheadExecutor`` is the
+in-process executor that a worker serves, plus one step run ahead.
+
+Why. The workers executor crosses a process boundary at every engine step: the step goes to the
+worker as a message and its tokens come back as one (two pickles, two pipe writes, two process
+wake-ups: about 200 µs a call, most of it the wake-ups and the sends, measured on an H100 host
+and on the CPU). The in-process executor pays none of that, and with single decode steps the
+device would idle through it. The engine's scheduler knows when its next plan will most likely be
+the same batch one token on (``StepPlan.repeats``: a steady decode batch in which no request
+makes its last token) and says so in the step (``ExecuteBatch.ahead``). The worker then starts
+that next step itself, each sequence fed the token it just sampled, still on the device (as runs
+of several decode steps do), so the device computes step n+1 while step n's tokens travel to the
+engine and the engine plans step n+1.
+
+Used or dropped. When the engine's next step is that one (same model, same requests in the same
+order, each one token on with the token the worker sampled), the step run ahead is its answer, and
+the step after it is started before those tokens are read back (on a GPU, queued behind it: the
+device never waits for the host; on the CPU, where starting a step is computing it, just after
+the answer is sent, ``run_ahead``). Anything else drops it first: a different step (a request
+ended by EOS, a stop string or an abort, one joined, a run of several steps) and every other
+call (free, apply, resize, status, ...), which also waits for its device work to end before
+memory changes hands. Dropping leaves no trace: the KV blocks taken for it are released, every
+generator it drew from is set back (a seeded request draws the same numbers as if it never ran;
+the default generator too), and the one cache slot per sequence it wrote lies past the
+sequence's length until the real step writes it again. Hence every answer is the one the
+in-process executor gives, bit for bit: the same kernels on the same batch (the same CUDA graph
+or eager forward) and the same sampler.
+
+Not run ahead (served as before): rows whose sampling needs the host between steps (penalties,
+min_tokens, a logit bias, logprobs: ``inprocess.hosted``), a trace, a copy in flight, prefills,
+runs of several steps, sharded models (every rank would need the token), steps of several batches.
+Counters in ``status().stats``: ``run_ahead_used``, ``run_ahead_dropped``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from ..memory.arena import OutOfMemory
+from ..messages import ExecuteBatch, ExecutorStatus, SeqInput, StepResult
+from ..models.kvcache import paged_batch
+from .inprocess import InProcessExecutor, _Seq, hosted
+from .sampling import Sampler
+
+log = logging.getLogger("computron.workers")
+
+
+@dataclass(eq=False)
+class _Ahead:
+    """A step run ahead: the batch one token on, its sampled tokens still on the device."""
+
+    model: str
+    req_ids: list[str]
+    past: list[int]  # each sequence's cached tokens before it (the position of its input token)
+    inputs: list[int] | None  # the tokens it was fed (on the host once the step before was read back)
+    tokens: torch.Tensor  # what it sampled, on the device
+    blocks: list[tuple[_Seq, int]]  # each sequence and how many KV blocks it held before
+    rng: list[tuple[torch.Generator, torch.Tensor]]  # the generators it drew from, and their states before
+    compute_s: float = 0.0
+    host: torch.Tensor | None = None  # GPU: the tokens' pinned copy, ready at ``done``
+    start: torch.cuda.Event | None = None
+    done: torch.cuda.Event | None = None
+
+
+class RunAheadExecutor(InProcessExecutor):
+    """The in-process executor of a worker, plus one decode step run ahead (see the module)."""
+
+    def __init__(self, config, index: int = 0, world: int = 1):
+        super().__init__(config, index, world)
+        # The order: on a GPU starting a step does not compute it, so the next one is queued before a
+        # step's tokens are read back; on the CPU it is run once the answer is sent (``run_ahead``).
+        self.eager = self.device.type == "cuda"
+        self._ahead: _Ahead | None = None  # the step run ahead, neither used nor dropped yet
+        self._next: tuple[ExecuteBatch, list[int]] | None = None  # CPU: what to run ahead once the answer is sent
+        self.used = self.dropped = 0
+        self._failed = False
+
+    # ---- the protocol's step -------------------------------------------------------------------
+    def execute(self, batches: list[ExecuteBatch]) -> Future:
+        fut: Future = Future()
+        try:
+            fut.set_result(self._step(batches))
+        except Exception as e:
+            fut.set_exception(e)
+        return fut
+
+    def _step(self, batches: list[ExecuteBatch]) -> StepResult:
+        a, self._ahead, self._next = self._ahead, None, None
+        b = batches[0] if len(batches) == 1 else None
+        follow = b is not None and self._eligible(b)  # the engine expects the step after b, and it can be fed
+        if a is not None and b is not None and self._matches(a, b):
+            self.used += 1
+            nxt = self._launch(b, a.tokens) if follow and self.eager else None  # queued behind ``a`` on the device
+            try:
+                tokens = self._read(a)
+            except BaseException:
+                if nxt is not None:
+                    self._drop(nxt)
+                raise
+            if nxt is not None:
+                nxt.inputs = tokens
+            result = StepResult(tokens=dict(zip(a.req_ids, tokens)), compute_s={b.model: a.compute_s})
+            self._poll_loads(result)
+        else:
+            if a is not None:
+                self._drop(a)
+            result = super().execute(batches).result()
+            tokens = [result.tokens[s.req_id] for s in b.seqs] if follow else None
+            nxt = self._launch(b, tokens) if follow and self.eager else None
+        self._ahead = nxt
+        if follow and not self.eager:
+            self._next = (b, tokens)
+        return result
+
+    def run_ahead(self) -> None:
+        """After the step's answer was sent: on the CPU, run the next step ahead now (a GPU queued it)."""
+        if self._next is not None:
+            b, tokens = self._next
+            self._next = None
+            self._ahead = self._launch(b, tokens)
+
+    def drop_ahead(self) -> None:
+        """Before any other call: the step run ahead is not what comes next; undo it."""
+        self._next = None
+        a, self._ahead = self._ahead, None
+        if a is not None:
+            self._drop(a)
+
+    # ---- running ahead -------------------------------------------------------------------------
+    def _eligible(self, b: ExecuteBatch) -> bool:
+        """May the step after ``b`` be run ahead (the engine expects it, and no row needs the host)?"""
+        if not b.ahead or b.steps != 1 or b.trace:
+            return False
+        model, res = self.models.get(b.model), self.resident.get(b.model)
+        if model is None or res is None or res.swap is not None or not model.answers or model.runner.links is not None:
+            return False
+        return all(s.past > 0 and len(s.tokens) == 1 and s.share is None and s.prompt_logprobs is None
+                   and not hosted(s.params) and s.req_id in self.seqs for s in b.seqs)
+
+    @staticmethod
+    def _matches(a: _Ahead, b: ExecuteBatch) -> bool:
+        if b.model != a.model or b.steps != 1 or b.trace or len(b.seqs) != len(a.req_ids) or a.inputs is None:
+            return False
+        return all(s.req_id == rid and s.past == p and s.tokens == [t] and s.share is None and s.prompt_logprobs is None
+                   for s, rid, p, t in zip(b.seqs, a.req_ids, a.past, a.inputs))
+
+    def _launch(self, b: ExecuteBatch, first: list[int] | torch.Tensor) -> _Ahead | None:
+        """Start the step after ``b``: each sequence one position on, fed ``first`` (``b``'s tokens, on
+        the host or the device). On a GPU only queued; on the CPU computed. None if it cannot be
+        (its KV blocks do not fit: the scheduler has not booked them yet)."""
+        name = b.model
+        model, res = self.models[name], self.resident[name]
+        runner = model.runner
+        seqs = [self.seqs[s.req_id] for s in b.seqs]
+        past = [s.past + 1 for s in b.seqs]
+        kept = [(q, len(q.blocks)) for q in seqs]
+        rng = self._generators(b, seqs)
+        try:
+            for s, p in zip(b.seqs, past):
+                self._seq(model, SeqInput(s.req_id, [0], p, s.params))  # the block its token needs
+            self._bind(name)  # allocating may have compacted the arena
+            ids = [self._ids(q) for q in seqs]
+            t0 = time.perf_counter()
+            start = done = None
+            if self.device.type == "cuda":
+                start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            graph = None if model.graphs is None else \
+                model.graphs.get(runner, model.pool, len(seqs), res.region.tensor.data_ptr())
+            on_device = isinstance(first, torch.Tensor)
+            if graph is not None:
+                bt = self.block_tokens
+                logits = graph.run(first, past, [blk[p // bt] * bt + p % bt for blk, p in zip(ids, past)],
+                                   [p + 1 for p in past], ids)
+            else:
+                attn = paged_batch(model.pool, [(blk, p, 1) for blk, p in zip(ids, past)], self.device)
+                fed = first if on_device else torch.tensor(first, dtype=torch.long).to(self.device, non_blocking=True)
+                pos = torch.tensor(past, dtype=torch.long).to(self.device, non_blocking=True)
+                logits = runner.forward(fed, pos, attn)
+            params = [s.params for s in b.seqs]
+            tokens = Sampler(params, logits.shape[-1], self.device)(logits, [q.generator for q in seqs])
+        except Exception as e:  # noqa: BLE001 -- running ahead must never fail the step it follows
+            self._undo(kept, rng)
+            if not isinstance(e, OutOfMemory):  # a bug: said once, then the steps simply go on as before
+                (log.debug if self._failed else log.warning)(
+                    "worker for device %d: running a step ahead failed: %s: %s", self.index, type(e).__name__, e)
+                self._failed = True
+            return None
+        a = _Ahead(name, [s.req_id for s in b.seqs], past, None if on_device else list(first), tokens,
+                   kept, rng)
+        if done is not None:
+            a.host = torch.empty(len(past), dtype=torch.int64, pin_memory=True)
+            a.host.copy_(tokens, non_blocking=True)
+            a.start, a.done = start, done
+            done.record()
+        else:
+            a.compute_s = time.perf_counter() - t0
+        return a
+
+    def _read(self, a: _Ahead) -> list[int]:
+        """The tokens of a step run ahead, on the host (waiting for its device work, not for later steps)."""
+        if a.done is None:
+            return a.tokens.tolist()
+        a.done.synchronize()
+        a.compute_s = a.start.elapsed_time(a.done) / 1e3
+        return a.host.tolist()
+
+    def _generators(self, b: ExecuteBatch, seqs: list[_Seq]) -> list[tuple[torch.Generator, torch.Tensor]]:
+        """The generators a step of ``b`` may draw from (``Sampler``), with their states now."""
+        gens = [q.generator for q in seqs if q.generator is not None]
+        if any(q.generator is None for q in seqs) and not all(s.params.greedy for s in b.seqs):
+            gens.append(torch.cuda.default_generators[self.device.index if self.device.index is not None
+                                                      else torch.cuda.current_device()]
+                        if self.device.type == "cuda" else torch.default_generator)
+        return [(g, g.get_state()) for g in gens]
+
+    def _drop(self, a: _Ahead) -> None:
+        if a.done is not None:
+            a.done.synchronize()  # its kernels may write KV blocks and read weights: done before memory moves
+        self._undo(a.blocks, a.rng)
+        self.dropped += 1
+
+    def _undo(self, kept: list[tuple[_Seq, int]], rng: list[tuple[torch.Generator, torch.Tensor]]) -> None:
+        """Back to the state before a step run ahead: generators, then the blocks it took (each
+        sequence's blocks past those it held; a sequence freed or released since holds none)."""
+        for g, state in rng:
+            g.set_state(state)
+        for q, n in kept:
+            extra = q.blocks[n:]
+            if extra:
+                del q.blocks[n:]
+                q.ids = None
+                for region in extra:
+                    self.arena.release(region)
+
+    # ---- status --------------------------------------------------------------------------------
+    def status(self) -> ExecutorStatus:
+        st = super().status()
+        st.stats.update(run_ahead_used=self.used, run_ahead_dropped=self.dropped)
+        return st

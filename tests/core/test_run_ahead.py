@@ -1,0 +1,207 @@
+"""The workers' run-ahead (``engine/ahead.py``) on the CPU, with real worker processes: a worker
+starts the next decode step of a steady batch before the engine asks for it. Tokens equal the
+in-process executor's, greedy and seeded, while the batch changes under it (a request ends by
+length, one joins, one is aborted, a model is stopped for another and resumed); the step run ahead
+is really used (its counter), dropped when the next step differs, leaves no KV block behind, is
+skipped for sharded models, and a worker killed while one is under way is handled as before."""
+
+import os
+import signal
+
+import pytest
+
+from computron.config import EngineConfig, ModelSpec
+from computron.engine import Engine, SamplingParams
+from computron.engine.ahead import RunAheadExecutor
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+PARAMS = {
+    "a": GREEDY,
+    "b": SamplingParams(max_tokens=12, temperature=1.0, top_k=40, seed=3, ignore_eos=True),  # ends by length
+    "c": SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True),  # aborted
+    "d": SamplingParams(max_tokens=25, temperature=0.0, ignore_eos=True),  # joins
+    "e": SamplingParams(max_tokens=10, temperature=1.1, seed=1, ignore_eos=True),  # joins later
+}
+PROMPTS = {"a": "hello", "b": "the quick brown fox", "c": "swap me in", "d": "1 2 3", "e": "Ünïcödé ✓"}
+
+
+def make(executor: str, budget=64 * 2**20, models=("tiny-llama",), clock=None, **kw) -> Engine:
+    cfg = EngineConfig(device="cpu", executor=executor, gpu_memory_budget=budget, workspace_bytes=50_000, **kw)
+    eng = Engine(cfg, clock=clock) if clock is not None else Engine(cfg)
+    for m in models:
+        eng.register_model(m)
+    return eng
+
+
+def ahead_stats(eng: Engine) -> tuple[int, int]:
+    st = eng.executor.status().stats  # a call between steps: it drops a step run ahead, if any
+    return st["run_ahead_used"], st["run_ahead_dropped"]
+
+
+def changing_batch(eng: Engine) -> dict[str, list[int]]:
+    """A steady batch that changes under the run-ahead: b ends by length, d joins at step 5, c is
+    aborted at step 9, e joins at step 15. Each engine gets them at the same steps."""
+    reqs = {k: eng.submit("tiny-llama", PROMPTS[k], PARAMS[k]) for k in "abc"}
+    for step in range(200):
+        if step == 5:
+            reqs["d"] = eng.submit("tiny-llama", PROMPTS["d"], PARAMS["d"])
+        if step == 9:
+            eng.abort(reqs["c"].id)
+        if step == 15:
+            reqs["e"] = eng.submit("tiny-llama", PROMPTS["e"], PARAMS["e"])
+        if all(r.done for r in reqs.values()) and step > 15:
+            break
+        eng.step()
+    assert [reqs[k].finish_reason for k in "abcde"] == ["length", "length", "abort", "length", "length"]
+    assert len(reqs["c"].output_ids) == 9 and len(reqs["a"].output_ids) == 40
+    assert eng.memory()["kv"] == 0  # blocks taken for steps run ahead were all given back
+    return {k: r.output_ids for k, r in reqs.items()}
+
+
+def test_tokens_equal_in_process_while_the_batch_changes():
+    want = changing_batch(make("inprocess"))
+    eng = make("workers")
+    try:
+        assert changing_batch(eng) == want
+        used, dropped = ahead_stats(eng)
+    finally:
+        eng.executor.shutdown()
+    # Dropped: when d joined, when c was aborted (its free), when e joined. Used: nearly every
+    # other decode step.
+    assert dropped == 3 and used >= 30
+
+
+class WorkerLike(RunAheadExecutor):
+    """The run-ahead executor in this process, driven as the worker loop drives it: the next step run
+    ahead after each step's answer (on the CPU), anything else dropping it first."""
+
+    def execute(self, batches):
+        fut = super().execute(batches)
+        self.run_ahead()
+        return fut
+
+    def free(self, req_ids):
+        self.drop_ahead()
+        super().free(req_ids)
+
+    def apply(self, change):
+        self.drop_ahead()
+        return super().apply(change)
+
+    def status(self):
+        self.drop_ahead()
+        return super().status()
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_both_orders_give_the_in_process_tokens(eager):
+    """``eager`` is a GPU's order (the step after next queued before the next one's tokens are read),
+    here on the CPU, where queuing a step computes it."""
+    cfg = EngineConfig(device="cpu", gpu_memory_budget=64 * 2**20, workspace_bytes=50_000)
+    ex = WorkerLike(cfg)
+    ex.eager = eager
+    eng = Engine(cfg, executor=ex)
+    eng.register_model("tiny-llama")
+    assert changing_batch(eng) == changing_batch(make("inprocess"))
+    assert ex.dropped == 3 and ex.used >= 30
+
+
+def test_a_model_stopped_and_resumed_between_steps_gives_the_same_tokens():
+    """The preempt policy stops a steady batch for another model's request (evicting its weights, its
+    requests paused with their caches) and resumes it later as decodes one token on: exactly the
+    step that was run ahead before the eviction, which must not be used (it was dropped)."""
+    t = [0.0]
+    runs, ahead = [], None
+    for executor in ("inprocess", "workers"):
+        t[0] = 0.0
+        eng = make(executor, budget=1_200_000, models=("tiny-llama", "tiny-opt"), clock=lambda: t[0],
+                   policy="preempt", max_wait_s=0.2, preempt_keeps_kv=True)
+        try:
+            first = [eng.submit("tiny-llama", PROMPTS[k], PARAMS[k]) for k in "ab"]
+            for _ in range(4):
+                eng.step()
+                t[0] += 0.05
+            other = eng.submit("tiny-opt", PROMPTS["d"], PARAMS["d"])
+            for _ in range(400):
+                if all(r.done for r in first + [other]):
+                    break
+                eng.step()
+                t[0] += 0.05
+            assert [r.error for r in first + [other]] == [None] * 3
+            assert eng.stats["pauses"] >= 1 and eng.stats["evictions"] >= 2
+            runs.append([r.output_ids for r in first + [other]])
+            assert eng.memory()["kv"] == 0
+            if executor == "workers":
+                ahead = ahead_stats(eng)
+        finally:
+            if executor == "workers":
+                eng.executor.shutdown()
+    assert runs[0] == runs[1]
+    assert ahead[0] > 10 and ahead[1] >= 2
+
+
+def test_a_worker_killed_while_a_step_runs_ahead_is_handled_as_before(alive):
+    eng = make("workers", models=("tiny-llama", "tiny-opt"))
+    try:
+        want = make("inprocess").generate("tiny-llama", "after the crash", PARAMS["c"]).output_ids
+        running = [eng.submit("tiny-llama", PROMPTS[k], PARAMS[k]) for k in "ac"]
+        plans = [eng.core.step(1) for _ in range(6)]
+        assert plans[-1].repeats  # the worker started the next step before answering this one's tokens
+        pid = eng.executor.worker_pids()[0]
+        os.kill(pid, signal.SIGKILL)
+        eng.run_until_done(running, max_steps=50)
+        for r in running:
+            assert r.finish_reason == "error" and "worker for device 0 died (exit code -9)" in r.error
+        assert eng.memory()["kv"] == 0 and not alive(pid)
+        after = eng.generate("tiny-llama", "after the crash", PARAMS["c"])  # seeded: the fresh worker runs ahead
+        assert after.error is None and after.output_ids == want
+        st = eng.executor.status().stats
+        assert st["restarts"] == 1 and st["run_ahead_used"] >= 30
+    finally:
+        eng.executor.shutdown()
+
+
+def test_run_ahead_on_a_second_device_and_not_for_sharded_models():
+    """Two workers (gloo): an unsharded model on device 1 runs ahead there; a model sharded over
+    both (tp=2) never does (each rank would need the sampled token); tokens as in-process."""
+    ref = make("inprocess", models=("tiny-gpt2", "tiny-opt"))
+    jobs = [("tiny-gpt2", PROMPTS[k], PARAMS[k]) for k in "abd"]
+    want = [[ref.generate(m, p, sp).output_ids for m, p, sp in jobs]]
+    want.append(ref.generate("tiny-opt", PROMPTS["c"], PARAMS["c"]).output_ids)
+    eng = Engine(EngineConfig(device="cpu", executor="workers", devices=2, gpu_memory_budget=64 * 2**20,
+                              workspace_bytes=50_000))
+    try:
+        eng.register_model(ModelSpec("tiny-gpt2", devices=[1]))
+        eng.register_model(ModelSpec("tiny-opt", tp=2))
+        got = [eng.generate(m, p, sp).output_ids for m, p, sp in jobs]
+        used, _ = ahead_stats(eng)
+        assert got == want[0] and used >= 40
+        assert eng.generate("tiny-opt", PROMPTS["c"], PARAMS["c"]).output_ids == want[1]
+        assert ahead_stats(eng)[0] == used
+    finally:
+        eng.executor.shutdown()
+
+
+def test_run_ahead_can_be_turned_off():
+    eng = make("workers", run_ahead=False)
+    try:
+        r = eng.generate("tiny-llama", PROMPTS["a"], GREEDY)
+        assert r.output_ids == make("inprocess").generate("tiny-llama", PROMPTS["a"], GREEDY).output_ids
+        assert "run_ahead_used" not in eng.executor.status().stats
+    finally:
+        eng.executor.shutdown()
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=2),
+                                    SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
+                                                   logit_bias={5: -100.0}),
+                                    SamplingParams(max_tokens=20, temperature=0.9, seed=2, ignore_eos=True,
+                                                   presence_penalty=0.5)])
+def test_rows_that_need_the_host_between_steps_are_not_run_ahead(params):
+    eng = make("workers")
+    try:
+        r = eng.generate("tiny-llama", PROMPTS["b"], params)
+        assert r.output_ids == make("inprocess").generate("tiny-llama", PROMPTS["b"], params).output_ids
+        assert ahead_stats(eng) == (0, 0)
+    finally:
+        eng.executor.shutdown()

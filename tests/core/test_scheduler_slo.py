@@ -149,12 +149,23 @@ def test_admission_refuses_the_request_whose_work_would_make_others_late_with_th
     assert "due 9.000 s after it arrived" in why
 
 
-def test_a_request_that_cannot_meet_its_slo_even_alone_is_refused():
+def test_a_request_its_slo_cannot_serve_even_alone_is_served_as_soon_as_it_can_be():
+    """Due by its SLO at 5 s, it needs 2 + 1 + 4 = 7 s alone (a cold load longer than the time to first
+    token): no scheduler could meet that, so it is not refused but due when it could end, at 7 s;
+    a request of a second such model arriving with it is refused: together they end too late."""
     s = _sched(1_000_000)
-    s.add_model("a", 500_000, KVT, cost=COST, slo=Slo(ttft_s=1.0, tpot_s=1.0))  # due at 5; needs 2 + 1 + 4 = 7 s
+    s.add_model("a", 500_000, KVT, cost=COST, slo=Slo(ttft_s=1.0, tpot_s=1.0))
     s.add_request(SchedRequest("a0", "a", 4, 5, 0.0))
+    assert s.slo.due(s.requests["a0"]) == 7.0
     plan = s.schedule(0.0)
-    assert [rid for rid, _ in plan.failed] == ["a0"] and not plan.batches
+    assert not plan.failed and [b.model for b in plan.batches] == ["a"]
+    s = _sched(1_000_000)
+    for m in "ab":
+        s.add_model(m, 500_000, KVT, cost=COST, slo=Slo(ttft_s=1.0, tpot_s=1.0))
+        s.add_request(SchedRequest(f"{m}0", m, 4, 5, 0.0))
+    plan = s.schedule(0.0)
+    assert len(plan.failed) == 1 and "overloaded" in plan.failed[0][1]
+    assert [b.model for b in plan.batches] == [m for m in "ab" if m + "0" in s.requests]
 
 
 def test_no_refusal_while_the_deadline_can_still_be_met():

@@ -193,6 +193,8 @@ class Scheduler(Memory):
                 raise ValueError(f"request {req.id!r} needs {kv} bytes of KV cache on device {d}; with the "
                                  f"model's {w} bytes that exceeds the budget of {self.config.budgets[d]} bytes")
         self.requests[req.id] = req
+        if self.slo is not None:
+            req.alone_s = self.slo.alone(m, req)
         if not self.joins_queue(req.model, req.arrival):
             self._changes += 1
         m.waiting.append(req)

@@ -105,7 +105,16 @@ class Deadlines:
         return cost.load_s + cost.prefill(sum(r.prompt_len + c.steps - r.joined for r in c.running.values()))
 
     def due(self, req: SchedRequest) -> float:
-        return self.slos[req.model].due(req.arrival, req.max_tokens)
+        """Its SLO's deadline, but never before it could end alone (``alone``): a request its SLO
+        could not serve even on an idle device (a cold model's load longer than the time to first
+        token, say) is served as soon as it can be, and refused only when other work makes it later."""
+        return max(self.slos[req.model].due(req.arrival, req.max_tokens), req.arrival + req.alone_s)
+
+    def alone(self, m: ModelState, req: SchedRequest) -> float:
+        """Seconds from now until ``req`` could end if only it ran: ``m``'s load (if not on its
+        devices), the prefill of its prompt, a decode step of one for each later token."""
+        cost = self.costs[m.name]
+        return self._start(m, req.arrival) + cost.prefill(req.prompt_len) + (req.max_tokens - 1) * cost.decode(1)
 
     def _start(self, m: ModelState, now: float) -> float:
         """Seconds before ``m`` can compute: its load (what is left of it), or nothing."""

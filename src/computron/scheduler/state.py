@@ -35,6 +35,7 @@ class SchedRequest:
     due: int = -1  # the tie of its live entry in its model's growth heap (when it needs one more block)
     state: str = "waiting"  # waiting | running | paused (its model evicted, its blocks kept) | finished
     prefix: SharedPrefix | None = None  # blocks of its prompt it shares with the other choices of that prompt
+    alone_s: float = 0.0  # slo policy: the least time from arrival to its last token, alone (a load included if cold)
 
 
 @dataclass(eq=False)

@@ -2,7 +2,9 @@
 ``workers`` executor (the in-process executor behind a pipe) against the ``inprocess`` one, for
 each ``--decode-steps`` value (decode steps per engine call: the channel is crossed once per call),
 with the workers' run-ahead (``engine/ahead.py``, the default) and without it
-(``workers(run_ahead=off)``).
+(``workers(run_ahead=off)``), and the in-process executor with the run-ahead (``inprocess(run_ahead)``,
+its default on a GPU: the next step queued before this one's tokens are read back). The reference,
+``inprocess``, is the plain in-process executor (``run_ahead`` off).
 
     .venv/bin/python bench/worker_overhead.py [MODEL] [--device auto|cpu|cuda] [--runs 7] [--steps 64]
         [--decode-steps 1 8] [--threads N]
@@ -82,8 +84,8 @@ def main() -> int:
         dev_name, slug = platform.processor() or platform.machine(), "cpu"
     engines = {}
     prompt = list(range(1, args.prompt_len + 1))
-    variants = {"inprocess": ("inprocess", True), "workers": ("workers", True),
-                "workers(run_ahead=off)": ("workers", False)}
+    variants = {"inprocess": ("inprocess", False), "inprocess(run_ahead)": ("inprocess", True),
+                "workers": ("workers", True), "workers(run_ahead=off)": ("workers", False)}
     for name, (kind, ahead) in variants.items():
         eng = Engine(EngineConfig(device=device, executor=kind, gpu_memory_budget=args.budget, run_ahead=ahead))
         eng.register_model(args.model)
@@ -105,8 +107,7 @@ def main() -> int:
         rtt = {k: round_trips(e) for k, e in engines.items()}
     finally:
         for k, e in engines.items():
-            if k != "inprocess":
-                e.executor.shutdown()
+            e.executor.shutdown()
     tok = {key: statistics.median(v) for key, v in per_run.items()}
     workers = [k for k in engines if k != "inprocess"]
 
@@ -119,6 +120,7 @@ def main() -> int:
         "tokens_per_run": args.steps, "runs": args.runs, "torch": torch.__version__, "threads": torch.get_num_threads(),
         "token_s": tok, "token_s_per_run": per_run, "status_round_trip_s": rtt,
         "by_decode_steps": over("workers"), "by_decode_steps_run_ahead_off": over("workers(run_ahead=off)"),
+        "by_decode_steps_inprocess_run_ahead": over("inprocess(run_ahead)"),
         "worker_stats": stats, "cpus": os.cpu_count(), "load_average_1min": [load_before, os.getloadavg()[0]],
         "date": time.strftime("%Y-%m-%d"),
     }

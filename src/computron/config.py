@@ -115,7 +115,9 @@ class EngineConfig:
     # the device (one wait for the device per run); a request arriving meanwhile waits for the run's end.
     decode_steps: int = 1
     # executor "workers": a worker starts the next decode step of a steady batch before the engine asks
-    # for it, hiding the control channel's round trip (engine/ahead.py); outputs are the same either way.
+    # for it, hiding the control channel's round trip (engine/ahead.py); executor "inprocess" on a CUDA
+    # GPU: the next step is queued before this one's tokens are read back, so the GPU does not idle while
+    # the host plans. Outputs are the same either way.
     run_ahead: bool = True
     # executor "workers" over several nodes: take workers of other nodes at HOST:PORT (they connect
     # with `computron worker --connect`, authenticated by $COMPUTRON_WORKER_AUTHKEY) and start only the

@@ -1,9 +1,11 @@
-"""The workers' run-ahead (``engine/ahead.py``) on the CPU, with real worker processes: a worker
+"""The run-ahead (``engine/ahead.py``) on the CPU, with real worker processes and in process: a worker
 starts the next decode step of a steady batch before the engine asks for it. Tokens equal the
 in-process executor's, greedy and seeded, while the batch changes under it (a request ends by
 length, one joins, one is aborted, a model is stopped for another and resumed); the step run ahead
 is really used (its counter), dropped when the next step differs, leaves no KV block behind, is
-skipped for sharded models, and a worker killed while one is under way is handled as before."""
+skipped for sharded models, and a worker killed while one is under way is handled as before. The
+in-process executor with the run-ahead (a CUDA GPU's, here in the GPU's order on the CPU) gives
+the same tokens, and every call between steps drops the step run ahead."""
 
 import os
 import signal
@@ -205,3 +207,115 @@ def test_rows_that_need_the_host_between_steps_are_not_run_ahead(params):
         assert ahead_stats(eng) == (0, 0)
     finally:
         eng.executor.shutdown()
+
+
+# ---- the in-process executor with the run-ahead (``make_executor`` on a CUDA GPU) ------------------
+# Driven by the engine's own thread: no ``run_ahead()`` after a step, every other call dropping the
+# step run ahead itself. On the CPU ``eager`` (a GPU's order) is forced: queuing a step computes it.
+
+def in_process_ahead(**kw) -> tuple[Engine, RunAheadExecutor]:
+    cfg = EngineConfig(device="cpu", gpu_memory_budget=kw.pop("budget", 64 * 2**20), workspace_bytes=50_000, **kw)
+    ex = RunAheadExecutor(cfg)
+    ex.eager = True
+    return Engine(cfg, executor=ex), ex
+
+
+def test_in_process_run_ahead_gives_the_in_process_tokens_while_the_batch_changes():
+    want = changing_batch(make("inprocess"))
+    eng, ex = in_process_ahead()
+    eng.register_model("tiny-llama")
+    assert changing_batch(eng) == want  # greedy and seeded rows; an end by length, two joins, an abort
+    # Dropped: when d joined, when c was aborted (its free), when e joined; used: nearly every other step.
+    assert ex.dropped == 3 and ex.used >= 30
+    assert ex.status().stats["run_ahead_used"] == ex.used
+
+
+def test_in_process_run_ahead_with_a_model_evicted_and_resumed_between_steps():
+    """The preempt policy evicts the steady batch's model for another's request (its requests paused,
+    caches kept) and resumes them as decodes one token on: the step run ahead before the eviction
+    was dropped by the eviction (``apply``), never used."""
+    t = [0.0]
+    runs = []
+    for ahead in (False, True):
+        t[0] = 0.0
+        cfg = EngineConfig(device="cpu", gpu_memory_budget=1_200_000, workspace_bytes=50_000, policy="preempt",
+                           max_wait_s=0.2, preempt_keeps_kv=True)
+        ex = None
+        if ahead:
+            ex = RunAheadExecutor(cfg)
+            ex.eager = True
+        eng = Engine(cfg, executor=ex, clock=lambda: t[0])
+        for m in ("tiny-llama", "tiny-opt"):
+            eng.register_model(m)
+        first = [eng.submit("tiny-llama", PROMPTS[k], PARAMS[k]) for k in "ab"]
+        for _ in range(4):
+            eng.step()
+            t[0] += 0.05
+        other = eng.submit("tiny-opt", PROMPTS["d"], PARAMS["d"])
+        for _ in range(400):
+            if all(r.done for r in first + [other]):
+                break
+            eng.step()
+            t[0] += 0.05
+        assert [r.error for r in first + [other]] == [None] * 3
+        assert eng.stats["pauses"] >= 1 and eng.stats["evictions"] >= 2
+        assert eng.memory()["kv"] == 0
+        runs.append([r.output_ids for r in first + [other]])
+    assert runs[0] == runs[1]
+    assert ex.used > 10 and ex.dropped >= 2
+
+
+def test_every_call_between_steps_drops_the_in_process_step_run_ahead():
+    """Each protocol call but a step and a registration undoes a step run ahead before it acts: its KV
+    blocks are back in the arena and a seeded generator draws as if it never ran."""
+    from computron.messages import Residency
+
+    eng, ex = in_process_ahead()
+    eng.register_model("tiny-llama")
+    kv_of = lambda: ex.arena.used("kv")  # noqa: E731 -- read without a protocol call (status drops)
+    calls = {"status": lambda: ex.status(), "free": lambda: ex.free([]), "apply": lambda: ex.apply(Residency()),
+             "wait_loads": lambda: ex.wait_loads(), "resize": lambda: ex.resize(0, ex.arena.nbytes),
+             "probe_link": lambda: ex.probe_link("tiny-llama", 1)}
+    params = SamplingParams(max_tokens=60, temperature=1.0, seed=5, ignore_eos=True)
+    want = make("inprocess").generate("tiny-llama", "a" * 15, params).output_ids
+    req = eng.submit("tiny-llama", "a" * 15, params)  # its 16th and later tokens take a new block each 16
+    for name, call in calls.items():
+        for _ in range(3):
+            eng.step()
+        assert ex._ahead is not None, name
+        before, dropped = kv_of(), ex.dropped
+        call()
+        assert ex._ahead is None and ex.dropped == dropped + 1, name
+        assert kv_of() <= before, name
+    eng.run_until_done([req], max_steps=200)
+    assert req.output_ids == want and eng.memory()["kv"] == 0
+    eng.submit("tiny-llama", "b", SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    assert ex._ahead is not None
+    ex.unregister("not-a-model-here")  # a model not on the device: nothing dropped (another thread may call it)
+    assert ex._ahead is not None
+    ex.shutdown()  # evicts the weights the step run ahead reads: dropped first
+    assert ex._ahead is None
+
+
+def test_make_executor_runs_ahead_in_process_on_a_cuda_gpu_only(monkeypatch):
+    import computron.engine.ahead as ahead
+    import computron.engine.inprocess as inprocess
+    import torch
+    from computron.engine.executor import make_executor
+
+    class Plain:
+        def __init__(self, config):
+            self.config = config
+
+    class Ahead(Plain):
+        pass
+
+    monkeypatch.setattr(inprocess, "InProcessExecutor", Plain)
+    monkeypatch.setattr(ahead, "RunAheadExecutor", Ahead)
+    assert type(make_executor(EngineConfig(device="cpu"))) is Plain
+    monkeypatch.setattr(inprocess, "pick_device", lambda d: torch.device("cuda" if d != "cpu" else "cpu"))
+    assert type(make_executor(EngineConfig(device="cuda"))) is Ahead
+    assert type(make_executor(EngineConfig(device="cuda", run_ahead=False))) is Plain
+    assert type(make_executor(EngineConfig(device="cuda", executor="inprocess"))) is Ahead

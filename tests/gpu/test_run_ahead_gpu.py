@@ -1,7 +1,8 @@
-"""The workers' run-ahead on a CUDA GPU (the order the CPU tests cannot take for real: the step after
-next queued on the device before the next one's tokens are read back, through CUDA graphs and
-eager steps): tokens equal the in-process executor's while the batch changes. Run on the lent GPU
-machine with `pytest -m gpu tests/gpu`."""
+"""The run-ahead on a CUDA GPU (the order the CPU tests cannot take for real: the step after next
+queued on the device before the next one's tokens are read back, through CUDA graphs and eager
+steps), in the workers and in process (the in-process executor's default on a GPU): tokens equal the
+in-process executor's without it while the batch changes. Run on the lent GPU machine with
+`pytest -m gpu tests/gpu`."""
 
 import pytest
 import torch
@@ -36,19 +37,36 @@ def changing_batch(eng: Engine) -> dict[str, list[int]]:
     return {k: r.output_ids for k, r in reqs.items()}
 
 
+def engine(executor: str, graphs: bool, run_ahead: bool = True) -> Engine:
+    eng = Engine(EngineConfig(device="cuda", executor=executor, gpu_memory_budget=256 * 2**20,
+                              workspace_bytes=64 * 2**20, cuda_graphs=graphs, run_ahead=run_ahead))
+    eng.register_model("tiny-llama")
+    return eng
+
+
 @pytest.mark.parametrize("graphs", [True, False])
 def test_run_ahead_on_gpu_gives_the_in_process_tokens(graphs):
-    def engine(executor):
-        eng = Engine(EngineConfig(device="cuda", executor=executor, gpu_memory_budget=256 * 2**20,
-                                  workspace_bytes=64 * 2**20, cuda_graphs=graphs))
-        eng.register_model("tiny-llama")
-        return eng
-
-    want = changing_batch(engine("inprocess"))
-    eng = engine("workers")
+    want = changing_batch(engine("inprocess", graphs, run_ahead=False))
+    eng = engine("workers", graphs)
     try:
         assert changing_batch(eng) == want
         st = eng.executor.status().stats
         assert st["run_ahead_dropped"] == 3 and st["run_ahead_used"] >= 30
     finally:
         eng.executor.shutdown()
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_in_process_run_ahead_on_gpu_gives_the_in_process_tokens(graphs):
+    from computron.engine.ahead import RunAheadExecutor
+    from computron.engine.inprocess import InProcessExecutor
+
+    plain = engine("inprocess", graphs, run_ahead=False)
+    assert type(plain.executor) is InProcessExecutor
+    want = changing_batch(plain)
+    eng = engine("inprocess", graphs)
+    assert isinstance(eng.executor, RunAheadExecutor) and eng.executor.eager
+    assert changing_batch(eng) == want
+    st = eng.executor.status().stats
+    assert st["run_ahead_dropped"] == 3 and st["run_ahead_used"] >= 30
+    eng.executor.shutdown()

@@ -1,7 +1,11 @@
 """Run-ahead: a worker starts the next decode step of a steady batch before the engine asks for it.
 
 Lives in a worker process (``worker_loop``), on its device: ``RunAheadExecutor`` is the
-in-process executor that a worker serves, plus one step run ahead.
+in-process executor that a worker serves, plus one step run ahead. The ``inprocess`` executor on a
+CUDA GPU is one too (``make_executor``, with ``run_ahead``): the engine's thread drives it, and the
+next step is queued on the device before this step's tokens are read back, so the GPU computes
+while the host takes the tokens in and plans (on the CPU, starting a step computes it: nothing to
+gain, the plain executor serves).
 
 Why. The workers executor crosses a process boundary at every engine step: the step goes to the
 worker as a message and its tokens come back as one (two pickles, two pipe writes, two process
@@ -21,7 +25,10 @@ device never waits for the host; on the CPU, where starting a step is computing 
 the answer is sent, ``run_ahead``). Anything else drops it first: a different step (a request
 ended by EOS, a stop string or an abort, one joined, a run of several steps) and every other
 call (free, apply, resize, status, ...), which also waits for its device work to end before
-memory changes hands. Dropping leaves no trace: the KV blocks taken for it are released, every
+memory changes hands. The executor drops it itself at the start of every protocol call but a step
+(``register`` aside: it runs on another thread and touches no device memory; ``unregister`` of a
+model not on the device neither), so whoever drives it (the worker loop, which also drops before
+every other message, or the engine in process) cannot miss one. Dropping leaves no trace: the KV blocks taken for it are released, every
 generator it drew from is set back (a seeded request draws the same numbers as if it never ran;
 the default generator too), and the one cache slot per sequence it wrote lies past the
 sequence's length until the real step writes it again. Hence every answer is the one the
@@ -240,8 +247,41 @@ class RunAheadExecutor(InProcessExecutor):
                 for region in extra:
                     self.arena.release(region)
 
+    # ---- every other protocol call drops the step run ahead first --------------------------------
+    # (on the caller's thread, the engine's or the worker loop's, as steps are; ``register`` runs on
+    # another thread and touches neither the arena nor a sequence, so it leaves the step alone)
+    def unregister(self, name: str) -> None:
+        if name in self.resident:  # evicting frees its memory (a model not on the device: nothing to undo;
+            self.drop_ahead()      # the engine's registration thread unregisters only such ones)
+        super().unregister(name)
+
+    def apply(self, change):
+        self.drop_ahead()
+        return super().apply(change)
+
+    def wait_loads(self) -> dict[str, float]:
+        self.drop_ahead()
+        return super().wait_loads()
+
+    def free(self, req_ids: list[str]) -> None:
+        self.drop_ahead()
+        super().free(req_ids)
+
+    def resize(self, device: int, nbytes: int) -> int:
+        self.drop_ahead()
+        return super().resize(device, nbytes)
+
+    def probe_link(self, name: str, repeats: int) -> list[float]:
+        self.drop_ahead()
+        return super().probe_link(name, repeats)
+
+    def shutdown(self) -> None:
+        self.drop_ahead()
+        super().shutdown()
+
     # ---- status --------------------------------------------------------------------------------
     def status(self) -> ExecutorStatus:
+        self.drop_ahead()  # as the worker loop does: the memory it reports holds no step run ahead
         st = super().status()
         st.stats.update(run_ahead_used=self.used, run_ahead_dropped=self.dropped)
         return st

@@ -4,7 +4,8 @@ An executor owns everything that holds tensors (host images, device arenas, swap
 model runners) and is spoken to with the messages of ``computron.messages`` alone. Nobody reads
 an executor's attributes: a worker-per-GPU executor or a simulated one fits behind the same calls.
 
-Implementations: ``InProcessExecutor`` (every model on one device of this process, the default),
+Implementations: ``InProcessExecutor`` (every model on one device of this process, the default; on
+a CUDA GPU with ``run_ahead``, the ``RunAheadExecutor``: the same, plus the next decode step queued early),
 ``LegacyExecutor`` (the original Computron's swap mechanics, for comparison), ``WorkerExecutor``
 (the in-process executor served by a worker process per device, restarted if it dies). This module does
 not import torch; ``make_executor`` imports the chosen implementation.
@@ -76,6 +77,12 @@ def make_executor(config) -> Executor:
         from .workers import WorkerExecutor
 
         return WorkerExecutor(config)
-    from .inprocess import InProcessExecutor
+    from .inprocess import InProcessExecutor, pick_device
 
+    if getattr(config, "run_ahead", False) and pick_device(config.device).type == "cuda":
+        # the next decode step queued on the GPU before this one's tokens are read back (engine/ahead.py);
+        # on the CPU starting a step computes it: nothing to gain
+        from .ahead import RunAheadExecutor
+
+        return RunAheadExecutor(config)
     return InProcessExecutor(config)

@@ -138,15 +138,17 @@ class Colocation:
                     self._paused, self._committed = True, 0
                     self._ack()
                 continue
-            t0 = time.monotonic()
-            back = self.on_resume() is not False
-            with self._cond:
-                self._resuming = False
-                self.resume_s += time.monotonic() - t0
-                if back:
-                    self._paused = False
-                else:
-                    self._committed = 0
+            t0, back = time.monotonic(), False
+            try:
+                back = self.on_resume() is not False
+            finally:
+                with self._cond:
+                    self._resuming = False
+                    self.resume_s += time.monotonic() - t0
+                    if back:
+                        self._paused = False
+                    else:
+                        self._committed = 0
             if not back:
                 self.release()
 

@@ -1,6 +1,7 @@
 """Model bytes from the config alone, the cost model, and calibration files."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -91,3 +92,46 @@ def test_bad_calibration_files_say_what_is_wrong(tmp_path, text, match):
 def test_missing_calibration_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         Calibration.load(tmp_path / "nope.json")
+
+
+def test_calibration_without_server_seq_s_loads_as_zero(tmp_path):
+    """Files written before the field existed (the committed H100 ones) load, with no server term."""
+    old = json.loads((Path(__file__).parents[2] / "bench/results/sim_validate_h100/calibration_gpu_legacy.json")
+                     .read_text())
+    assert "server_seq_s" not in old
+    p = tmp_path / "old.json"
+    p.write_text(json.dumps(old))
+    cal = Calibration.load(p)
+    assert cal.server_seq_s == 0.0
+    assert batch_time(cal, 10**9, 0, 8) == batch_time(Calibration(**{**old, "swap_bandwidth": tuple(old["swap_bandwidth"])}), 10**9, 0, 8)
+
+
+def test_server_seq_s_is_charged_per_streaming_sequence():
+    cal = Calibration(hbm_bandwidth=1e12, decode_fixed_s=1e-3, decode_seq_s=1e-4, decode_seq_s_per_byte=0.0,
+                      prefill_fixed_s=2e-3, prefill_token_s=1e-5, prefill_token_s_per_byte=0.0, server_seq_s=2e-4)
+    # decode of 16: 1 ms + 16 x 0.1 ms, then 16 x 0.2 ms of the server = 5.8 ms
+    assert batch_time(cal, 10**9, 0, 16) == pytest.approx(1e-3 + 16e-4 + 16 * 2e-4)
+    # the floor (1 GB / 1 TB/s = 1 ms) bounds the engine's part only: 1 seq -> max(1.1, 1) + 0.2 ms
+    cal_f = Calibration(hbm_bandwidth=1e11, decode_fixed_s=1e-3, decode_seq_s=1e-4, decode_seq_s_per_byte=0.0,
+                        server_seq_s=2e-4)
+    assert batch_time(cal_f, 10**9, 0, 1) == pytest.approx(1e-2 + 2e-4)
+    # mixed: 2 prompts of 100 tokens in all and 3 decodes: 2 ms + 1 ms + 0.3 ms + 5 x 0.2 ms
+    assert batch_time(cal, 10**9, 100, 3, 2) == pytest.approx(2e-3 + 1e-3 + 3e-4 + 5 * 2e-4)
+    assert batch_time(cal, 10**9, 100, 0) == pytest.approx(2e-3 + 1e-3 + 2e-4)  # one prompt when not told
+
+
+def test_simulator_charges_server_seq_s():
+    """A steady decode of 4 streams: each step is the hand-computed step plus 4 x server_seq_s."""
+    from computron.config import EngineConfig
+    from computron.sim import Simulation
+
+    base = dict(hbm_bandwidth=1e15, prefill_fixed_s=1e-3, prefill_token_s=0.0, prefill_token_s_per_byte=0.0,
+                decode_fixed_s=2e-3, decode_seq_s=1e-4, decode_seq_s_per_byte=0.0)
+    tpot = {}
+    for srv in (0.0, 5e-4):
+        sim = Simulation(["tiny-opt"], Calibration(**base, server_seq_s=srv), EngineConfig(device="cpu"))
+        res = sim.run([(0.0, "tiny-opt", 8, 11)] * 4)
+        r = res.records[0]
+        tpot[srv] = (r.finish - r.first_token) / 10
+    assert tpot[0.0] == pytest.approx(2e-3 + 4 * 1e-4)
+    assert tpot[5e-4] == pytest.approx(2e-3 + 4 * 1e-4 + 4 * 5e-4)

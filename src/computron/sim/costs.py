@@ -9,6 +9,11 @@ Every time is a simple affine model with a floor (no torch, no I/O except ``load
   prefill_token_s_per_byte * B))``;
 - **decode** step of ``b`` sequences: ``max(B / hbm_bandwidth, decode_fixed_s + decode_fixed_s_per_byte * B
   + b * (decode_seq_s + decode_seq_s_per_byte * B))`` (the per-byte fixed term: reading the weights);
+- the **server's per-stream cost**: every sequence of a batch that makes a token (decode or the prompt's
+  first token) adds ``server_seq_s`` (detokenising, the SSE event, the chunk written, the queue hop:
+  work on the server's thread that shares the engine's process); 0 in a calibration of the engine
+  alone or one that has it folded into ``decode_seq_s`` (``bench calibrate --serve``), and in files
+  written before the field existed;
 - a **mixed** batch (prompts and decodes in one step) pays the prefill fixed cost and both sums;
 - **eviction**: ``evict_s + evict_s_per_byte * B`` (the default executor copies nothing back: the
   region is released; the legacy executor of the ``computron`` policy copies the weights back to
@@ -41,6 +46,7 @@ class Calibration:
     decode_fixed_s_per_byte: float = 0.0  # per decode-only batch, per weight byte (the weights read once)
     evict_s_per_byte: float = 0.0  # per eviction, per weight byte (an executor that copies weights back)
     device_memory: int = 2 * 2**30  # bytes per device when the engine config sets no budget (the CPU default)
+    server_seq_s: float = 0.0  # per sequence that makes a token in a step: the server's streaming work
 
     def __post_init__(self) -> None:
         bw = self.swap_bandwidth
@@ -84,8 +90,8 @@ class Calibration:
     def decode_time(self, nbytes: int, batch: int) -> float:
         return self.batch_time(nbytes, 0, batch)
 
-    def batch_time(self, nbytes: int, prefill_tokens: int, decode_seqs: int) -> float:
-        return batch_time(self, nbytes, prefill_tokens, decode_seqs)
+    def batch_time(self, nbytes: int, prefill_tokens: int, decode_seqs: int, prefill_seqs: int | None = None) -> float:
+        return batch_time(self, nbytes, prefill_tokens, decode_seqs, prefill_seqs)
 
     # ---- files ---------------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -137,9 +143,13 @@ def swap_time(nbytes: int, bandwidth: float) -> float:
     return nbytes / bandwidth
 
 
-def batch_time(cal: Calibration, nbytes: int, prefill_tokens: int, decode_seqs: int) -> float:
+def batch_time(cal: Calibration, nbytes: int, prefill_tokens: int, decode_seqs: int,
+               prefill_seqs: int | None = None) -> float:
     """Seconds of one batch of a model of ``nbytes`` weight bytes: ``prefill_tokens`` prompt tokens
-    and ``decode_seqs`` sequences decoding one token each (the weights warm on the device)."""
+    (of ``prefill_seqs`` prompts; one when not given and there are any) and ``decode_seqs`` sequences
+    decoding one token each (the weights warm on the device). The server's per-stream work
+    (``server_seq_s`` for every sequence that makes a token) comes on top of the weight-read floor:
+    it is host work on the engine's process, not hidden behind the device's."""
     if prefill_tokens:
         t = cal.prefill_fixed_s + cal.prefill_fixed_s_per_byte * nbytes + \
             prefill_tokens * (cal.prefill_token_s + cal.prefill_token_s_per_byte * nbytes)
@@ -148,7 +158,13 @@ def batch_time(cal: Calibration, nbytes: int, prefill_tokens: int, decode_seqs: 
     if decode_seqs:
         t += decode_seqs * (cal.decode_seq_s + cal.decode_seq_s_per_byte * nbytes)
     floor = nbytes / cal.hbm_bandwidth
-    return t if t > floor else floor
+    if t < floor:
+        t = floor
+    if cal.server_seq_s:
+        if prefill_seqs is None:
+            prefill_seqs = 1 if prefill_tokens else 0
+        t += (prefill_seqs + decode_seqs) * cal.server_seq_s
+    return t
 
 
 def pipelined_finish(start: float, compute_s: float, group_bytes: list[int], group_ready: list[float]) -> float:

@@ -205,7 +205,7 @@ class SimExecutor:
                 steps = k
             if k > 1:
                 tok = [tok] * k
-            prefill = decode = 0
+            prefill = decode = prompts = 0
             for s in batch.seqs:
                 rid, past = s.req_id, s.past
                 n = len(s.tokens) + k - 1  # a run of k steps writes k positions
@@ -214,6 +214,7 @@ class SimExecutor:
                     decode += 1
                 else:
                     prefill += n
+                    prompts += 1
                     if seq is not None and seq[1]:  # a recompute starts from an empty cache
                         kv[d] -= seq[1] * bb
                         seq[1] = 0
@@ -227,7 +228,7 @@ class SimExecutor:
                         raise MemoryError(f"KV cache of {rid!r} exceeds the arena of device {d}: "
                                           f"{self.weights[d]} + {kv[d]} > {cap} bytes")
                 tokens[rid] = tok
-            compute = batch_time(self.cal, m.nbytes, prefill, decode)
+            compute = batch_time(self.cal, m.nbytes, prefill, decode, prompts)
             if m.load_end > now:  # cold: group i computes once group i has landed (legacy: once all have)
                 finish = pipelined_finish(now, compute, m.groups, m.ready) if self.overlap else m.load_end + compute
             else:

@@ -70,9 +70,29 @@ def test_flags_override_file_override_defaults(tmp_path, monkeypatch):
     assert not eng.preempt_keeps_kv and build_config(parse("serve", "--preempt-keep-kv")).engine.preempt_keeps_kv
 
 
+def test_slo_flags_set_each_models_slo_from_the_named_calibration():
+    from computron.engine import Engine
+    from computron.scheduler import ModelCost, Slo
+    from computron.sim.costs import calibration
+
+    cfg = build_config(parse("serve", "--policy", "slo", "--slo-scale", "3", "--slo-calibration", "cpu",
+                             "--device", "cpu", "--gpu-memory-budget", "256MiB"))
+    assert (cfg.engine.slo_scale, cfg.engine.slo_calibration) == (3.0, "cpu")
+    eng = Engine(cfg.engine)
+    eng.register_model("tiny-opt")
+    info = eng.core.models["tiny-opt"]
+    cost = ModelCost.from_calibration(calibration("cpu"), info.weight_bytes, info.placement.devices)
+    assert eng.core.scheduler.slo.slos["tiny-opt"] == Slo.solo(cost, 3.0)
+    with pytest.raises(ValueError, match="--slo-scale must be > 0"):
+        build_config(parse("serve", "--slo-scale", "0"))
+
+
 def test_serve_errors_exit_2(capsys):
     assert parse("serve", "--model", "no-such-model").func(parse("serve", "--model", "no-such-model")) == 2
     assert "no-such-model" in capsys.readouterr().err
+    args = parse("serve", "--model", "tiny-opt", "--policy", "slo", "--slo-calibration", "/no/such/cal.json")
+    assert args.func(args) == 2
+    assert "/no/such/cal.json" in capsys.readouterr().err
     import socket
 
     with socket.socket() as busy:  # a port in use: refused before anything is built or logged as serving

@@ -43,6 +43,12 @@ def add_parsers(subparsers) -> None:
                         "per-model SLOs, engine.slos in the config file)")
     p.add_argument("--max-wait", type=float, metavar="SECONDS",
                    help="preempt and slo policies' bound on waiting (default 1)")
+    p.add_argument("--slo-scale", type=float, metavar="K",
+                   help="slo policy: a model without an SLO in the config gets K times its solo figures (default 5)")
+    p.add_argument("--slo-calibration", metavar="NAME|FILE",
+                   help="slo policy: where the solo figures come from: a built-in calibration (cpu, h200-rough: "
+                        "the default) or a file of `computron bench calibrate` (--serve: measured through the "
+                        "server, the closest to what clients see)")
     p.add_argument("--preempt-keep-kv", action="store_true", default=None,
                    help="preempt policy: stopped requests keep their caches on the device while their memory "
                         "is not needed, instead of recomputing them")
@@ -130,6 +136,12 @@ def build_config(args) -> ComputronConfig:
         eng.policy = args.policy
     if args.max_wait is not None:
         eng.max_wait_s = args.max_wait
+    if getattr(args, "slo_scale", None) is not None:
+        if not args.slo_scale > 0:
+            raise ValueError(f"--slo-scale must be > 0, got {args.slo_scale}")
+        eng.slo_scale = args.slo_scale
+    if getattr(args, "slo_calibration", None) is not None:
+        eng.slo_calibration = args.slo_calibration
     if getattr(args, "preempt_keep_kv", None):
         eng.preempt_keeps_kv = True
     if getattr(args, "executor", None) is not None:
@@ -215,6 +227,10 @@ def serve_main(args) -> int:
 
         for spec in cfg.models:  # fail now on a typo rather than after the server started
             resolve_model(spec.source, spec.dtype)
+        if cfg.engine.policy == "slo":  # likewise a calibration the SLOs cannot be read from
+            from ..sim.costs import calibration
+
+            calibration(cfg.engine.slo_calibration)
         _check_port(cfg.server.host, cfg.server.port)  # before building host images, not after
     except (ValueError, KeyError, FileNotFoundError) as e:
         print(f"computron serve: {e.args[0] if e.args else e}", file=sys.stderr)

@@ -105,6 +105,10 @@ class EngineConfig:
     # preempt policy: stopped requests keep their KV cache on the device while it fits, instead of
     # recomputing it (off by default: measured worse in the simulator's hot/cold sweep, docs/engine.md)
     preempt_keeps_kv: bool = False
+    # preempt (with preempt_keeps_kv) and slo policies: host bytes the KV blocks of stopped requests may
+    # take when their device memory is needed (moved to pinned host memory and back, not recomputed);
+    # 0: off, a stopped request keeps its blocks on the device or recomputes them
+    kv_host_bytes: int = 0
     # slo policy: each model's SLO, {model: {"ttft_s": seconds, "tpot_s": seconds}}; a model not named
     # gets slo_scale times its solo figures, from the cost model of slo_calibration (a built-in
     # calibration's name or a file of `computron bench calibrate`)

@@ -141,15 +141,19 @@ class ModelInfo:
 @dataclass
 class Residency:
     """Memory changes, applied in order: KV caches of preempted requests released (their sampling
-    state kept: they resume by recomputing), evictions (nothing copied back), then loads
-    (asynchronous copies; compute may start while they are in flight)."""
+    state kept: they resume by recomputing), KV caches of stopped requests moved to host memory
+    (``kv_out``: their device blocks freed), evictions (nothing copied back), loads (asynchronous
+    copies; compute may start while they are in flight), then KV caches brought back from host
+    memory (``kv_in``: blocks taken again, the requests decode on where they stopped)."""
 
     evict: list[str] = field(default_factory=list)
     load: list[str] = field(default_factory=list)
     release: list[str] = field(default_factory=list)
+    kv_out: list[str] = field(default_factory=list)
+    kv_in: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.evict or self.load or self.release)
+        return bool(self.evict or self.load or self.release or self.kv_out or self.kv_in)
 
 
 @dataclass(slots=True)

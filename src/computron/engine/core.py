@@ -82,7 +82,7 @@ class EngineCore:
             budgets=tuple(d.capacity for d in st.devices), policy=cfg.policy, max_batch_size=cfg.max_batch_size,
             max_tokens_per_step=cfg.max_tokens_per_step, max_loaded=cfg.max_loaded, prefetch=cfg.prefetch,
             block_tokens=st.kv_block_tokens, max_wait_s=cfg.max_wait_s, preempt_keeps_kv=cfg.preempt_keeps_kv,
-            slo_scale=cfg.slo_scale))
+            slo_scale=cfg.slo_scale, kv_host_bytes=cfg.kv_host_bytes))
         self._slo_config = cfg  # slo policy: the SLOs given and the calibration of the costs
         self.slo_counts: dict[str, list[int]] = {}  # slo policy: model -> [requests within their SLO, requests]
         self.models: dict[str, ModelInfo] = {}
@@ -427,12 +427,18 @@ class EngineCore:
         batch, and the scheduler is told what really is on the devices."""
         self._flush_frees()
         loads = plan.loads + plan.prefetch
-        if not (plan.evictions or loads or plan.preempted):
+        if not (plan.evictions or loads or plan.preempted or plan.kv_out or plan.kv_in):
             return 0.0
         self._preempted(plan.preempted)  # their caches are released below
         self.stats["pauses"] += len(plan.paused)  # theirs stay: the executor evicts weights only
+        if plan.kv_out or plan.kv_in:  # caches moved to host memory and back (requests; bytes both ways),
+            st = self.stats  # counted once it happens (the counters of a run without any stay as they were)
+            st["kv_offloaded"] = st.get("kv_offloaded", 0) + len(plan.kv_out)
+            st["kv_restored"] = st.get("kv_restored", 0) + len(plan.kv_in)
+            st["kv_moved_bytes"] = self.scheduler.kv_moved_bytes
         try:
-            evicted = self.executor.apply(Residency(list(plan.evictions), loads, list(plan.preempted)))
+            evicted = self.executor.apply(Residency(list(plan.evictions), loads, list(plan.preempted),
+                                                    list(plan.kv_out), list(plan.kv_in)))
         except Exception as e:  # a swap that fails fails its requests, never the engine
             present = self.executor.status().models
             why = f"swap failed: {type(e).__name__}: {e}"

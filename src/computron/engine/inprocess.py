@@ -4,7 +4,9 @@ What lives here: each model's pinned host image (built at registration), the dev
 (the memory budget less the workspace; weights and KV-cache blocks are regions of it), the
 swapper and its copy stream, one ``ModelRunner`` per model, and each running request's blocks
 (taken as its sequence grows, released when it ends or is preempted; the whole prompt blocks
-that the choices of one prompt share are counted, and released by their last holder).
+that the choices of one prompt share are counted, and released by their last holder). A stopped
+request's blocks may move to a host buffer (pinned on a GPU, reused) and back (``Residency.kv_out``,
+``kv_in``): the same bytes in new blocks, so it decodes on exactly where it stopped.
 The engine core speaks to it only through the ``Executor`` protocol's messages; the arena
 checks the scheduler's decisions (an allocation that does not fit is a bug, reported as such).
 """
@@ -79,6 +81,8 @@ class _Seq:
     ids: list[int] | None = None  # the blocks' ids, as of ``ids_at`` compactions of the arena
     ids_at: int = -1
     history: History | None = None  # for penalties and min_tokens; kept across a preemption
+    host: torch.Tensor | None = None  # its blocks' bytes in host memory, in order, while they are moved out
+    host_blocks: tuple[int, int] = (0, 0)  # how many blocks are in ``host``, and the bytes of each
 
 
 class InProcessExecutor:
@@ -111,6 +115,7 @@ class InProcessExecutor:
         self.resident: dict[str, _Resident] = {}
         self.seqs: dict[str, _Seq] = {}
         self._refs: dict[int, int] = {}  # id of a KV block several sequences hold -> how many (choices of a prompt)
+        self._host_pool: list[torch.Tensor] = []  # host buffers of caches moved back, for the next move out
         self._lock = threading.Lock()  # registration runs on other threads
 
     # ---- models --------------------------------------------------------------------------------
@@ -226,6 +231,8 @@ class InProcessExecutor:
         for rid in change.release:
             if rid in self.seqs:
                 self._release(self.seqs[rid])
+        if change.kv_out:
+            self._kv_out([self.seqs[r] for r in change.kv_out if r in self.seqs])
         evicted = {}
         for name in change.evict:
             t0 = time.perf_counter()
@@ -234,7 +241,54 @@ class InProcessExecutor:
         for name in change.load:
             if name not in self.resident:
                 self._load(name)
+        for rid in change.kv_in:
+            if rid in self.seqs:
+                self._kv_in(rid, self.seqs[rid])
         return evicted
+
+    def _kv_out(self, seqs: list[_Seq]) -> None:
+        """Copy each sequence's blocks into a host buffer (all copies queued, one wait), then release
+        its blocks."""
+        moved = []
+        for seq in seqs:
+            if not seq.blocks or seq.host is not None:
+                continue
+            if any(id(b) in self._refs for b in seq.blocks):
+                raise ValueError("a cache whose blocks other sequences share cannot move to host memory")
+            bb = seq.blocks[0].nbytes
+            buf, off = self._host_buffer(len(seq.blocks) * bb), 0
+            for b in seq.blocks:
+                buf[off:off + bb].copy_(b.tensor, non_blocking=True)
+                off += bb
+            moved.append((seq, buf, (len(seq.blocks), bb)))
+        if moved and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the blocks may be reused after this
+        for seq, buf, shape in moved:
+            self._release(seq)
+            seq.host, seq.host_blocks = buf, shape
+
+    def _kv_in(self, rid: str, seq: _Seq) -> None:
+        """Take blocks again and copy the sequence's bytes back (queued before its next compute on the
+        same stream); its host buffer goes back to the pool."""
+        if seq.host is None:
+            return
+        n, bb = seq.host_blocks
+        for i in range(n):
+            b = self.arena.allocate(bb, "kv", rid)
+            b.tensor.copy_(seq.host[i * bb:(i + 1) * bb], non_blocking=True)
+            seq.blocks.append(b)
+        seq.ids = None
+        self._host_pool.append(seq.host)
+        seq.host, seq.host_blocks = None, (0, 0)
+
+    def _host_buffer(self, nbytes: int) -> torch.Tensor:
+        """A host buffer of ``nbytes`` (a view of the smallest pooled one that is large enough, else a
+        new one, page-locked on a GPU)."""
+        fits = [i for i, b in enumerate(self._host_pool) if b.numel() >= nbytes]
+        if fits:
+            i = min(fits, key=lambda i: self._host_pool[i].numel())
+            return self._host_pool.pop(i)
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
 
     def _load(self, name: str) -> None:
         region, swap = self.swapper.swap_in(name, self.models[name].image)
@@ -271,6 +325,9 @@ class InProcessExecutor:
             else:
                 refs[id(region)] = n - 1
         seq.blocks, seq.ids = [], None
+        if seq.host is not None:  # a cache in host memory is dropped too (the request recomputes)
+            self._host_pool.append(seq.host)
+            seq.host = None
 
     def _seq(self, model: _Model, s, ahead: int = 0) -> _Seq:
         """The request's state, with blocks for every token it will hold after this step (and
@@ -284,7 +341,7 @@ class InProcessExecutor:
             seq = self.seqs[s.req_id] = _Seq([], gen)
             if History.needed(s.params):
                 seq.history = History(s.tokens, model.runner.cfg.vocab_size, self.device, s.params.penalized)
-        if s.past == 0 and seq.blocks:
+        if s.past == 0 and (seq.blocks or seq.host is not None):
             self._release(seq)  # a recompute starts from an empty cache
         if s.share is not None and not seq.blocks:
             self._share(seq, s)

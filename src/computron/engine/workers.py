@@ -356,7 +356,8 @@ class WorkerExecutor:
         """Each worker gets the changes of the models it holds a rank of (all at once); an eviction
         takes as long as its slowest rank."""
         parts = {d: Residency([n for n in change.evict if d in self._model_devices(n)],
-                              [n for n in change.load if d in self._model_devices(n)], change.release)
+                              [n for n in change.load if d in self._model_devices(n)], change.release,
+                              change.kv_out, change.kv_in)
                  for d in self.devices}
         parts = {d: r for d, r in parts.items() if r}
         evicted: dict[str, float] = {}

@@ -115,7 +115,7 @@ class Memory:
         """Paused requests whose blocks cover ``short`` (taken off it), the cheapest to recompute
         (prompt and tokens made) first. A prompt's shared blocks count once its last holder is chosen."""
         reqs = sorted((r for c in self.models.values() if c.paused and not short.keys().isdisjoint(c.devices)
-                       for r in c.paused.values()),
+                       for r in c.paused.values() if r.state == "paused"),
                       key=lambda r: r.prompt_len + self.models[r.model].steps - r.joined)
         left: dict = {}  # shared prefix -> its holders not chosen yet
         chosen = []
@@ -146,11 +146,55 @@ class Memory:
         for v in found[0]:
             self._set_offloaded(v)
             plan.evictions.append(v.name)
-        for r in found[1]:  # they recompute when their model is back
-            self._preempt(self.models[r.model], r, plan)
+        for r in found[1]:  # their blocks move to host memory where it pays and fits, else they recompute
+            c = self.models[r.model]
+            if c.name not in keep and self._may_offload(c, r):
+                self._offload(c, r, plan)
+                continue
+            self._preempt(c, r, plan)
             if r.id in plan.paused:  # paused by this plan: its cache goes now
                 plan.paused.remove(r.id)
         return True
+
+    def _host_bytes(self, c: ModelState, r: SchedRequest) -> int:
+        return r.blocks * sum(c.block_bytes)
+
+    def _may_offload(self, c: ModelState, r: SchedRequest, extra: int = 0) -> bool:
+        """May the paused request ``r`` of ``c`` move its blocks to host memory (``extra`` bytes of it
+        being promised already)? Only a request of its own blocks (no prompt shared with other choices),
+        while the host budget allows, and (slo policy) when moving them out and back costs less than
+        recomputing them."""
+        if not self.kv_host or r.prefix is not None or r.state not in ("paused", "running"):
+            return False
+        if self.host_used + extra + self._host_bytes(c, r) > self.kv_host:
+            return False
+        return self.slo is None or self.slo.moves(c, r)
+
+    def _offload(self, c: ModelState, r: SchedRequest, plan: StepPlan) -> None:
+        """Move a paused request's blocks to host memory: free on the devices, booked on the host."""
+        r.state = "offloaded"
+        self._take_blocks(c, -r.blocks)
+        n = self._host_bytes(c, r)
+        self.host_used += n
+        self.kv_offloaded += 1
+        self.kv_moved_bytes += n
+        plan.kv_out.append(r.id)
+
+    def _host_blocks(self, m: ModelState) -> int:
+        """Blocks of ``m``'s paused requests that wait in host memory (booked on its devices when it loads)."""
+        return sum(r.blocks for r in m.paused.values() if r.state == "offloaded") if self.host_used else 0
+
+    def _restore(self, m: ModelState, plan: StepPlan) -> None:
+        """``m`` goes on its devices: its offloaded requests' blocks come back (booked on the devices)."""
+        for r in m.paused.values():
+            if r.state == "offloaded":
+                n = self._host_bytes(m, r)
+                self.host_used -= n
+                self.kv_restored += 1
+                self.kv_moved_bytes += n
+                self._take_blocks(m, r.blocks)
+                r.state = "paused"
+                plan.kv_in.append(r.id)
 
     def _make_slot(self, m: ModelState, keep: set[str], plan: StepPlan) -> bool:
         """Computron policy: a free slot under ``max_loaded`` on each of the model's devices."""
@@ -172,10 +216,14 @@ class Memory:
             return True
         keep = keep | {m.name}
         if self.counts_bytes:
-            ok = self._make_room(m, dict(zip(m.devices, m.weights)), keep, plan, evict_waiting)
+            host = self._host_blocks(m)  # its requests' blocks in host memory come back with it
+            ok = self._make_room(m, {d: w + host * bb for d, w, bb in zip(m.devices, m.weights, m.block_bytes)},
+                                 keep, plan, evict_waiting)
         else:
             ok = self._make_slot(m, keep, plan)
         if ok:
+            if self.host_used:
+                self._restore(m, plan)
             self._set_on_device(m, now)
             self._fresh.add(m.name)
             into.append(m.name)
@@ -205,17 +253,21 @@ class Memory:
             for c in self.models.values():
                 for d, bb in zip(c.devices, c.block_bytes):
                     if c.paused and d in idle:
-                        idle[d] += bb * sum(r.blocks for r in c.paused.values())
+                        idle[d] += bb * sum(r.blocks for r in c.paused.values() if r.state == "paused")
         if any(freed[d] + idle[d] < n for d, n in need.items()):
             return False
         self._yielded.pop(m.name, None)  # m waits for no one now (no cycle of models holding back)
         for c in order:
             if self.slo is not None:
                 keep = set(map(id, self.slo.keeps(c, self._spare(m, c))))
+                move = self._movers(c, keep)
                 for req in reversed(list(c.running.values())):
-                    if id(req) not in keep:
+                    if id(req) not in keep and id(req) not in move:
                         self._preempt(c, req, plan)
                 self._pause(c, plan)
+                for req in list(c.paused.values()):
+                    if id(req) in move:  # their blocks go to host memory: cheaper than recomputing them
+                        self._offload(c, req, plan)
             elif self.keeps_kv:
                 self._pause(c, plan)
             else:
@@ -230,6 +282,22 @@ class Memory:
             if found is not None and not found[1]:
                 break
         return True
+
+    def _movers(self, c: ModelState, keep: set[int]) -> set[int]:
+        """Slo policy: running requests of ``c`` (being stopped, not kept on the devices) whose blocks
+        move to host memory instead of being dropped, the dearest to recompute per byte first, while
+        the host budget allows and the move is the cheaper one."""
+        if not self.kv_host:
+            return set()
+        cost = self.slo.costs[c.name]
+        reqs = sorted((r for r in c.running.values() if id(r) not in keep), reverse=True,
+                      key=lambda r: cost.prefill(r.prompt_len + c.steps - r.joined) / max(r.blocks, 1))
+        move, promised = set(), 0
+        for r in reqs:
+            if self._may_offload(c, r, promised):
+                move.add(id(r))
+                promised += self._host_bytes(c, r)
+        return move
 
     def _spare(self, m: ModelState, c: ModelState) -> dict[int, int]:
         """Bytes per device left once ``c`` is stopped (its weights and caches gone) and ``m`` has
@@ -296,8 +364,9 @@ class Memory:
 
     def _start_need(self, m: ModelState) -> dict[int, int]:
         """Bytes per device ``m`` needs to start: its weights (when not on its devices, and they
-        count) and the blocks of its head request (none to resume paused requests: theirs are booked)."""
-        blocks = 0 if m.paused else self._blocks_at_start(m.waiting[0])
+        count) and the blocks of its head request (to resume paused requests: those of theirs that are in
+        host memory; the others are booked)."""
+        blocks = self._host_blocks(m) if m.paused else self._blocks_at_start(m.waiting[0])
         if m.on_device or not self.counts_bytes:
             return {d: blocks * bb for d, bb in zip(m.devices, m.block_bytes)}
         return {d: blocks * bb + w for d, bb, w in zip(m.devices, m.block_bytes, m.weights)}

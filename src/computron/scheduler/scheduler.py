@@ -72,6 +72,9 @@ class SchedulerConfig:
     max_wait_s: float = 1.0  # preempt policy: a request kept from starting this long preempts what blocks it
     preempt_keeps_kv: bool = False  # preempt policy: stopped requests keep their KV blocks while they fit
     slo_scale: float = 5.0  # slo policy: a model's SLO, when none is given, is this times its solo figures
+    # policies that keep stopped requests' caches (preempt with preempt_keeps_kv, slo): host bytes those
+    # caches may take when their device memory is needed (0: none; they recompute instead)
+    kv_host_bytes: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.budgets, int):
@@ -81,6 +84,8 @@ class SchedulerConfig:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if not self.budgets:
             raise ValueError("budgets needs at least one device")
+        if self.kv_host_bytes < 0:
+            raise ValueError(f"kv_host_bytes must be >= 0, got {self.kv_host_bytes}")
         for name in ("max_batch_size", "max_tokens_per_step", "max_loaded", "block_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -96,6 +101,10 @@ class Scheduler(Memory):
         self.preempts = config.policy in ("preempt", "slo")
         self.keeps_kv = config.policy == "preempt" and config.preempt_keeps_kv or config.policy == "slo"
         self.slo = Deadlines(config.max_wait_s) if config.policy == "slo" else None
+        # host memory for the KV blocks of stopped requests (state ``offloaded``): its bytes, and counters
+        self.kv_host = config.kv_host_bytes if self.keeps_kv else 0
+        self.host_used = 0
+        self.kv_offloaded = self.kv_restored = self.kv_moved_bytes = 0
         # preempt policy: a model whose running requests were stopped for another's (name ->
         # that other) admits nothing until the other is on its devices; and when the oldest
         # blocked request's wait runs out (a full search is due then, even in a steady run)
@@ -171,6 +180,7 @@ class Scheduler(Memory):
     def model_stats(self, name: str) -> dict:
         m = self._model(name)
         return {"state": m.state, "waiting": len(m.waiting), "running": len(m.running), "paused": len(m.paused),
+                "kv_offloaded": sum(r.state == "offloaded" for r in m.paused.values()),
                 "pinned": m.pinned,
                 "devices": list(m.devices)}
 
@@ -216,10 +226,9 @@ class Scheduler(Memory):
             return
         m = self.models[req.model]
         self._epoch += 1
-        if req.state in ("running", "paused"):
+        if req.state in ("running", "paused", "offloaded"):
             del (m.running if req.state == "running" else m.paused)[req_id]
-            self._take_blocks(m, -req.blocks)
-            self._hold(m, req, False)
+            self._drop_blocks(m, req)
         else:
             m.waiting.remove(req)
         req.state = "finished"
@@ -237,7 +246,7 @@ class Scheduler(Memory):
     def generated(self, req_id: str) -> int:
         """Tokens a request has made so far."""
         r = self.requests[req_id]
-        return self.models[r.model].steps - r.joined if r.state in ("running", "paused") else r.done
+        return self.models[r.model].steps - r.joined if r.state in ("running", "paused", "offloaded") else r.done
 
     # ---- residency -----------------------------------------------------------------------------
     def loaded(self, name: str) -> None:
@@ -318,7 +327,7 @@ class Scheduler(Memory):
         plan = self._schedule(now)
         b = plan.batches
         quiet = len(b) == 1 and not (b[0].prefill or plan.loads or plan.prefetch or plan.evictions or
-                                     plan.preempted or plan.failed)
+                                     plan.preempted or plan.failed or plan.kv_out)
         self._steady = None
         if quiet:
             m = self.models[b[0].model]
@@ -525,12 +534,21 @@ class Scheduler(Memory):
         """Stop a running (or paused) request: free its blocks; it waits at the head of its queue and
         will recompute its cache (prompt and the tokens it made) when it runs again."""
         del (m.running if req.state == "running" else m.paused)[req.id]
+        if req.state == "offloaded" and req.id in plan.kv_out:  # moved out by this plan: nothing to move
+            plan.kv_out.remove(req.id)
+        self._drop_blocks(m, req)
         req.done, req.state = m.steps - req.joined, "waiting"
-        self._take_blocks(m, -req.blocks)
-        self._hold(m, req, False)
         req.blocks = 0
         m.waiting.appendleft(req)
         plan.preempted.append(req.id)
+
+    def _drop_blocks(self, m: ModelState, req: SchedRequest) -> None:
+        """A running, paused or offloaded request gives up its blocks (on the devices, or in host memory)."""
+        if req.state == "offloaded":
+            self.host_used -= req.blocks * sum(m.block_bytes)
+            return
+        self._take_blocks(m, -req.blocks)
+        self._hold(m, req, False)
 
     def _hold(self, m: ModelState, req: SchedRequest, joined: bool) -> None:
         """A request whose prompt's first blocks are shared with other choices started (or stopped)

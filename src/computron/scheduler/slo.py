@@ -185,6 +185,17 @@ class Deadlines:
                 f"token: due {self.due(r) - r.arrival:.3f} s after it arrived), or only by making requests due "
                 f"sooner miss theirs; retry later")
 
+    def move_s(self, c: ModelState, r: SchedRequest) -> float:
+        """Seconds to move a request's KV blocks to host memory and back over its model's link: twice
+        its bytes at the bandwidth its load measures (weights per rank / load seconds), slowest rank."""
+        load_s = self.costs[c.name].load_s
+        return 2 * max(r.blocks * bb * load_s / w if w else 0.0 for w, bb in zip(c.weights, c.block_bytes))
+
+    def moves(self, c: ModelState, r: SchedRequest) -> bool:
+        """Is moving the request's blocks out and back cheaper than recomputing them (a prefill of its
+        prompt and the tokens it made)?"""
+        return self.move_s(c, r) < self.costs[c.name].prefill(r.prompt_len + c.steps - r.joined)
+
     def keeps(self, c: ModelState, spare: dict[int, int]) -> list[SchedRequest]:
         """Running requests of ``c``, being stopped, whose KV blocks stay on the devices: a block kept
         costs memory, a block dropped costs its share of a prefill when the request resumes. Blocks

@@ -33,7 +33,9 @@ class SchedRequest:
     joined: int = 0  # its model's step count when it was admitted (tokens made = steps since)
     done: int = 0  # tokens it had made when it was preempted (it recomputes them when it resumes)
     due: int = -1  # the tie of its live entry in its model's growth heap (when it needs one more block)
-    state: str = "waiting"  # waiting | running | paused (its model evicted, its blocks kept) | finished
+    # waiting | running | paused (its model evicted, its blocks kept) | offloaded (paused, its blocks moved
+    # to host memory: booked there, not on the devices) | finished
+    state: str = "waiting"
     prefix: SharedPrefix | None = None  # blocks of its prompt it shares with the other choices of that prompt
     alone_s: float = 0.0  # slo policy: the least time from arrival to its last token, alone (a load included if cold)
 
@@ -51,7 +53,8 @@ class ModelState:
     waiting: deque = field(default_factory=deque)
     running: dict = field(default_factory=dict)  # req_id -> SchedRequest, in admission order
     # preempt policy: requests stopped with the model's eviction whose KV blocks stay booked on its
-    # devices; they run on as decodes once it is back (only while it is offloaded; ``steps`` stands still)
+    # devices (or in host memory: state ``offloaded``); they run on as decodes once it is back (only
+    # while it is offloaded; ``steps`` stands still)
     paused: dict = field(default_factory=dict)
     heap_key: float | None = None  # the oldest arrival this model is queued under in the scheduler's heap
     stopped_at: float = float("-inf")  # preempt policy: when it was last stopped for another model
@@ -102,7 +105,10 @@ class StepPlan:
     Batches of one step use disjoint devices. ``prefetch``: loads issued for a later step,
     overlapped with this step's compute. ``preempted``: running (or paused) requests stopped to free
     KV cache (they wait again and recompute). ``paused``: running requests stopped with their
-    model's eviction whose caches stay on the devices (they resume as decodes). ``failed``: requests that can never run, with the
+    model's eviction whose caches stay on the devices (they resume as decodes). ``kv_out``: paused requests
+    whose blocks go to host memory (their device memory is needed; moving them out and back is the
+    cheaper move than recomputing); ``kv_in``: such requests whose blocks come back before their model
+    resumes them. ``failed``: requests that can never run, with the
     reason (the scheduler has already dropped them). ``steps``: decode steps the (single, decode-only)
     batch runs back to back; more than one only when ``schedule`` was allowed several. ``repeats``:
     the next plan is expected to be this same decode batch, one step on (a steady batch of single
@@ -118,10 +124,13 @@ class StepPlan:
     batches: list[Batch] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     paused: list[str] = field(default_factory=list)
+    kv_out: list[str] = field(default_factory=list)  # paused requests whose blocks move to host memory now
+    kv_in: list[str] = field(default_factory=list)  # offloaded requests whose blocks come back (their model loads)
     failed: list[tuple[str, str]] = field(default_factory=list)
     steps: int = 1
     repeats: bool = False
 
     @property
     def empty(self) -> bool:
-        return not (self.evictions or self.loads or self.prefetch or self.batches or self.failed or self.preempted)
+        return not (self.evictions or self.loads or self.prefetch or self.batches or self.failed or self.preempted
+                    or self.kv_out or self.kv_in)

@@ -52,6 +52,9 @@ def add_parsers(subparsers) -> None:
     p.add_argument("--preempt-keep-kv", action="store_true", default=None,
                    help="preempt policy: stopped requests keep their caches on the device while their memory "
                         "is not needed, instead of recomputing them")
+    p.add_argument("--kv-host", metavar="SIZE",
+                   help="preempt (with --preempt-keep-kv) and slo policies: host memory the caches of stopped "
+                        "requests may move to when their device memory is needed, e.g. 8GiB (default 0: off)")
     p.add_argument("--decode-steps", type=int, metavar="K",
                    help="decode steps a steady batch runs per engine call, fed on the device (default 1); "
                         "tokens stream K at a time and a new request waits for the run to end")
@@ -144,6 +147,10 @@ def build_config(args) -> ComputronConfig:
         eng.slo_calibration = args.slo_calibration
     if getattr(args, "preempt_keep_kv", None):
         eng.preempt_keeps_kv = True
+    if getattr(args, "kv_host", None) is not None:
+        from ..config import parse_bytes
+
+        eng.kv_host_bytes = parse_bytes(args.kv_host)
     if getattr(args, "executor", None) is not None:
         eng.executor = args.executor
     if getattr(args, "decode_steps", None) is not None:

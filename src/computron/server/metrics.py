@@ -59,6 +59,10 @@ class _EngineTotals:
                  "(preempt policy, memory for a growing request, a restarted worker)"),
                 ("computron_pauses", "pauses", "Running requests stopped with their caches kept on the device "
                  "(preempt policy with --preempt-keep-kv)"),
+                ("computron_kv_offloaded", "kv_offloaded", "Stopped requests whose caches were moved to host "
+                 "memory (--kv-host)"),
+                ("computron_kv_moved_bytes", "kv_moved_bytes", "Bytes of stopped requests' caches moved between "
+                 "device and host memory, both ways"),
                 ("computron_prefill_tokens", "prefill_tokens", "Prompt tokens computed by prefills (recomputes "
                  "after preemption included; the choices of one prompt share its prefill)")):
             yield CounterMetricFamily(name, doc, value=s.get(key, 0))

@@ -44,6 +44,9 @@ def add_parser(sub) -> None:
                    help=f"{KEEP_KV}: the preempt policy, its stopped requests keeping their caches on the "
                         "device while they fit instead of recomputing them")
     p.add_argument("--budget", metavar="SIZE", help="device memory budget, e.g. 40GiB (default: the calibration's)")
+    p.add_argument("--kv-host", metavar="SIZE", default=None,
+                   help=f"slo and {KEEP_KV} policies: host memory the caches of stopped requests may move to "
+                        "when their device memory is needed (default 0: off)")
     p.add_argument("--max-loaded", type=int, default=1, help="computron policy: models resident at once")
     p.add_argument("--max-wait", type=float, default=1.0, help="preempt and slo policies: seconds a request may "
                                                                "be kept waiting by other models' running requests")
@@ -89,7 +92,10 @@ def run_once(args, specs, cfg_kw, cal, policy: str):
     from ..workload.args import slo_report, workload_from_args
     from .run import Simulation
 
+    from ..config import parse_bytes
+
     trace = workload_from_args(args, [s.name for s in specs])
+    kv_host = parse_bytes(args.kv_host) if getattr(args, "kv_host", None) else 0
     base = args.slo_ms / 1e3 if args.slo_ms else Simulation(specs, cal, EngineConfig(device="cpu", **cfg_kw)
                                                             ).solo_latency(trace)
     # the slo policy aims at the SLO the report measures: latency within slo_scale x base
@@ -97,7 +103,8 @@ def run_once(args, specs, cfg_kw, cal, policy: str):
             for s in specs if isinstance(base, float) or s.name in base}
     sim = Simulation(specs, cal, EngineConfig(device="cpu", policy="preempt" if policy == KEEP_KV else policy,
                                               preempt_keeps_kv=policy == KEEP_KV, max_wait_s=args.max_wait,
-                                              slos=slos, slo_scale=args.slo_scale, **cfg_kw))
+                                              slos=slos, slo_scale=args.slo_scale, kv_host_bytes=kv_host,
+                                              **cfg_kw))
     result = sim.run(trace)
     summary = result.summary()
     plots, args.plots = args.plots, (f"{args.plots}/{policy}" if args.plots and args.sweep else args.plots)
@@ -191,4 +198,5 @@ def _print(summary: dict, policy: str, cal: str) -> None:
     print_summary(f"sim: policy {policy}, calibration {cal}", summary, summary.get("slo"))
     st = summary["stats"]
     print(f"simulated {summary['end_time']:.1f} s in {summary['steps']} steps; swap-ins {st.get('swap_ins', 0)}, "
-          f"evictions {st.get('evictions', 0)}, preemptions {st.get('preemptions', 0)}, pauses {st.get('pauses', 0)}")
+          f"evictions {st.get('evictions', 0)}, preemptions {st.get('preemptions', 0)}, pauses {st.get('pauses', 0)}, "
+          f"caches moved to host {st.get('kv_offloaded', 0)} ({st.get('kv_moved_bytes', 0) / 2**30:.2f} GiB both ways)")

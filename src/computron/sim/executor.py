@@ -61,7 +61,7 @@ class _Done:
 
 class _Model:
     __slots__ = ("info", "device", "groups", "nbytes", "block_bytes", "token", "ready", "load_start",
-                 "load_end", "reported")
+                 "load_end", "reported", "kv_ready")
 
     def __init__(self, info: ModelInfo, groups: list[int], block_bytes: int, token: int):
         self.info, self.groups, self.block_bytes, self.token = info, groups, block_bytes, token
@@ -70,6 +70,7 @@ class _Model:
         self.ready: list[float] | None = None  # when each group lands (None: not on the device)
         self.load_start = self.load_end = 0.0
         self.reported = True  # its last load was reported to the core as ended
+        self.kv_ready = 0.0  # when the last cache moved back from host memory for it has landed
 
 
 class SimExecutor:
@@ -92,8 +93,11 @@ class SimExecutor:
         self.kv = [0] * devices
         self.link_free = [0.0] * devices  # when each device's copy stream is idle again
         self.seqs: dict[str, list] = {}  # req_id -> [model, blocks]
+        self.host: dict[str, int] = {}  # req_id -> blocks of its cache in host memory (moved out)
+        self.host_bytes = 0
         self.unreported: dict[str, _Model] = {}  # models whose last load was not reported as ended yet
-        self.stats = {"loads": 0, "evictions": 0, "steps": 0, "load_s": 0.0, "compute_s": 0.0}
+        self.stats = {"loads": 0, "evictions": 0, "steps": 0, "load_s": 0.0, "compute_s": 0.0,
+                      "kv_moved_bytes": 0, "kv_move_s": 0.0, "host_peak_bytes": 0}
 
     # ---- models --------------------------------------------------------------------------------
     def register(self, desc: ModelDescription, progress: Callable[[str], None] | None = None) -> ModelInfo:
@@ -130,6 +134,8 @@ class SimExecutor:
     def apply(self, change: Residency) -> dict[str, float]:
         for rid in change.release:
             self._release(rid)
+        for rid in change.kv_out:
+            self._kv_out(rid)
         evicted = {}
         for name in change.evict:
             m = self.models[name]
@@ -145,7 +151,45 @@ class SimExecutor:
                 self._load(m)
                 if not self.overlap:  # the legacy executor waits for its load stream: the engine stands still
                     self.clock.advance_to(m.load_end)
+        for rid in change.kv_in:
+            self._kv_in(rid)
         return evicted
+
+    def _copy(self, d: int, nbytes: int) -> float:
+        """Queue a cache copy of ``nbytes`` on device d's copy stream (behind the loads); when it ends."""
+        start = max(self.clock.t, self.link_free[d])
+        self.link_free[d] = start + nbytes / self.cal.bandwidth(d)
+        self.stats["kv_moved_bytes"] += nbytes
+        self.stats["kv_move_s"] += self.link_free[d] - start
+        return self.link_free[d]
+
+    def _kv_out(self, rid: str) -> None:
+        """A stopped request's blocks go to host memory: the copy takes the link, the device memory is free."""
+        seq = self.seqs.get(rid)
+        if seq is None or not seq[1]:
+            return
+        m, n = seq[0], seq[1] * seq[0].block_bytes
+        self._copy(m.device, n)
+        self.kv[m.device] -= n
+        self.host[rid] = seq[1]
+        self.host_bytes += n
+        self.stats["host_peak_bytes"] = max(self.stats["host_peak_bytes"], self.host_bytes)
+        seq[1] = 0
+
+    def _kv_in(self, rid: str) -> None:
+        """Its blocks come back: booked on the device now, its model computes once the copy has landed."""
+        blocks = self.host.pop(rid, None)
+        if blocks is None:
+            return
+        seq = self.seqs[rid]
+        m, n = seq[0], blocks * seq[0].block_bytes
+        self.host_bytes -= n
+        d = m.device
+        if self.weights[d] + self.kv[d] + n > self.capacity:
+            raise MemoryError(f"the cache of {rid!r} ({n} bytes) coming back exceeds the arena of device {d}")
+        self.kv[d] += n
+        seq[1] = blocks
+        m.kv_ready = max(m.kv_ready, self._copy(d, n))
 
     def _load(self, m: _Model) -> None:
         d = m.device
@@ -179,6 +223,9 @@ class SimExecutor:
             self.seqs.pop(rid, None)
 
     def _release(self, rid: str) -> None:
+        blocks = self.host.pop(rid, None)
+        if blocks is not None:
+            self.host_bytes -= blocks * self.seqs[rid][0].block_bytes
         seq = self.seqs.get(rid)
         if seq is not None and seq[1]:
             m = seq[0]
@@ -215,6 +262,8 @@ class SimExecutor:
                 else:
                     prefill += n
                     prompts += 1
+                    if self.host and rid in self.host:  # a recompute drops a cache in host memory too
+                        self._release(rid)
                     if seq is not None and seq[1]:  # a recompute starts from an empty cache
                         kv[d] -= seq[1] * bb
                         seq[1] = 0
@@ -234,6 +283,8 @@ class SimExecutor:
             else:
                 compute *= k  # a run is warm: k equal steps
                 finish = now + compute
+            if m.kv_ready > now:  # caches moved back must land before its step computes
+                finish = max(finish, m.kv_ready + compute)
             result.compute_s[batch.model] = finish - now
             self.stats["compute_s"] += compute
             if not m.reported:

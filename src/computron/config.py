@@ -135,6 +135,7 @@ class EngineConfig:
             raise ValueError(f"decode_steps must be an integer from 1 to 64, got {self.decode_steps!r}")
         self.gpu_memory_budget = parse_bytes(self.gpu_memory_budget)
         self.workspace_bytes = parse_bytes(self.workspace_bytes)
+        self.kv_host_bytes = parse_bytes(self.kv_host_bytes)  # "8GiB" in a file as on the command line
 
 
 @dataclass

@@ -68,6 +68,7 @@ def test_flags_override_file_override_defaults(tmp_path, monkeypatch):
     eng = build_config(parse("serve", "--workers-listen", "10.0.0.1:29600", "--local-devices", "2")).engine
     assert (eng.workers_listen, eng.local_devices) == ("10.0.0.1:29600", 2)
     assert not eng.preempt_keeps_kv and build_config(parse("serve", "--preempt-keep-kv")).engine.preempt_keeps_kv
+    assert eng.kv_host_bytes == 0 and build_config(parse("serve", "--kv-host", "2GiB")).engine.kv_host_bytes == 2**31
 
 
 def test_slo_flags_set_each_models_slo_from_the_named_calibration():

@@ -148,8 +148,6 @@ def build_config(args) -> ComputronConfig:
     if getattr(args, "preempt_keep_kv", None):
         eng.preempt_keeps_kv = True
     if getattr(args, "kv_host", None) is not None:
-        from ..config import parse_bytes
-
         eng.kv_host_bytes = parse_bytes(args.kv_host)
     if getattr(args, "executor", None) is not None:
         eng.executor = args.executor

@@ -108,6 +108,25 @@ def test_both_orders_give_the_in_process_tokens(eager):
     assert ex.dropped == 3 and ex.used >= 30
 
 
+def _stop_and_resume(eng, t) -> list[list[int]]:
+    """Two tiny-llama requests decode 4 steps, then a tiny-opt request stops them (their caches kept,
+    the model evicted) and they resume; every request ends without error, no KV left. Their tokens."""
+    first = [eng.submit("tiny-llama", PROMPTS[k], PARAMS[k]) for k in "ab"]
+    for _ in range(4):
+        eng.step()
+        t[0] += 0.05
+    other = eng.submit("tiny-opt", PROMPTS["d"], PARAMS["d"])
+    for _ in range(400):
+        if all(r.done for r in first + [other]):
+            break
+        eng.step()
+        t[0] += 0.05
+    assert [r.error for r in first + [other]] == [None] * 3
+    assert eng.stats["pauses"] >= 1 and eng.stats["evictions"] >= 2
+    assert eng.memory()["kv"] == 0
+    return [r.output_ids for r in first + [other]]
+
+
 def test_a_model_stopped_and_resumed_between_steps_gives_the_same_tokens():
     """The preempt policy stops a steady batch for another model's request (evicting its weights, its
     requests paused with their caches) and resumes it later as decodes one token on: exactly the
@@ -119,20 +138,7 @@ def test_a_model_stopped_and_resumed_between_steps_gives_the_same_tokens():
         eng = make(executor, budget=1_200_000, models=("tiny-llama", "tiny-opt"), clock=lambda: t[0],
                    policy="preempt", max_wait_s=0.2, preempt_keeps_kv=True)
         try:
-            first = [eng.submit("tiny-llama", PROMPTS[k], PARAMS[k]) for k in "ab"]
-            for _ in range(4):
-                eng.step()
-                t[0] += 0.05
-            other = eng.submit("tiny-opt", PROMPTS["d"], PARAMS["d"])
-            for _ in range(400):
-                if all(r.done for r in first + [other]):
-                    break
-                eng.step()
-                t[0] += 0.05
-            assert [r.error for r in first + [other]] == [None] * 3
-            assert eng.stats["pauses"] >= 1 and eng.stats["evictions"] >= 2
-            runs.append([r.output_ids for r in first + [other]])
-            assert eng.memory()["kv"] == 0
+            runs.append(_stop_and_resume(eng, t))
             if executor == "workers":
                 ahead = ahead_stats(eng)
         finally:
@@ -247,20 +253,7 @@ def test_in_process_run_ahead_with_a_model_evicted_and_resumed_between_steps():
         eng = Engine(cfg, executor=ex, clock=lambda: t[0])
         for m in ("tiny-llama", "tiny-opt"):
             eng.register_model(m)
-        first = [eng.submit("tiny-llama", PROMPTS[k], PARAMS[k]) for k in "ab"]
-        for _ in range(4):
-            eng.step()
-            t[0] += 0.05
-        other = eng.submit("tiny-opt", PROMPTS["d"], PARAMS["d"])
-        for _ in range(400):
-            if all(r.done for r in first + [other]):
-                break
-            eng.step()
-            t[0] += 0.05
-        assert [r.error for r in first + [other]] == [None] * 3
-        assert eng.stats["pauses"] >= 1 and eng.stats["evictions"] >= 2
-        assert eng.memory()["kv"] == 0
-        runs.append([r.output_ids for r in first + [other]])
+        runs.append(_stop_and_resume(eng, t))
     assert runs[0] == runs[1]
     assert ex.used > 10 and ex.dropped >= 2
 

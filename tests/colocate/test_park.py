@@ -94,8 +94,11 @@ def test_an_order_is_acknowledged_while_a_resume_is_in_progress():
     assert colo._paused and acks.sent == [1]
     colo.deliver({"t": "limit", "id": 2, "bytes": 10_000, "immediate": False})
     assert started.wait(5.0)
-    colo.deliver({"t": "limit", "id": 3, "bytes": 130, "immediate": False})  # fits one sample: answered now
-    assert acks.sent == [1, 2, 3]
+    # fits one sample: answered now (in a thread, so that a delivery blocked by the resume fails, not hangs)
+    d = threading.Thread(target=colo.deliver, args=({"t": "limit", "id": 3, "bytes": 130, "immediate": False},))
+    d.start()
+    d.join(2.0)
+    assert not d.is_alive() and acks.sent == [1, 2, 3]
     finish.set()
     job.join(5.0)
     assert not job.is_alive() and not colo._paused

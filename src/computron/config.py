@@ -111,10 +111,11 @@ class EngineConfig:
     kv_host_bytes: int = 0
     # slo policy: each model's SLO, {model: {"ttft_s": seconds, "tpot_s": seconds}}; a model not named
     # gets slo_scale times its solo figures, from the cost model of slo_calibration (a built-in
-    # calibration's name or a file of `computron bench calibrate`)
+    # calibration's name or a file of `computron bench calibrate`; None: the built-in one of the
+    # device kind, "cpu" on the CPU, else "h200-rough")
     slos: dict = field(default_factory=dict)
     slo_scale: float = 5.0
-    slo_calibration: str = "h200-rough"
+    slo_calibration: str | None = None
     # A steady decode batch runs up to this many steps per call, each step's tokens fed to the next on
     # the device (one wait for the device per run); a request arriving meanwhile waits for the run's end.
     decode_steps: int = 1

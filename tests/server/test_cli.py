@@ -84,6 +84,9 @@ def test_slo_flags_set_each_models_slo_from_the_named_calibration():
     info = eng.core.models["tiny-opt"]
     cost = ModelCost.from_calibration(calibration("cpu"), info.weight_bytes, info.placement.devices)
     assert eng.core.scheduler.slo.slos["tiny-opt"] == Slo.solo(cost, 3.0)
+    default = Engine(build_config(parse("serve", "--policy", "slo", "--device", "cpu",
+                                        "--gpu-memory-budget", "256MiB")).engine)
+    assert default.core.slo_calibration == "cpu"  # none named: the built-in one of the device kind
     with pytest.raises(ValueError, match="--slo-scale must be > 0"):
         build_config(parse("serve", "--slo-scale", "0"))
 

@@ -84,6 +84,8 @@ class EngineCore:
             block_tokens=st.kv_block_tokens, max_wait_s=cfg.max_wait_s, preempt_keeps_kv=cfg.preempt_keeps_kv,
             slo_scale=cfg.slo_scale, kv_host_bytes=cfg.kv_host_bytes))
         self._slo_config = cfg  # slo policy: the SLOs given and the calibration of the costs
+        self.slo_calibration = cfg.slo_calibration or (  # none given: the built-in one of the device kind
+            "cpu" if all(d.name == "cpu" for d in st.devices) else "h200-rough")
         self.slo_counts: dict[str, list[int]] = {}  # slo policy: model -> [requests within their SLO, requests]
         self.models: dict[str, ModelInfo] = {}
         self.requests: dict[str, CoreRequest] = {}
@@ -115,7 +117,7 @@ class EngineCore:
                 if cost is None:
                     from ..sim.costs import calibration
 
-                    cost = ModelCost.from_calibration(calibration(cfg.slo_calibration), info.weight_bytes,
+                    cost = ModelCost.from_calibration(calibration(self.slo_calibration), info.weight_bytes,
                                                       info.placement.devices)
                 slo = Slo.solo(cost, cfg.slo_scale)  # what the config gives replaces these
                 slo = Slo(**{**asdict(slo), **{k: float(v) for k, v in cfg.slos.get(info.name, {}).items()}})

@@ -46,8 +46,8 @@ def add_parsers(subparsers) -> None:
     p.add_argument("--slo-scale", type=float, metavar="K",
                    help="slo policy: a model without an SLO in the config gets K times its solo figures (default 5)")
     p.add_argument("--slo-calibration", metavar="NAME|FILE",
-                   help="slo policy: where the solo figures come from: a built-in calibration (cpu, h200-rough: "
-                        "the default) or a file of `computron bench calibrate` (--serve: measured through the "
+                   help="slo policy: where the solo figures come from: a built-in calibration (cpu, h200-rough; "
+                        "the default: the one of the device kind) or a file of `computron bench calibrate` (--serve: measured through the "
                         "server, the closest to what clients see)")
     p.add_argument("--preempt-keep-kv", action="store_true", default=None,
                    help="preempt policy: stopped requests keep their caches on the device while their memory "
@@ -235,7 +235,8 @@ def serve_main(args) -> int:
         if cfg.engine.policy == "slo":  # likewise a calibration the SLOs cannot be read from
             from ..sim.costs import calibration
 
-            calibration(cfg.engine.slo_calibration)
+            if cfg.engine.slo_calibration is not None:
+                calibration(cfg.engine.slo_calibration)
         _check_port(cfg.server.host, cfg.server.port)  # before building host images, not after
     except (ValueError, KeyError, FileNotFoundError) as e:
         print(f"computron serve: {e.args[0] if e.args else e}", file=sys.stderr)

@@ -68,7 +68,7 @@ def test_flags_override_file_override_defaults(tmp_path, monkeypatch):
     eng = build_config(parse("serve", "--workers-listen", "10.0.0.1:29600", "--local-devices", "2")).engine
     assert (eng.workers_listen, eng.local_devices) == ("10.0.0.1:29600", 2)
     assert not eng.preempt_keeps_kv and build_config(parse("serve", "--preempt-keep-kv")).engine.preempt_keeps_kv
-    assert eng.kv_host_bytes == 0 and build_config(parse("serve", "--kv-host", "2GiB")).engine.kv_host_bytes == 2**31
+    assert eng.kv_host_bytes == 0 and build_config(parse("serve", "--kv-host", "2GiB", "--policy", "slo")).engine.kv_host_bytes == 2**31
 
 
 def test_slo_flags_set_each_models_slo_from_the_named_calibration():
@@ -87,6 +87,9 @@ def test_slo_flags_set_each_models_slo_from_the_named_calibration():
     default = Engine(build_config(parse("serve", "--policy", "slo", "--device", "cpu",
                                         "--gpu-memory-budget", "256MiB")).engine)
     assert default.core.slo_calibration == "cpu"  # none named: the built-in one of the device kind
+    with pytest.raises(ValueError, match="policy 'default' would never use it"):
+        build_config(parse("serve", "--kv-host", "1GiB"))
+    assert build_config(parse("serve", "--kv-host", "1GiB", "--policy", "slo")).engine.kv_host_bytes == 2**30
     with pytest.raises(ValueError, match="--slo-scale must be > 0"):
         build_config(parse("serve", "--slo-scale", "0"))
 

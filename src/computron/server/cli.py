@@ -196,6 +196,10 @@ def build_config(args) -> ComputronConfig:
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise ValueError(f"model name(s) given twice: {', '.join(dup)}; give one an alias (NAME_OR_DIR=ALIAS)")
+    if eng.kv_host_bytes and not (eng.policy == "slo" or eng.policy == "preempt" and eng.preempt_keeps_kv):
+        raise ValueError(f"--kv-host (kv_host_bytes) moves the caches of stopped requests, which only the slo "
+                         f"policy and the preempt policy with --preempt-keep-kv keep; policy {eng.policy!r} "
+                         f"would never use it")
     return cfg
 
 

@@ -88,11 +88,9 @@ def _setup(args):
 
 def run_once(args, specs, cfg_kw, cal, policy: str):
     """One simulation: (result, summary with SLO attainment)."""
-    from ..config import EngineConfig
+    from ..config import EngineConfig, parse_bytes
     from ..workload.args import slo_report, workload_from_args
     from .run import Simulation
-
-    from ..config import parse_bytes
 
     trace = workload_from_args(args, [s.name for s in specs])
     kv_host = parse_bytes(args.kv_host) if getattr(args, "kv_host", None) else 0

@@ -18,7 +18,9 @@ WHICH=${1:-all}
 TRACE="$OUT/validate_trace.jsonl"
 SHAPE=${SHAPE:-opt-1.3b}
 MODELS="$SHAPE=a,$SHAPE=b,$SHAPE=c"
-BUDGET=${BUDGET:-8GiB}  # two OPT-1.3B images (2.6 GB each) and their KV cache; the third must swap
+BUDGET=${BUDGET:-8GiB}
+# prompts up to 2,000 tokens: the trace's prefill steps batch several prompts, up to ~2,000 tokens a step
+CALIBRATE_ARGS=${CALIBRATE_ARGS:---prompt 32 128 512 2000}  # two OPT-1.3B images (2.6 GB each) and their KV cache; the third must swap
 [ -f "$TRACE" ] || python3 -c "
 from computron.workload import make_workload
 make_workload(['a', 'b', 'c'], rate=${RATE:-4.0}, duration=${DURATION:-120}, cv=2.0, prompt=(32, 512), output=(16, 256),
@@ -26,8 +28,8 @@ make_workload(['a', 'b', 'c'], rate=${RATE:-4.0}, duration=${DURATION:-120}, cv=
 for policy in default computron; do
   [ "$WHICH" = all ] || [ "$WHICH" = "$policy" ] || continue
   if [ "$policy" = computron ]; then EXE="--executor legacy"; CAL="$OUT/calibration_gpu_legacy"; else EXE=""; CAL="$OUT/calibration_gpu"; fi
-  [ -f "$CAL.json" ] || $C bench calibrate $EXE ${CALIBRATE_ARGS:-} --out "$CAL.json"
-  [ -f "${CAL}_served.json" ] || $C bench calibrate $EXE --serve ${CALIBRATE_ARGS:-} --out "${CAL}_served.json"
+  [ -f "$CAL.json" ] || $C bench calibrate $EXE $CALIBRATE_ARGS --out "$CAL.json"
+  [ -f "${CAL}_served.json" ] || $C bench calibrate $EXE --serve $CALIBRATE_ARGS --out "${CAL}_served.json"
   if [ "${MEASURE:-1}" = 1 ] || [ ! -f "$OUT/validate_measured_$policy.json" ]; then
     printf 'engine:\n  policy: %s\n  max_loaded: 2\n  gpu_memory_budget: %s\n' "$policy" "$BUDGET" > /tmp/validate_$policy.yaml
     $C serve --config /tmp/validate_$policy.yaml --model $SHAPE=a --model $SHAPE=b --model $SHAPE=c \

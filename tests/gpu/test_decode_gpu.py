@@ -76,3 +76,23 @@ def test_graphs_survive_swaps_and_match_transformers(tmp_path):
         assert eng.generate("ckpt", prompt, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)).output_ids == want
         eng.generate("tiny-opt", prompt, GREEDY)
     assert eng.stats["swap_ins"] == 4
+
+
+def test_graphs_captured_again_where_the_weights_moved_give_the_same_tokens():
+    """Three copies of a model, room for two: round robin puts a copy back at another address each
+    time, so its graphs are captured again there (without the first capture's warm-up) and must
+    still give the eager tokens."""
+    probe = _engine(False, models=())
+    probe.register_model(ModelSpec("tiny-opt", alias="a"))
+    room = 256 * 2**20 + int(2.5 * probe.models["a"].nbytes)
+    eng, eager = (Engine(EngineConfig(device="cuda", gpu_memory_budget=b, workspace_bytes=256 * 2**20,
+                                      cuda_graphs=g)) for b, g in ((room, True), (2**30, False)))
+    for e in (eng, eager):
+        for alias in "abc":
+            e.register_model(ModelSpec("tiny-opt", alias=alias))
+    prompts = _prompts(6)
+    for i, p in enumerate(prompts):
+        m = "abc"[i % 3]
+        assert eng.generate(m, p, GREEDY).output_ids == eager.generate(m, p, GREEDY).output_ids, (i, m)
+    assert eng.stats["swap_ins"] == 6
+    assert eng.executor.status().stats["graph_captures"] > 3  # some copy came back at another address

@@ -15,6 +15,7 @@ from typing import Callable
 from ..config import EngineConfig, ModelSpec
 from ..messages import ModelDescription, ModelInfo, SamplingParams
 from ..models import CheckpointError, IncrementalDecoder, load_tokenizer
+from ..scheduler import StepPlan
 from .core import CoreRequest, EngineCore, EngineError
 from .executor import Executor, make_executor
 
@@ -169,9 +170,10 @@ class Engine:
     def has_work(self) -> bool:
         return self.core.has_work()
 
-    def step(self) -> None:
-        """One scheduling step; a steady decode batch may run ``config.decode_steps`` steps in it."""
-        self.core.step(self.config.decode_steps)
+    def step(self) -> StepPlan:
+        """One scheduling step; a steady decode batch may run ``config.decode_steps`` steps in it.
+        Returns what the scheduler planned for it."""
+        return self.core.step(self.config.decode_steps)
 
     # ---- text ----------------------------------------------------------------------------------
     def _on_token(self, r: Request, token: int) -> None:

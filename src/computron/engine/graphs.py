@@ -29,7 +29,8 @@ def buckets(max_batch: int) -> list[int]:
 
 
 class DecodeGraph:
-    def __init__(self, runner: ModelRunner, pool: KVPool, bucket: int, width: int, device: torch.device, mempool):
+    def __init__(self, runner: ModelRunner, pool: KVPool, bucket: int, width: int, device: torch.device, mempool,
+                 side: torch.cuda.Stream, warm_up: bool = True):
         self.bucket, self.width = bucket, width
         t0 = time.perf_counter()
         n = bucket * (4 + width)
@@ -44,17 +45,23 @@ class DecodeGraph:
         self.batch = batch = AttnBatch(k=pool.k, v=pool.v, slots=slots, block_tables=tables, seq_lens=lens,
                                        query_lens=torch.ones(bucket, dtype=torch.int64, device=device),
                                        cu_query=rows, last=rows[:bucket], decode=True)
-        side = torch.cuda.Stream(device)
+        # Captured on a side stream with the graph's own calls, not ``torch.cuda.graph``: that one
+        # synchronises the whole device (waiting for another model's swap-in or a step run ahead) and
+        # empties PyTorch's device and pinned-host caches (the next prefill then allocates from the
+        # driver again). Nothing here needs either: the warm-up runs in stream order before the capture,
+        # the capture executes nothing, and the caller's stream waits for the side stream.
         side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):  # compile and tune every kernel before capturing
-            for _ in range(2):
-                runner.forward(ids, pos, batch)
-        torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=mempool):
-            self.logits = runner.forward(ids, pos, batch)
-        torch.cuda.synchronize(device)
-        self.capture_s = time.perf_counter() - t0
+        with torch.cuda.stream(side):
+            for _ in range(2 if warm_up else 0):  # compile and tune every kernel of this shape, once
+                runner.forward(ids, pos, batch)
+            self.graph.capture_begin(pool=mempool, capture_error_mode="thread_local")
+            try:
+                self.logits = runner.forward(ids, pos, batch)
+            finally:
+                self.graph.capture_end()
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.capture_s = time.perf_counter() - t0  # host time: the warm-up may still be running
 
     def _fill(self, h, ids, pos, slots, lens) -> None:
         n, b = self.bucket, len(ids)
@@ -116,13 +123,17 @@ class DecodeGraph:
 
 
 class DecodeGraphs:
-    """A model's decode graphs for the weights at one address."""
+    """A model's decode graphs for the weights at one address. A bucket captured again after the
+    weights moved skips the warm-up: its kernels were compiled and tuned, on the same side stream,
+    by its first capture."""
 
     def __init__(self, max_batch: int, width: int, device: torch.device):
         self.sizes, self.width, self.device = buckets(max_batch), width, device
         self.address: int | None = None
         self.graphs: dict[int, DecodeGraph] = {}
         self.mempool = None
+        self.side: torch.cuda.Stream | None = None  # every capture's stream
+        self.warm: set[int] = set()  # buckets captured before (at any address)
         self.captures, self.capture_s = 0, 0.0  # graphs captured so far, and the seconds it took
 
     def get(self, runner: ModelRunner, pool: KVPool, batch: int, address: int) -> DecodeGraph | None:
@@ -134,7 +145,11 @@ class DecodeGraphs:
         bucket = next(s for s in self.sizes if s >= batch)
         g = self.graphs.get(bucket)
         if g is None:
-            g = self.graphs[bucket] = DecodeGraph(runner, pool, bucket, self.width, self.device, self.mempool)
+            if self.side is None:
+                self.side = torch.cuda.Stream(self.device)
+            g = self.graphs[bucket] = DecodeGraph(runner, pool, bucket, self.width, self.device, self.mempool,
+                                                  self.side, warm_up=bucket not in self.warm)
+            self.warm.add(bucket)
             self.captures += 1
             self.capture_s += g.capture_s
         return g

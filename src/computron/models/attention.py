@@ -145,6 +145,10 @@ def _prefill_torch(q, k_cache, v_cache, block_tables, seq_lens, query_lens, cu_q
 
 _PREC = {torch.float32: "ieee"}
 _MAX_SPLITS = 64
+# Triton compiles a kernel for every new value of a constexpr (and of an int argument that is 1 or not),
+# a few hundred milliseconds each, on the serving thread, in the middle of a step. So the sizes that
+# vary from step to step are rounded up to floors that cover the usual batches: the prefill's number of
+# sequences (BP >= 64, ``B`` not specialised) and the decode's key splits (SP >= 16) compile once.
 
 
 @functools.lru_cache(maxsize=None)
@@ -183,7 +187,7 @@ def _decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, num_split
     if splits > 1:
         _combine_kernel[(B, hq)](
             part, lse, out, splits, *part.stride()[:3], *lse.stride()[:2], out.stride(0), out.stride(1),
-            D=d, DP=common["DP"], SP=triton.next_power_of_2(splits), num_warps=4,
+            D=d, DP=common["DP"], SP=max(16, triton.next_power_of_2(splits)), num_warps=4,
         )
     return out
 
@@ -199,7 +203,7 @@ def _prefill_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_query, scale
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
         out.stride(0), out.stride(1),
         G=hq // hk, D=d, DP=triton.next_power_of_2(d), BS=bs, BM=block_m, BN=block_n,
-        BP=triton.next_power_of_2(B), PREC=_PREC.get(q.dtype, "tf32"), num_warps=num_warps, num_stages=2,
+        BP=max(64, triton.next_power_of_2(B)), PREC=_PREC.get(q.dtype, "tf32"), num_warps=num_warps, num_stages=2,
     )
     return out
 
@@ -282,7 +286,7 @@ if triton is not None:
         out = tl.sum(o * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1.0)
         tl.store(O + b * s_ob + h * s_oh + d, out.to(O.dtype.element_ty), mask=d < D)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["B"])
     def _prefill_kernel(Q, K, V, BT, LENS, CU, O, qk_scale, B,
                         s_qn, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bt, s_on, s_oh,
                         G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr,

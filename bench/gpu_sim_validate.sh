@@ -18,9 +18,9 @@ WHICH=${1:-all}
 TRACE="$OUT/validate_trace.jsonl"
 SHAPE=${SHAPE:-opt-1.3b}
 MODELS="$SHAPE=a,$SHAPE=b,$SHAPE=c"
-BUDGET=${BUDGET:-8GiB}
+BUDGET=${BUDGET:-8GiB}  # two OPT-1.3B images (2.6 GB each) and their KV cache; the third must swap
 # prompts up to 2,000 tokens: the trace's prefill steps batch several prompts, up to ~2,000 tokens a step
-CALIBRATE_ARGS=${CALIBRATE_ARGS:---prompt 32 128 512 2000}  # two OPT-1.3B images (2.6 GB each) and their KV cache; the third must swap
+CALIBRATE_ARGS=${CALIBRATE_ARGS:---prompt 32 128 512 2000}
 [ -f "$TRACE" ] || python3 -c "
 from computron.workload import make_workload
 make_workload(['a', 'b', 'c'], rate=${RATE:-4.0}, duration=${DURATION:-120}, cv=2.0, prompt=(32, 512), output=(16, 256),

@@ -7,7 +7,9 @@ For each model (resident alone on the device, through the real engine):
 - prefill: one request of P prompt tokens and one new token, for each P of ``--prompt``;
 - decode: B requests decoding together, step time = (last token − first token) / (tokens − 1), for
   each B of ``--batch`` (as ``bench decode``);
-- the weight-read floor (one pass over the model's bytes), which bounds every step from below.
+- the weight-read floor (one pass over the model's bytes), which bounds every step from below;
+- on a GPU, the host time of recording a decode graph (the mean over the batch sizes' captures,
+  warm-up left out): what the executor pays again when a model swapped back in lands at another address.
 
 With ``--serve`` prefill and decode are timed through the HTTP server instead, as ``computron loadgen``
 times them against ``computron serve``: the engine on its own thread behind the server, the requests
@@ -158,7 +160,7 @@ def run(models: list[str], device: str, batches: list[int], prompts: list[int], 
 
     eng = Engine(EngineConfig(device=device, gpu_memory_budget=budget, executor=executor))
     dev = eng.executor.device if hasattr(eng.executor, "device") else torch.device("cpu")
-    points = {"swap": [], "evict": [], "prefill": [], "decode": [], "floor": []}
+    points = {"swap": [], "evict": [], "prefill": [], "decode": [], "floor": [], "capture": []}
     rng = np.random.default_rng(0)
     specs = [ModelSpec.parse(name) for name in models]
     for spec in specs:
@@ -186,11 +188,17 @@ def run(models: list[str], device: str, batches: list[int], prompts: list[int], 
                 times = [path.prefill_s(spec.name, rng.integers(0, vocab, p).tolist()) for _ in range(repeats + 1)]
                 points["prefill"].append((spec.name, nbytes, p, statistics.median(times[1:])))
             plen = min(prompts)
+            before = path.call(eng.executor.status).stats
             for b in batches:
                 prompt_ids = [rng.integers(0, vocab, plen).tolist() for _ in range(b)]
                 path.decode_step_s(spec.name, prompt_ids, new)  # warm-up (graph capture for this batch)
                 step = statistics.median(path.decode_step_s(spec.name, prompt_ids, new) for _ in range(repeats))
                 points["decode"].append((spec.name, nbytes, b, step))
+            after = path.call(eng.executor.status).stats
+            if after.get("graph_captures", 0) > before.get("graph_captures", 0):  # decode graphs (a GPU)
+                record = (after["graph_record_s"] - before["graph_record_s"]) / \
+                    (after["graph_captures"] - before["graph_captures"])
+                points["capture"].append((spec.name, nbytes, record))
             path.call(eng.core.offload, spec.name)
     finally:
         path.close()
@@ -199,6 +207,8 @@ def run(models: list[str], device: str, batches: list[int], prompts: list[int], 
     pf = _fit([(b, p, t) for _, b, p, t in points["prefill"]])
     dc = _fit([(b, n, t) for _, b, n, t in points["decode"]])
     ev = _fit([(b, 0, t) for _, b, t in points["evict"]])  # fixed + per byte (a copy back, if any)
+    # a graph recorded again after a move: fixed + per byte (0 without graphs: the CPU, the legacy executor)
+    gc = _fit([(b, 0, t) for _, b, t in points["capture"]]) if points["capture"] else (0.0, 0.0)
     mem = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else \
         eng.executor.status().devices[0].budget
     cal = Calibration(name=f"measured:{machine().get('gpu', dev.type)}{' (served)' if serve else ''}",
@@ -206,7 +216,8 @@ def run(models: list[str], device: str, batches: list[int], prompts: list[int], 
                       prefill_fixed_s=pf[0], prefill_fixed_s_per_byte=pf[1], prefill_token_s=pf[2],
                       prefill_token_s_per_byte=pf[3], decode_fixed_s=dc[0], decode_fixed_s_per_byte=dc[1],
                       decode_seq_s=dc[2], decode_seq_s_per_byte=dc[3],
-                      evict_s=ev[0], evict_s_per_byte=ev[1], device_memory=int(mem))
+                      evict_s=ev[0], evict_s_per_byte=ev[1], device_memory=int(mem),
+                      graph_capture_s=gc[0], graph_capture_s_per_byte=gc[1])
     checks = []
     for kind in ("prefill", "decode"):
         for name, b, n, t in points[kind]:

@@ -19,13 +19,8 @@ import torch
 
 from ..models.kvcache import KVPool
 from ..models.transformer import AttnBatch
+from .buckets import bucket_of, buckets
 from .runner import ModelRunner
-
-
-def buckets(max_batch: int) -> list[int]:
-    """Batch sizes with a graph: 1, 2, 4, 8, then every multiple of 16 up to ``max_batch``."""
-    out = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16))
-    return out + [max_batch]
 
 
 class DecodeGraph:
@@ -55,13 +50,16 @@ class DecodeGraph:
         with torch.cuda.stream(side):
             for _ in range(2 if warm_up else 0):  # compile and tune every kernel of this shape, once
                 runner.forward(ids, pos, batch)
+            t1 = time.perf_counter()
             self.graph.capture_begin(pool=mempool, capture_error_mode="thread_local")
             try:
                 self.logits = runner.forward(ids, pos, batch)
             finally:
                 self.graph.capture_end()
         torch.cuda.current_stream(device).wait_stream(side)
-        self.capture_s = time.perf_counter() - t0  # host time: the warm-up may still be running
+        # host seconds (the warm-up may still be running on the device): all of it, and the recording
+        # alone, which is what a capture again after the weights moved costs (it skips the warm-up)
+        self.capture_s, self.record_s = time.perf_counter() - t0, time.perf_counter() - t1
 
     def _fill(self, h, ids, pos, slots, lens) -> None:
         n, b = self.bucket, len(ids)
@@ -135,14 +133,15 @@ class DecodeGraphs:
         self.side: torch.cuda.Stream | None = None  # every capture's stream
         self.warm: set[int] = set()  # buckets captured before (at any address)
         self.captures, self.capture_s = 0, 0.0  # graphs captured so far, and the seconds it took
+        self.record_s = 0.0  # of which recording (capture_begin to capture_end)
 
     def get(self, runner: ModelRunner, pool: KVPool, batch: int, address: int) -> DecodeGraph | None:
-        if batch > self.sizes[-1]:
+        bucket = bucket_of(batch, self.sizes)
+        if bucket is None:
             return None
         if address != self.address:  # the weights moved: every graph points at the old place
             self.graphs.clear()
             self.address, self.mempool = address, torch.cuda.graph_pool_handle()
-        bucket = next(s for s in self.sizes if s >= batch)
         g = self.graphs.get(bucket)
         if g is None:
             if self.side is None:
@@ -152,4 +151,5 @@ class DecodeGraphs:
             self.warm.add(bucket)
             self.captures += 1
             self.capture_s += g.capture_s
+            self.record_s += g.record_s
         return g

@@ -17,7 +17,12 @@ Every time is a simple affine model with a floor (no torch, no I/O except ``load
 - a **mixed** batch (prompts and decodes in one step) pays the prefill fixed cost and both sums;
 - **eviction**: ``evict_s + evict_s_per_byte * B`` (the default executor copies nothing back: the
   region is released; the legacy executor of the ``computron`` policy copies the weights back to
-  the host, which a calibration of that executor measures as a per-byte term).
+  the host, which a calibration of that executor measures as a per-byte term);
+- a **decode graph captured** after a load: ``graph_capture_s + graph_capture_s_per_byte * B``, added to
+  the first decode step of each batch-size bucket (``engine/buckets.py``) after each load of the model. The
+  executor keeps a model's graphs only while its weights stay at one address, and a model swapped back
+  in usually lands elsewhere; 0 (no graphs) in a calibration of the CPU, of the legacy executor, and in
+  files written before the field existed.
 
 The weight-read floor ``B / hbm_bandwidth`` is the least any step can take: every weight is read once.
 """
@@ -47,6 +52,8 @@ class Calibration:
     evict_s_per_byte: float = 0.0  # per eviction, per weight byte (an executor that copies weights back)
     device_memory: int = 2 * 2**30  # bytes per device when the engine config sets no budget (the CPU default)
     server_seq_s: float = 0.0  # per sequence that makes a token in a step: the server's streaming work
+    graph_capture_s: float = 0.0  # per decode graph captured after a load (the first step of a bucket)
+    graph_capture_s_per_byte: float = 0.0  # the same, per weight byte (a deeper model records more kernels)
 
     def __post_init__(self) -> None:
         bw = self.swap_bandwidth
@@ -94,6 +101,9 @@ class Calibration:
         return batch_time(self, nbytes, prefill_tokens, decode_seqs, prefill_seqs)
 
     # ---- files ---------------------------------------------------------------------------------
+    def capture_time(self, nbytes: int) -> float:
+        return self.graph_capture_s + self.graph_capture_s_per_byte * nbytes
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["swap_bandwidth"] = list(self.swap_bandwidth)

@@ -23,8 +23,11 @@ import os
 import socket
 import threading
 import time
+from collections import deque
 
 from .arbiter import Arbiter, InferenceShare, TrainLimit
+
+RECORDS = 100_000  # records of each kind a server keeps (handovers, limits, share changes)
 
 
 def family(address: str):
@@ -99,9 +102,12 @@ class ArbiterServer:
         self.arbiter, self.address = arbiter, address
         self.on_share = on_share  # called with (device, bytes): the engine's new budget
         self.budgets = [0] * len(arbiter.devices)  # inference's budget per device, as last applied
-        self.handovers: list[dict] = []  # one per demand that had to wait for training
-        self.limits: list[tuple[float, int, int]] = []  # (time, device, bytes) of every limit sent to training
-        self.timeline: list[tuple[float, int, int, int]] = []  # (time, device, inference, training) on change
+        # the latest RECORDS of each (a server runs for long): one per demand that had to wait for
+        # training; (time, device, bytes) of every limit sent to training; (time, device, inference,
+        # training) whenever the shares change
+        self.handovers: deque[dict] = deque(maxlen=RECORDS)
+        self.limits: deque[tuple[float, int, int]] = deque(maxlen=RECORDS)
+        self.timeline: deque[tuple[float, int, int, int]] = deque(maxlen=RECORDS)
         self._last_shares: dict[int, tuple[int, int]] = {}
         self._lock = threading.Condition()
         self._trainers: dict[int, Channel] = {}

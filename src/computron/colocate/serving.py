@@ -34,9 +34,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 
 from .arbiter import MODES, Arbiter, ArbiterConfig
-from .protocol import ArbiterServer
+from .protocol import RECORDS, ArbiterServer
 
 log = logging.getLogger("computron.colocate")
 
@@ -50,8 +51,8 @@ class EngineLink:
                              f"({list(ceilings)} bytes per device)")
         self.devices = len(ceilings)
         self.opened = time.monotonic()
-        self.log: list[tuple[float, int, int]] = []  # (time, device, bytes) of every budget applied
-        self.used: list[tuple[float, int, int]] = []  # (time, device, bytes inference has booked), on change
+        self.log: deque[tuple[float, int, int]] = deque(maxlen=RECORDS)  # (time, device, bytes) of every budget applied
+        self.used: deque[tuple[float, int, int]] = deque(maxlen=RECORDS)  # (time, device, bytes booked), on change
         self._used_last: dict[int, int] = {}
         self._swap_for: dict[int, dict] = {}  # device -> the handover whose swap-ins are being timed
         self._swapped: set[int] = set()  # devices whose handover got its swap-ins

@@ -51,7 +51,7 @@ class EngineLink:
                              f"({list(ceilings)} bytes per device)")
         self.devices = len(ceilings)
         self.opened = time.monotonic()
-        self.log: deque[tuple[float, int, int]] = deque(maxlen=RECORDS)  # (time, device, bytes) of every budget applied
+        self.log: deque[tuple[float, int, int]] = deque(maxlen=RECORDS)  # (time, device, bytes) of each budget set
         self.used: deque[tuple[float, int, int]] = deque(maxlen=RECORDS)  # (time, device, bytes booked), on change
         self._used_last: dict[int, int] = {}
         self._swap_for: dict[int, dict] = {}  # device -> the handover whose swap-ins are being timed
@@ -123,7 +123,8 @@ class EngineLink:
         booked = [sched.shares[d] - sched.free_bytes(d) for d in range(self.devices)]
         return {"mode": c.mode, "capacity": c.capacity, "static_train": c.static_train, "idle_s": c.idle_s,
                 "immediate": c.immediate, "address": self.server.address, "opened": self.opened,
-                "now": time.monotonic(), **self.server.records(since), "budgets": budgets, "used": used, "booked": booked}
+                "now": time.monotonic(), **self.server.records(since), "budgets": budgets, "used": used,
+                "booked": booked}
 
     # ---- internals ---------------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ grow, and mapped again before inference uses a larger share.
 
 Records (``report``): every handover, split into the arbiter's parts (signal, training's release,
 ack; ``ArbiterServer.demand``) and the engine's (``alloc_s``: applying the grant, i.e. mapping the
-arena's memory again; ``swap_s``: the swap-ins of the step that follows), the limits sent to
+arena's memory again; ``swap_s``: the swap-ins of the step it was asked for), the limits sent to
 training, the shares over time and what inference has booked over time. ``computron serve``
 serves them at ``GET /colocation`` and can switch the mode at run time (``POST
 /admin/colocation``, :class:`Colocated`).
@@ -54,8 +54,7 @@ class EngineLink:
         self.log: deque[tuple[float, int, int]] = deque(maxlen=RECORDS)  # (time, device, bytes) of each budget set
         self.used: deque[tuple[float, int, int]] = deque(maxlen=RECORDS)  # (time, device, bytes booked), on change
         self._used_last: dict[int, int] = {}
-        self._swap_for: dict[int, dict] = {}  # device -> the handover whose swap-ins are being timed
-        self._swapped: set[int] = set()  # devices whose handover got its swap-ins
+        self._swap_for: dict[int, dict] = {}  # device -> the handover of this step, whose swap-ins are timed
         self._mail: dict[int, int] = {}  # device -> latest share sent from another thread
         self._unconfirmed: set[int] = set()  # devices whose reduced share is applied but not yet fitted
         self._mail_lock = threading.Lock()
@@ -79,6 +78,7 @@ class EngineLink:
         if self.closed:  # a wake-up posted before the link was closed (a mode switch)
             return
         self._polling = threading.get_ident()
+        self._swap_for.clear()  # the last step's loads, if any, came in (``_on_swap``)
         try:
             self._apply_mail()
             sched = self.core.scheduler
@@ -97,8 +97,7 @@ class EngineLink:
                             t = time.monotonic()
                             self._apply_mail()  # the grant: the arena maps the memory again
                             rec["alloc_s"] = time.monotonic() - t
-                            self._swap_for[d] = rec  # the swap-ins of the step that follows
-                            self._swapped.discard(d)
+                            self._swap_for[d] = rec  # the swap-ins of this step
             self._apply_mail()
             self._record_used()
         finally:
@@ -154,14 +153,10 @@ class EngineLink:
             rec = self._swap_for.get(d)
             if rec is not None:
                 rec["swap_s"] = (rec["swap_s"] or 0.0) + seconds
-                self._swapped.add(d)
 
     def _record_used(self) -> None:
         sched = self.core.scheduler
         for d in range(self.devices):
-            if d in self._swapped:  # that step's loads are in: stop adding to its handover
-                self._swapped.discard(d)
-                self._swap_for.pop(d, None)
             used = sched.shares[d] - sched.free_bytes(d)
             if self._used_last.get(d) != used:
                 self._used_last[d] = used

@@ -26,8 +26,8 @@ demand that took training's memory) split into signal, training release, ack, in
 allocation (the arena mapping the memory again) and swap-in, how often training was told to
 shrink, and a PNG timeline of memory by owner. Writes bench/results/hybrid_<tag>.json (and .png).
 
-    PYTHONPATH=src python bench/hybrid.py --duration 10 --repeats 2 --fresh --tag h100    # all phases
-    PYTHONPATH=src python bench/hybrid.py --job resnet --duration 20 --repeats 3 --tag h100_resnet
+    PYTHONPATH=src python bench/hybrid.py --duration 10 --repeats 2 --job-timeout 120 --fresh --tag h100_engine
+    PYTHONPATH=src python bench/hybrid.py --job resnet --duration 10 --repeats 2 --fresh --tag h100_engine_resnet
 """
 
 from __future__ import annotations

@@ -1,33 +1,39 @@
 """Hybrid benchmark: a bursty inference workload against a training job on the same GPU, per mode.
 
-Runs, on one trace (Gamma arrivals: --rate, --cv, --duration, uniformly over --models copies of
-an OPT-1.3B-shaped model): inference alone, training alone, and the trainer colocated in each of
-the arbiter's modes (normal, static, task-switch, colocate), each --repeats times. The inference
-side is this process: an ArbiterServer per run plus a stand-in server that keeps each model's
-weights in pinned host memory, asks the arbiter for memory before a swap-in (``demand``), swaps
-the weights in (allocation + host-to-GPU copy), and decodes ``--tokens`` tokens by reading all the
-weights once per token. Over budget it evicts least-recently-used models; when the arbiter
-shrinks its share it evicts down to it. The training job runs in its own process, talking to the
-arbiter over a Unix socket: ``--job gpt`` is ``computron train`` (a GPT-2-medium shape by
-default, bf16 autocast), ``--job resnet`` is ``examples/resnet_colocated.py`` (ResNet-50, SGD).
+The inference side is the real server: one ``computron serve`` process with ``--models`` copies of
+a preset (``--preset``, default OPT-1.3B: ``opt-1.3b=a``, ``opt-1.3b=b``, ...), opened with
+``--colocate ADDRESS`` so that its engine asks the memory arbiter for memory before its steps
+(``colocate/serving.py``). One trace (``computron.workload.make_workload``: Gamma arrivals at
+``--rate`` with ``--cv``, ``--duration`` seconds, uniformly over the models, ``--prompt`` and
+``--output`` tokens) is replayed identically, open loop and streamed (``computron loadgen``'s
+``replay``), for inference alone, training alone and the trainer colocated in each of the arbiter's
+modes (normal, static, task-switch, colocate), each ``--repeats`` times. The training job runs in
+its own process: ``--job gpt`` is ``computron train`` (a GPT-2-medium shape by default, or
+``--train-model``), ``--job resnet`` is ``examples/resnet_colocated.py`` (ResNet-50, SGD).
 
-Start-up is paid once: the host images are built once (random values generated on the GPU), one
-job process runs every training-alone run and another, started with the first mode's arbiter and
-reconnecting to each next one, every colocated run; repeats go round the modes in turn. Each
-start-up part is timed and reported.
+Start-up is paid once: one serve process serves every run (inference alone under a ``normal``
+arbiter that no job joins; then the bench switches its mode, ``POST /admin/colocation``); one job
+process runs every training-alone run and another, started under the first mode and reconnecting
+to each next arbiter, every colocated run; repeats go round the modes. Each run starts with every
+model offloaded and, under an arbiter, once the shares settled to the mode's start (training holds
+what it may) and the job made a step. Each start-up part is timed and reported, the server's
+warm-up (the trace replayed once, unrecorded) included.
 
-Reports per phase (medians over repeats): SLO attainment at k x solo latency (k = 1..8; solo: the
-median latency of inference alone), p50/p99 latency, training samples/s relative to training
-alone, the handover split into signal, training release, ack, inference allocation and swap-in,
-and a PNG timeline of memory by owner. Writes bench/results/hybrid_<tag>.json (and .png).
+Reports per phase (medians over repeats): SLO attainment at k x solo latency (k = 1..8; solo: each
+model's median latency in inference alone), p50/p99 latency and time to first token, training
+samples/s relative to training alone, the handovers (``GET /colocation`` of the server: each
+demand that took training's memory) split into signal, training release, ack, inference
+allocation (the arena mapping the memory again) and swap-in, how often training was told to
+shrink, and a PNG timeline of memory by owner. Writes bench/results/hybrid_<tag>.json (and .png).
 
-    PYTHONPATH=src python bench/hybrid.py --duration 20 --repeats 3 --tag h100          # all phases
-    PYTHONPATH=src python bench/hybrid.py --job resnet --duration 20 --repeats 3 --tag h100_resnet
+    PYTHONPATH=src python bench/hybrid.py --duration 10 --repeats 2 --job-timeout 120 --fresh --tag h100_engine
+    PYTHONPATH=src python bench/hybrid.py --job resnet --duration 10 --repeats 2 --fresh --tag h100_engine_resnet
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import collections
 import json
 import os
@@ -41,21 +47,25 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
-import torch
 
-from computron.colocate.arbiter import MODES, Arbiter, ArbiterConfig
-from computron.colocate.protocol import ArbiterServer
-from computron.memory.host import host_buffer
+from computron.colocate.arbiter import MODES
+from computron.server.background import free_port
+from computron.workload.loadgen import replay
+from computron.workload.make import make_workload
 
 GB = 1 << 30
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 JOBS = {"gpt": dict(global_batch=32, micro_batch=16), "resnet": dict(global_batch=128, micro_batch=64)}
+ADMIN_KEY = "hybrid-bench"
 
 
 def gpt2_medium_checkpoint(path: Path) -> str:
     """A GPT-2-medium-shaped checkpoint with random weights (the presets stop at gpt2-small)."""
+    import torch
+
     from computron.memory.host import HostImage
     from computron.memory.layout import WeightLayout
     from computron.models import ModelConfig, save_checkpoint
@@ -72,88 +82,6 @@ def gpt2_medium_checkpoint(path: Path) -> str:
     return str(path)
 
 
-class Inference:
-    """The stand-in inference server: models in pinned host memory, swapped in on demand."""
-
-    def __init__(self, args, device: torch.device):
-        self.args, self.device = args, device
-        n = int(args.model_gb * GB) // 2
-        self.hosts = [host_buffer(n * 2, pin=device.type == "cuda").view(torch.bfloat16) for _ in range(args.models)]
-        gen = torch.Generator(device=device).manual_seed(args.seed)
-        for h in self.hosts:  # random weights; the GPU's generator is much faster than the CPU's (single-threaded)
-            for i in range(0, n, 1 << 28):
-                part = h[i:i + (1 << 28)]
-                part.copy_(torch.randn(part.shape, dtype=part.dtype, device=device, generator=gen))
-        self.lock = threading.Lock()
-        self.start(None, 0)
-
-    def start(self, server: ArbiterServer | None, most: int) -> None:
-        """A new run: nothing resident, inference holding at most ``most`` bytes, under ``server``."""
-        self.server, self.most = server, most
-        self.resident: dict[int, torch.Tensor] = {}  # model -> GPU weights, in LRU order
-        self.parts: list[dict] = []
-        self.failures = 0
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-
-    def resident_bytes(self) -> int:
-        return sum(t.numel() * 2 for t in self.resident.values())
-
-    def fit(self, device: int, budget: int) -> None:  # the arbiter's on_share: evict down to the budget
-        with self.lock:
-            while self.resident and self.resident_bytes() > budget:
-                self.resident.pop(next(iter(self.resident)))
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-
-    def serve(self, model: int) -> None:
-        a = self.args
-        with self.lock:
-            w = self.resident.pop(model, None)
-        part = {}
-        if w is None:
-            need = self.hosts[model].numel() * 2
-            with self.lock:  # evict LRU models the share cannot hold alongside this one
-                while self.resident and self.resident_bytes() + need > self.most:
-                    self.resident.pop(next(iter(self.resident)))
-            if self.server is not None:
-                rec = self.server.demand(0, self.resident_bytes() + need, timeout=30)
-                part.update(wait_s=rec["wait_s"], signal_s=rec["signal_s"], release_s=rec["release_s"],
-                            ack_s=rec["ack_s"])
-            t0 = time.perf_counter()
-            w = torch.empty_like(self.hosts[model], device=self.device)
-            sync(self.device)
-            t1 = time.perf_counter()
-            w.copy_(self.hosts[model], non_blocking=True)
-            sync(self.device)
-            part.update(alloc_s=t1 - t0, swap_s=time.perf_counter() - t1)
-            self.parts.append(part)
-        with self.lock:
-            self.resident[model] = w
-        if self.server is not None:
-            self.server.busy(0)
-        mat = w[: (w.numel() // 2048) * 2048].view(-1, 2048)
-        x = torch.ones(2048, 1, dtype=torch.bfloat16, device=self.device)
-        for _ in range(a.tokens):  # decode: every token reads all the weights
-            mat @ x
-        sync(self.device)
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def trace(args) -> list[tuple[float, int]]:
-    rng = np.random.default_rng(args.seed)
-    shape = 1.0 / args.cv ** 2
-    t, out = 0.0, []
-    while True:
-        t += rng.gamma(shape, 1.0 / (args.rate * shape))
-        if t >= args.duration:
-            return out
-        out.append((t, int(rng.integers(args.models))))
-
 
 def job_command(args, ckpt: str | None, addr: str | None) -> list[str]:
     """The training job's command line (``--job``), colocated under ``addr`` when given."""
@@ -169,26 +97,76 @@ def job_command(args, ckpt: str | None, addr: str | None) -> list[str]:
                   *shlex.split(args.train_args)]
 
 
-class Job:
-    """The training job's process; its step lines are timed as they come."""
+def model_names(args) -> list[str]:
+    """The served names: ``--models`` copies of the preset, aliased a, b, c, ..."""
+    return [chr(ord("a") + i) if i < 26 else f"m{i}" for i in range(args.models)]
 
-    def __init__(self, cmd: list[str], timeout_s: float = 300.0):
-        self.timeout_s = timeout_s  # for its start-up and warm-up steps, or its settling into a new run
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"),
-                                                                         os.environ.get("PYTHONPATH")]))}
+
+def serve_command(args, port: int, addr: str) -> list[str]:
+    """``computron serve`` with the models, a budget of ``--capacity-gb`` for weights and KV cache (the
+    arbiter's capacity) plus ``--workspace-gb``, and the arbiter at ``addr`` (``normal`` to start)."""
+    cap, ws = int(args.capacity_gb * GB), int(args.workspace_gb * GB)
+    cmd = [sys.executable, "-m", "computron.cli", "serve", "--device", args.device, "--port", str(port),
+           "--gpu-memory-budget", str(cap + ws), "--workspace", str(ws), "--admin-key", ADMIN_KEY,
+           "--log-level", "warning", "--colocate", addr, "--colocate-mode", "normal",
+           "--colocate-idle", str(args.idle), "--colocate-static-train", str(int(args.static_train_gb * GB))]
+    cmd += ["--colocate-at-boundary"] if args.at_boundary else []
+    for name in model_names(args):
+        cmd += ["--model", f"{args.preset}={name}"]
+    return cmd + shlex.split(args.serve_args)
+
+
+def _env() -> dict:
+    path = os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path}
+
+
+class Proc:
+    """A child process whose output is read as it comes (kept for when it fails)."""
+
+    def __init__(self, cmd: list[str], timeout_s: float, name: str):
+        self.timeout_s, self.name = timeout_s, name  # for its start-up, or settling into a new run
         self.t0 = time.monotonic()
-        self.p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
-        self.steps: list[float] = []  # when each step line came
+        self.p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                  env=_env())
         self.last_lines = collections.deque(maxlen=120)  # what it said last, shown if it never gets going
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self):
         for line in self.p.stdout:
             self.last_lines.append(line.rstrip())
-            if re.match(r"step (\d+)/", line):
-                self.steps.append(time.monotonic())
-            elif "rror" in line or "Traceback" in line:
-                print("trainer:", line.rstrip(), file=sys.stderr)
+            self.line(line)
+
+    def line(self, line: str) -> None:
+        if "rror" in line or "Traceback" in line:
+            print(f"{self.name}:", line.rstrip(), file=sys.stderr)
+
+    def fail(self, what: str):
+        self.stop()
+        raise RuntimeError(f"{what}; the {self.name} said last:\n" + "\n".join(self.last_lines))
+
+    def stop(self) -> None:
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGINT)
+            try:
+                self.p.wait(30)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait()
+
+
+class Job(Proc):
+    """The training job's process; its step lines are timed as they come."""
+
+    def __init__(self, cmd: list[str], timeout_s: float = 300.0):
+        self.steps: list[float] = []  # when each step line came
+        super().__init__(cmd, timeout_s, "trainer")
+
+    def line(self, line: str) -> None:
+        if re.match(r"step (\d+)/", line):
+            self.steps.append(time.monotonic())
+        else:
+            super().line(line)
 
     def wait_steps(self, n: int, after: float, what: str) -> float:
         """Wait for ``n`` steps ending after ``after``; the seconds since the job started."""
@@ -198,9 +176,8 @@ class Job:
                 if self.p.poll() is None:  # stuck: its threads' stacks (the train CLI prints them on SIGUSR1)
                     self.p.send_signal(signal.SIGUSR1)
                     time.sleep(2.0)
-                self.stop()
-                raise RuntimeError(f"{what}: the training job made {sum(t > after for t in self.steps)} of {n} steps "
-                                   f"in {self.timeout_s:.0f} s; it said last:\n" + "\n".join(self.last_lines))
+                self.fail(f"{what}: the training job made {sum(t > after for t in self.steps)} of {n} steps "
+                          f"in {self.timeout_s:.0f} s")
             time.sleep(0.02)
         return time.monotonic() - self.t0
 
@@ -215,139 +192,221 @@ class Job:
             self.p.kill()
 
 
-def arbiter(args, mode: str, addr: str, inf: Inference | None) -> ArbiterServer:
-    cfg = ArbiterConfig(mode=mode, capacity=int(args.capacity_gb * GB), static_train=int(args.static_train_gb * GB),
-                        idle_s=args.idle, immediate=not args.at_boundary)
-    server = ArbiterServer(Arbiter(cfg), addr)
-    server.on_share = inf.fit if inf is not None else None
-    return server
+class Server(Proc):
+    """The ``computron serve`` process, its models, and its colocation records and mode switch."""
+
+    def __init__(self, args, addr: str, timeout_s: float):
+        self.args, self.port, self.models = args, free_port(), model_names(args)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.http = httpx.Client(base_url=self.url, timeout=60.0)
+        super().__init__(serve_command(args, self.port, addr), timeout_s, "server")
+        deadline = time.monotonic() + timeout_s
+        while True:  # ready: every model registered (host images built)
+            if self.p.poll() is not None or time.monotonic() > deadline:
+                self.fail(f"the server did not get ready in {timeout_s:.0f} s")
+            try:
+                r = self.http.get("/health")
+                if r.status_code == 200:
+                    body = r.json()
+                    if body["failed"]:
+                        self.fail(f"the server could not register {body['failed']}")
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        self.mode = "normal"
+
+    def admin(self, method: str, path: str, **kw) -> httpx.Response:
+        return self.http.request(method, path, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, **kw)
+
+    def report(self, since: float | None = None) -> dict:
+        r = self.http.get("/colocation", params={} if since is None else {"since": since})
+        r.raise_for_status()
+        return r.json()
+
+    def switch(self, mode: str) -> float:
+        """The arbiter in ``mode`` (a new one at the same address: the job reconnects); seconds taken."""
+        t = time.monotonic()
+        r = self.admin("POST", "/admin/colocation", json={"mode": mode})
+        if r.status_code != 200:
+            self.fail(f"switching to {mode} failed: {r.status_code} {r.text}")
+        self.mode = mode
+        return time.monotonic() - t
+
+    @staticmethod
+    def start_share(rep: dict) -> int | None:
+        """Inference's share once settled at the start of a run under the arbiter of ``rep`` (``normal``
+        books none: inference keeps its whole budget unasked)."""
+        return {"normal": None, "static": rep["capacity"] - rep["static_train"]}.get(rep["mode"], 0)
+
+    def reset(self, trainer: bool) -> None:
+        """Every model offloaded; under an arbiter the shares settled (and the job joined, if ``trainer``)."""
+        for name in self.models:
+            r = self.admin("POST", f"/admin/models/{name}/offload")
+            if r.status_code != 200:
+                print(f"offload {name}: {r.status_code} {r.text}", file=sys.stderr)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            rep = self.report(time.monotonic())
+            want = self.start_share(rep)
+            if want in (None, rep["shares"][0][0]) and (not trainer or 0 in rep["trainers"]):
+                return
+            if self.p.poll() is not None or time.monotonic() > deadline:
+                self.fail(f"{self.mode}: the shares did not settle to {want} bytes for inference "
+                          f"(now {rep['shares'][0]}, trainers {rep['trainers']}) in {self.timeout_s:.0f} s")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        super().stop()
+        self.http.close()
 
 
-def run_phase(args, phase: str, inf: Inference | None, job: Job | None, server: ArbiterServer | None,
-              arrivals) -> dict:
-    """One run of ``phase`` over the trace: inference (if ``inf``) against the job (if any) under ``server``."""
-    device = torch.device(args.device)
-    capacity = int(args.capacity_gb * GB)
-    if inf is not None:
-        inf.start(server, capacity - int(args.static_train_gb * GB) if phase == "static" else capacity)
-    timeline, done = [], threading.Event()
-
-    def sample():
-        while not done.is_set():
-            shares = server.arbiter.shares(0) if server else (0, 0)
-            timeline.append((time.monotonic(), shares[0], shares[1], inf.resident_bytes() if inf else 0))
-            time.sleep(0.01)
-
-    threading.Thread(target=sample, daemon=True).start()
+def run_phase(args, phase: str, trace, server: Server | None, job: Job | None) -> dict:
+    """One run of ``phase`` over the trace: the workload (if ``server``) against the job (if any)."""
+    if server is not None:
+        server.reset(trainer=job is not None)
+    if job is not None:  # a step under this arbiter (after the reset) before the run
+        job.wait_steps(1, time.monotonic(), phase)
+    before = server.report(time.monotonic()) if server is not None else None
     t0 = time.monotonic()
-    lat = []
-    for at, model in (arrivals if inf is not None else []):
-        while time.monotonic() - t0 < at:
-            time.sleep(min(0.001, max(0.0, at - (time.monotonic() - t0))))
-        try:
-            inf.serve(model)
-            lat.append(time.monotonic() - t0 - at)
-        except (torch.OutOfMemoryError, TimeoutError):
-            inf.failures += 1
-            lat.append(float("inf"))
+    records = asyncio.run(replay(server.url, trace, timeout=args.request_timeout)) if server is not None else []
     while time.monotonic() - t0 < args.duration:
         time.sleep(0.05)
     t1 = time.monotonic()
-    done.set()
-    out = {"mode": phase, "latencies": lat,
+    out = {"mode": phase, "start": t0, "seconds": t1 - t0,
+           "requests": [{"model": r.model, "latency": None if not r.ok else r.finish - r.arrival,
+                         "ttft": None if not r.ok else r.first_token - r.arrival,
+                         "tokens": r.completion_tokens, "error": r.error} for r in records],
            "train_samples_per_s": job.samples_per_s(t0, t1, args.global_batch) if job else None,
-           "handovers": inf.parts if inf else [], "failures": inf.failures if inf else 0,
-           "timeline": [(t - t0, a, b, c) for t, a, b, c in timeline]}
-    if inf is not None:
-        inf.start(None, 0)  # the next run starts with nothing resident
-    elif device.type == "cuda":
-        torch.cuda.empty_cache()
+           "handovers": [], "limits": [], "timeline": [], "used": []}
+    if server is not None and phase != "inference-alone":
+        rep = server.report(t0)
+        rel = lambda rows: [[r[0] - t0, *r[2:]] for r in rows if r[1] == 0]  # device 0, from the run's start
+        out.update(handovers=[{**h, "t": h["t"] - t0} for h in rep["handovers"]], limits=rel(rep["limits"]),
+                   timeline=[[0.0, *before["shares"][0]], *rel(rep["timeline"])],
+                   used=[[0.0, before["booked"][0]], *rel(rep["used"])],
+                   train_share_at_start=before["shares"][0][1], capacity=rep["capacity"])
     return out
 
 
 REFERENCES = ("inference-alone", "training-alone")
+HANDOVER_PARTS = ("wait", "signal", "release", "ack", "alloc", "swap")
 
 
-def phase_row(r: dict, solo: float | None, train_alone: float | None) -> dict:
+def solo_latencies(runs: list[dict]) -> dict[str, float]:
+    """Each model's median latency over the requests of inference alone (all its repeats)."""
+    by_model = collections.defaultdict(list)
+    for r in runs:
+        for q in r["requests"]:
+            if q["latency"] is not None:
+                by_model[q["model"]].append(q["latency"])
+    return {m: float(np.median(v)) for m, v in sorted(by_model.items())}
+
+
+def phase_row(r: dict, solo: dict[str, float] | None, train_alone: float | None) -> dict:
     """One run's figures: latency percentiles, SLO attainment at k x solo latency, training rate, handovers."""
-    row = {"failures": r["failures"]}
-    if r["latencies"]:
-        lat = np.array(r["latencies"])
+    reqs = r["requests"]
+    row = {"failures": sum(q["latency"] is None for q in reqs)}
+    if reqs:
+        lat = np.array([np.inf if q["latency"] is None else q["latency"] for q in reqs])
         row.update(p50_s=float(np.percentile(lat, 50)), p99_s=float(np.percentile(lat, 99)))
+        ttft = [q["ttft"] for q in reqs if q["ttft"] is not None]
+        if ttft:
+            row.update(ttft_p50_s=float(np.percentile(ttft, 50)), ttft_p99_s=float(np.percentile(ttft, 99)))
         if solo:
-            row["slo"] = {k: float(np.mean(lat <= k * solo)) for k in range(1, 9)}
+            base = np.array([solo.get(q["model"], np.nan) for q in reqs])
+            known = np.isfinite(base)  # a model that never answered alone has no SLO
+            if known.any():
+                row["slo"] = {k: float(np.mean(lat[known] <= k * base[known])) for k in range(1, 9)}
     if r["train_samples_per_s"] is not None:
         row["train_samples_per_s"] = r["train_samples_per_s"]
         if train_alone:
             row["train_relative"] = r["train_samples_per_s"] / train_alone
-    waits = [h for h in r["handovers"] if h.get("signal_s") is not None]
-    if waits:
-        for key in ("wait_s", "signal_s", "release_s", "ack_s", "alloc_s", "swap_s"):
-            vals = [h[key] for h in waits]
-            row[f"handover_{key[:-2]}_p50_ms"] = 1e3 * float(np.percentile(vals, 50))
-            row[f"handover_{key[:-2]}_p99_ms"] = 1e3 * float(np.percentile(vals, 99))
-        row["handovers"] = len(waits)
+    if r["mode"] in MODES:
+        prev, shrinks = r.get("train_share_at_start"), 0
+        for _, nbytes in r["limits"]:  # limits below the last one: training told to give memory back
+            shrinks += prev is not None and nbytes < prev
+            prev = nbytes
+        row.update(train_limits=len(r["limits"]), train_shrinks=shrinks, handovers=len(r["handovers"]))
+    for part in HANDOVER_PARTS:
+        vals = [h[f"{part}_s"] for h in r["handovers"] if h.get(f"{part}_s") is not None]
+        if vals:
+            row[f"handover_{part}_p50_ms"] = 1e3 * float(np.percentile(vals, 50))
+            row[f"handover_{part}_p99_ms"] = 1e3 * float(np.percentile(vals, 99))
     return row
 
 
 def _median(rows: list[dict]):
     """The median of each figure over repeats (nested dicts figure by figure)."""
     out = {}
-    for k in rows[0]:
+    for k in dict.fromkeys(k for r in rows for k in r):
         vals = [r[k] for r in rows if k in r]
         out[k] = _median(vals) if isinstance(vals[0], dict) else float(np.median(vals))
     return out
 
 
 def summarize(runs: dict[str, list[dict]]) -> dict:
-    """``runs``: phase -> its repeats. Solo latency and training-alone rate are medians over their
-    repeats; each phase's figures are the median over its repeats of each run's figures."""
-    solos = [float(np.median([x for x in r["latencies"] if np.isfinite(x)])) for r in runs.get("inference-alone", [])]
+    """``runs``: phase -> its repeats. Solo latencies (per model) and the training-alone rate come from
+    all their repeats; each phase's figures are the median over its repeats of each run's figures."""
+    solo = solo_latencies(runs.get("inference-alone", [])) or None
     rates = [r["train_samples_per_s"] for r in runs.get("training-alone", [])]
-    solo = float(np.median(solos)) if solos else None
     train_alone = float(np.median(rates)) if rates else None
     rows = []
     for phase in [*REFERENCES, *MODES]:
         if runs.get(phase):
             row = _median([phase_row(r, solo, train_alone) for r in runs[phase]])
             rows.append({"mode": phase, "repeats": len(runs[phase]), **row})
-    return {"solo_latency_s": solo, "train_alone_samples_per_s": train_alone, "rows": rows}
+    return {"solo_latency_s": float(np.median(list(solo.values()))) if solo else None, "solo_latency_by_model_s": solo,
+            "train_alone_samples_per_s": train_alone, "rows": rows}
 
 
 def plot(runs: dict[str, list[dict]], path: Path) -> None:
+    """Memory by owner over each mode's first run: the arbiter's shares (stacked) and what inference booked."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shown = [rs[0] for m, rs in runs.items() if m in MODES and rs and rs[0]["timeline"]]  # each mode's first run
+    shown = [rs[0] for m, rs in runs.items() if m in MODES and rs and rs[0]["timeline"]]
     if not shown:
         return
     fig, axes = plt.subplots(len(shown), 1, figsize=(10, 2.2 * len(shown)), sharex=True, squeeze=False)
     for ax, r in zip(axes[:, 0], shown):
-        t, inf, train, res = (np.array(c) for c in zip(*r["timeline"]))
-        ax.stackplot(t, inf / GB, train / GB, labels=["inference share", "training share"], alpha=0.6)
-        ax.plot(t, res / GB, "k", lw=0.8, label="inference resident")
+        end = r["seconds"]
+        t, inf, train = (np.array(c, dtype=float) for c in zip(*r["timeline"], [end, *r["timeline"][-1][1:]]))
+        ax.fill_between(t, 0, inf / GB, step="post", alpha=0.6, label="inference share")
+        ax.fill_between(t, inf / GB, (inf + train) / GB, step="post", alpha=0.6, label="training share")
+        u = np.array([*r["used"], [end, r["used"][-1][1]]], dtype=float)
+        ax.step(u[:, 0], u[:, 1] / GB, "k", where="post", lw=0.8, label="inference booked")
+        for h in r["handovers"]:
+            ax.axvline(h["t"], color="r", lw=0.4, alpha=0.5)
         ax.set_ylabel("GiB")
-        ax.set_title(r["mode"], fontsize=9)
+        ax.set_title(f"{r['mode']} ({len(r['handovers'])} handovers, red)", fontsize=9)
     axes[0, 0].legend(loc="upper right", fontsize=7)
     axes[-1, 0].set_xlabel("seconds")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", type=int, default=4, help="OPT-1.3B-sized models (default 4)")
-    p.add_argument("--model-gb", type=float, default=2.63, help="GB of weights per model (OPT-1.3B bf16: 2.63)")
-    p.add_argument("--rate", type=float, default=4.0, help="requests per second")
+    p.add_argument("--models", type=int, default=4, help="copies of the preset served (default 4)")
+    p.add_argument("--preset", default="opt-1.3b", help="the served models' preset (default opt-1.3b)")
+    p.add_argument("--rate", type=float, default=4.0, help="requests per second over all models")
     p.add_argument("--cv", type=float, default=4.0, help="coefficient of variation of inter-arrivals (bursty > 1)")
-    p.add_argument("--duration", type=float, default=20.0, help="seconds of each run")
-    p.add_argument("--tokens", type=int, default=32, help="decode tokens per request")
-    p.add_argument("--capacity-gb", type=float, default=24.0, help="GB shared by inference and training")
+    p.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals in each run")
+    p.add_argument("--prompt", default="128", help="prompt tokens per request: N or LO:HI (default 128)")
+    p.add_argument("--output", "--tokens", default="32", help="output tokens per request: N or LO:HI (default 32)")
+    p.add_argument("--capacity-gb", type=float, default=24.0,
+                   help="GB shared by inference (weights and KV cache) and training: the arbiter's capacity")
+    p.add_argument("--workspace-gb", type=float, default=2.0,
+                   help="GB the server keeps beside that for activations (its budget is capacity + workspace)")
     p.add_argument("--static-train-gb", type=float, default=14.0, help="static mode: training's share")
     p.add_argument("--idle", type=float, default=2.0, help="seconds of inference idle before memory goes back")
     p.add_argument("--at-boundary", action="store_true", help="release at micro-batch boundaries, not at once")
+    p.add_argument("--serve-args", default="", help="more arguments for the server's command line")
+    p.add_argument("--request-timeout", type=float, default=120.0, help="seconds one request may take")
     p.add_argument("--job", choices=sorted(JOBS), default="gpt",
                    help="gpt: computron train; resnet: examples/resnet_colocated.py")
     p.add_argument("--train-model", default=None, help="gpt: the job's model (default: a GPT-2-medium shape)")
@@ -362,7 +421,7 @@ def main(argv=None) -> int:
                         "bench/results/hybrid_<tag>_runs.json, so a comparison can be split over several "
                         "invocations (same settings, same trace) and the summary covers every phase stored")
     p.add_argument("--job-timeout", type=float, default=300.0,
-                   help="seconds a job may take to start, warm up, or make its first step under a new arbiter")
+                   help="seconds a job or the server may take to start, warm up, or settle into a new run")
     p.add_argument("--repeats", type=int, default=3, help="runs per phase; figures are medians over them")
     p.add_argument("--fresh", action="store_true", help="drop the runs stored under this tag first")
     p.add_argument("--device", default="cuda")
@@ -378,6 +437,10 @@ def main(argv=None) -> int:
     if unknown or args.repeats < 1:
         p.error(f"unknown phase(s) {unknown}; known: {', '.join((*REFERENCES, *MODES))}" if unknown
                 else "--repeats must be at least 1")
+    try:
+        lengths = [tuple(int(x) for x in v.split(":")) if ":" in v else int(v) for v in (args.prompt, args.output)]
+    except ValueError:
+        p.error("--prompt and --output take N or LO:HI")
     settings = {k: v for k, v in vars(args).items() if k not in ("modes", "repeats", "fresh", "tag", "out")}
     results = Path(args.out)
     results.mkdir(parents=True, exist_ok=True)
@@ -388,7 +451,7 @@ def main(argv=None) -> int:
         if saved["settings"] != settings:
             p.error(f"{store} holds runs with other settings ({saved['settings']}); use --fresh or another --tag")
         runs = saved["runs"]
-    device, startup = torch.device(args.device), {}
+    startup: dict[str, float] = {}
 
     def timed(name, fn):
         t = time.monotonic()
@@ -397,58 +460,67 @@ def main(argv=None) -> int:
         print(f"start-up: {name} {startup[name]:.1f} s", flush=True)
         return out
 
-    ckpt = None
-    if args.job == "gpt":
-        ckpt = args.train_model or timed("checkpoint_s", lambda: gpt2_medium_checkpoint(
-            Path(tempfile.gettempdir()) / "computron-gpt2-medium"))
-    arrivals = trace(args)
-    inf = timed("host_images_s", lambda: Inference(args, device)) if set(phases) - {"training-alone"} else None
+    trace = make_workload(model_names(args), args.rate, args.duration, cv=args.cv, prompt=lengths[0],
+                          output=lengths[1], seed=args.seed)
+    print(f"trace: {len(trace)} requests over {args.duration:g} s, {args.models} models", flush=True)
     for phase in phases:
         runs[phase] = []
 
     def record(r):
         if runs[r["mode"]]:
-            r["timeline"] = []  # one timeline per phase is plotted; the file stays small
+            r["timeline"] = r["used"] = []  # one timeline per phase is plotted; the file stays small
         runs[r["mode"]].append(r)
         store.write_text(json.dumps({"settings": settings, "runs": runs}))  # after each run: nothing is lost
-        print(json.dumps(phase_row(r, None, None)), flush=True)
+        print(r["mode"], json.dumps(phase_row(r, None, None)), flush=True)
 
-    for _ in range(args.repeats if "inference-alone" in phases else 0):
-        record(run_phase(args, "inference-alone", inf, None, None, arrivals))
-    if "training-alone" in phases:
+    ckpt = None
+    if args.job == "gpt" and set(phases) - {"inference-alone"}:
+        ckpt = args.train_model or timed("checkpoint_s", lambda: gpt2_medium_checkpoint(
+            Path(tempfile.gettempdir()) / "computron-gpt2-medium"))
+    if "training-alone" in phases:  # first, while no server holds the device
         job = Job(job_command(args, ckpt, None), args.job_timeout)
         startup["alone_job_warmup_s"] = job.wait_steps(args.warmup_steps, 0, "training-alone")
         for _ in range(args.repeats):
-            record(run_phase(args, "training-alone", None, job, None, arrivals))
+            record(run_phase(args, "training-alone", trace, None, job))
         job.stop()
-    modes, job = [m for m in MODES if m in phases], None
-    addr = tempfile.mktemp(suffix=".sock")
-    for _ in range(args.repeats if modes else 0):
-        for mode in modes:  # repeats go round the modes: drift spreads over all of them
-            server = arbiter(args, mode, addr, inf)
-            if job is None:
-                job = Job(job_command(args, ckpt, addr), args.job_timeout)
-                startup["colocated_job_warmup_s"] = job.wait_steps(args.warmup_steps, 0, mode)
-            else:  # the job finds the new arbiter; one step under it before the run
-                deadline = time.monotonic() + job.timeout_s
-                while not server.trainer_connected(0) and time.monotonic() < deadline:
-                    time.sleep(0.01)
-                job.wait_steps(1, time.monotonic(), mode)
-            try:
-                record(run_phase(args, mode, inf, job, server, arrivals))
-            finally:
-                server.on_share = None
-                server.close()
-    if job is not None:
-        job.stop()
+    modes = [m for m in MODES if m in phases]
+    if "inference-alone" in phases or modes:
+        addr = os.path.join(tempfile.mkdtemp(prefix="computron-hybrid-"), "arbiter.sock")
+        server = timed("serve_ready_s", lambda: Server(args, addr, args.job_timeout))
+        # the trace once, unrecorded: first-use costs (kernels, decode graphs of each batch size, the
+        # swap path) stay out of inference alone's latencies, which every SLO is measured against
+        warm = timed("serve_warmup_s", lambda: run_phase(args, "inference-alone", trace, server, None))
+        if any(q["error"] for q in warm["requests"]):
+            server.fail(f"the warm-up's requests failed: {[q['error'] for q in warm['requests'] if q['error']][:3]}")
+        job, switches = None, []
+        try:
+            for _ in range(args.repeats if "inference-alone" in phases else 0):  # normal, and no job joins
+                record(run_phase(args, "inference-alone", trace, server, None))
+            for _ in range(args.repeats if modes else 0):
+                for mode in modes:  # repeats go round the modes: drift spreads over all of them
+                    switches.append(server.switch(mode))
+                    if job is None:
+                        job = Job(job_command(args, ckpt, addr), args.job_timeout)
+                        startup["colocated_job_warmup_s"] = job.wait_steps(args.warmup_steps, 0, mode)
+                    record(run_phase(args, mode, trace, server, job))
+        finally:
+            if job is not None:
+                job.stop()
+            server.stop()
+        if switches:
+            startup["mode_switch_p50_s"] = float(np.median(switches))
     for name in ("alone_job_warmup_s", "colocated_job_warmup_s"):
         if name in startup:
             print(f"start-up: {name} {startup[name]:.1f} s (process start to {args.warmup_steps} steps)")
     summary = summarize(runs)
     out = results / f"hybrid_{args.tag}.json"
-    out.write_text(json.dumps({"args": vars(args), "startup": startup, "requests": len(arrivals), **summary,
-                               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1))
+    device = "cpu"
+    if args.device.startswith("cuda"):
+        import torch
+
+        device = torch.cuda.get_device_name()
+    out.write_text(json.dumps({"args": vars(args), "startup": startup, "requests": len(trace), **summary,
+                               "device": device, "date": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1))
     plot(runs, out.with_suffix(".png"))
     for row in summary["rows"]:
         print(json.dumps(row))

@@ -1,5 +1,7 @@
-"""bench/hybrid.py runs every phase in one command on the CPU (tiny sizes): one row per phase with
-its repeats, the start-up parts, handovers in the colocated modes, a JSON summary and a PNG."""
+"""bench/hybrid.py runs every phase in one command on the CPU with the real engine (tiny sizes): one
+`computron serve --colocate` process whose mode the bench switches, a `computron train` job alone
+and one colocated, one trace replayed per phase; one row per phase, the start-up parts, the
+handovers split into their parts, a JSON summary and a PNG."""
 
 import json
 import os
@@ -8,28 +10,50 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+MODES = ("normal", "static", "task-switch", "colocate")
 
 
-def test_one_command_runs_every_phase_with_the_resnet_job(tmp_path):
-    cmd = [sys.executable, str(ROOT / "bench" / "hybrid.py"), "--device", "cpu", "--job", "resnet",
-           "--train-args", "--depth 14 --width 16 --image-size 32 --classes 10 --pool 16 --lr 0.01",
-           "--global-batch", "8", "--micro-batch", "8", "--models", "2", "--model-gb", "0.002", "--capacity-gb", "0.02",
-           "--static-train-gb", "0.012", "--idle", "0.3", "--rate", "4", "--cv", "2", "--duration", "1.5",
-           "--repeats", "1", "--tokens", "2", "--warmup-steps", "1", "--tag", "t", "--out", str(tmp_path)]
+def test_one_command_runs_every_phase_against_the_real_server(tmp_path):
+    # tiny-opt job: 5.1 MB at its full micro-batch of 8, 3.7 MB at 1; the arbiter shares 5.4 MB, so two
+    # served tiny-opt copies (0.67 MB each, and their caches) make the job shrink, not pause
+    cmd = [sys.executable, str(ROOT / "bench" / "hybrid.py"), "--device", "cpu", "--preset", "tiny-opt",
+           "--models", "2", "--train-model", "tiny-opt", "--seq-len", "16", "--global-batch", "8",
+           "--micro-batch", "8", "--capacity-gb", "0.005", "--workspace-gb", "0.0001", "--static-train-gb", "0.0037",
+           "--idle", "0.3", "--rate", "8", "--cv", "2", "--duration", "2", "--prompt", "8", "--output", "4",
+           "--repeats", "1", "--warmup-steps", "1", "--job-timeout", "60", "--tag", "t", "--out", str(tmp_path)]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     out = json.loads((tmp_path / "hybrid_t.json").read_text())
     rows = {r["mode"]: r for r in out["rows"]}
     assert list(rows) == ["inference-alone", "training-alone", "normal", "static", "task-switch", "colocate"]
-    assert all(r["repeats"] == 1 and r["failures"] == 0 for r in rows.values())
-    assert set(out["startup"]) == {"host_images_s", "alone_job_warmup_s", "colocated_job_warmup_s"}
-    for mode in ("normal", "static", "colocate"):
-        assert rows[mode]["train_samples_per_s"] > 0 and "p99_s" in rows[mode], rows[mode]
-    # task-switch pauses training whenever inference has work: over 1.5 s of bursts it may make no step
-    assert rows["task-switch"]["train_samples_per_s"] >= 0 and "p99_s" in rows["task-switch"]
+    assert set(out["startup"]) == {"alone_job_warmup_s", "serve_ready_s", "serve_warmup_s",
+                                   "colocated_job_warmup_s", "mode_switch_p50_s"}
+    assert set(out["solo_latency_by_model_s"]) == {"a", "b"}  # the trace asks both served copies
+    runs = json.loads((tmp_path / "hybrid_t_runs.json").read_text())["runs"]
+    n = out["requests"]
+    for mode, row in rows.items():  # every request of the trace answered, in every phase with inference
+        assert row["repeats"] == 1 and row["failures"] == 0, (mode, row)
+        if mode != "training-alone":
+            reqs = runs[mode][0]["requests"]
+            assert len(reqs) == n and all(q["tokens"] == 4 and q["error"] is None for q in reqs), (mode, reqs)
+            assert 0 < row["p50_s"] <= row["p99_s"] and set(row["slo"]) == {str(k) for k in range(1, 9)}
+    assert rows["inference-alone"]["slo"]["8"] == 1.0  # within 8 x its model's median latency, alone
+    assert rows["training-alone"]["train_relative"] == 1.0
+    # the job trains beside the server (a loaded CPU may fit no step of a shrunk or paused job into one
+    # 2 s run, and task-switch pauses it whenever inference has work; the bench waits for a step
+    # under each arbiter before each run)
+    assert all(rows[m]["train_samples_per_s"] >= 0 for m in MODES)
+    assert max(rows[m]["train_samples_per_s"] for m in MODES) > 0
+    assert rows["normal"]["handovers"] == 0 and rows["static"]["handovers"] == 0  # nothing is handed over
     for mode in ("task-switch", "colocate"):  # training held the memory inference asked for: handed over
-        assert rows[mode]["handovers"] >= 1 and rows[mode]["handover_release_p99_ms"] >= 0
+        row = rows[mode]
+        assert row["handovers"] >= 1 and row["train_shrinks"] >= 1, row
+        for part in ("wait", "signal", "release", "ack", "alloc", "swap"):
+            assert row[f"handover_{part}_p99_ms"] >= row[f"handover_{part}_p50_ms"] >= 0, (mode, part, row)
+        run = runs[mode][0]
+        assert run["timeline"] and run["used"] and max(u for _, u in run["used"]) > 0
+        assert all(i + t <= run["capacity"] for _, i, t in run["timeline"])  # shares never double-booked
     assert (tmp_path / "hybrid_t.png").stat().st_size > 0
 
 

@@ -23,8 +23,11 @@ import os
 import socket
 import threading
 import time
+from collections import deque
 
 from .arbiter import Arbiter, InferenceShare, TrainLimit
+
+RECORDS = 100_000  # records of each kind a server keeps (handovers, limits, share changes)
 
 
 def family(address: str):
@@ -99,7 +102,13 @@ class ArbiterServer:
         self.arbiter, self.address = arbiter, address
         self.on_share = on_share  # called with (device, bytes): the engine's new budget
         self.budgets = [0] * len(arbiter.devices)  # inference's budget per device, as last applied
-        self.handovers: list[dict] = []  # one per demand that had to wait for training
+        # the latest RECORDS of each (a server runs for long): one per demand that had to wait for
+        # training; (time, device, bytes) of every limit sent to training; (time, device, inference,
+        # training) whenever the shares change
+        self.handovers: deque[dict] = deque(maxlen=RECORDS)
+        self.limits: deque[tuple[float, int, int]] = deque(maxlen=RECORDS)
+        self.timeline: deque[tuple[float, int, int, int]] = deque(maxlen=RECORDS)
+        self._last_shares: dict[int, tuple[int, int]] = {}
         self._lock = threading.Condition()
         self._trainers: dict[int, Channel] = {}
         self._sent: dict[int, tuple[float, int]] = {}  # id -> (sent time, device)
@@ -118,8 +127,10 @@ class ArbiterServer:
     def demand(self, device: int, nbytes: int, timeout: float | None = None) -> dict:
         """Block until inference's budget on ``device`` is at least ``nbytes``; the handover's timing.
 
-        Returns ``{"wait_s", "signal_s", "release_s", "ack_s", "granted"}`` (the parts are None when
-        no training memory had to move). Raises TimeoutError after ``timeout`` seconds.
+        Returns ``{"t", "wait_s", "signal_s", "release_s", "ack_s", "granted", "alloc_s", "swap_s"}``
+        (``t``: when it was asked; the parts are None when no training memory had to move; the
+        engine fills ``alloc_s`` and ``swap_s`` in, see ``serving.EngineLink``). Raises TimeoutError
+        after ``timeout`` seconds.
         """
         t0 = time.monotonic()
         with self._lock:
@@ -132,8 +143,8 @@ class ArbiterServer:
                 raise TimeoutError(f"inference did not get {nbytes} bytes on device {device} within {timeout} s")
             t1 = time.monotonic()
             acks = [a for i, a in self._acks.items() if i > first_id and a["device"] == device]
-        rec = {"device": device, "bytes": nbytes, "wait_s": t1 - t0, "granted": self.budgets[device],
-               "signal_s": None, "release_s": None, "ack_s": None}
+        rec = {"t": t0, "device": device, "bytes": nbytes, "wait_s": t1 - t0, "granted": self.budgets[device],
+               "signal_s": None, "release_s": None, "ack_s": None, "alloc_s": None, "swap_s": None}
         if acks:
             a = acks[-1]
             rec.update(signal_s=a["received"] - a["sent"], release_s=a["released"] - a["received"],
@@ -149,6 +160,18 @@ class ArbiterServer:
     def busy(self, device: int) -> None:
         with self._lock:
             self.arbiter.busy(device, time.monotonic())
+
+    def records(self, since: float | None = None) -> dict:
+        """What happened since ``since`` (a ``time.monotonic()``; None: everything), as plain JSON:
+        the current shares, the handovers, the limits sent to training and the share timeline."""
+        def kept(rows, t=lambda r: r[0]):
+            return [r for r in rows if since is None or t(r) >= since]
+
+        with self._lock:
+            return {"shares": [list(self.arbiter.shares(d)) for d in range(len(self.arbiter.devices))],
+                    "trainers": sorted(self._trainers), "handovers": [dict(h) for h in kept(self.handovers,
+                                                                                      lambda h: h["t"])],
+                    "limits": [list(r) for r in kept(self.limits)], "timeline": [list(r) for r in kept(self.timeline)]}
 
     def trainer_connected(self, device: int) -> bool:
         with self._lock:
@@ -182,6 +205,7 @@ class ArbiterServer:
                 ch = self._trainers.get(a.device)
                 now = time.monotonic()
                 self._sent[a.id] = (now, a.device)
+                self.limits.append((now, a.device, a.bytes))
                 if ch is None or not ch.send({"t": "limit", "id": a.id, "bytes": a.bytes,
                                               "immediate": a.immediate, "sent": now}):
                     actions += self.arbiter.train_left(a.device, now)
@@ -191,6 +215,11 @@ class ArbiterServer:
                 self.budgets[a.device] = a.bytes
                 if shrink and fitted:  # else the engine calls released() once it fits
                     actions += self.arbiter.inference_released(a.device, time.monotonic())
+        for d in range(len(self.arbiter.devices)):
+            shares = self.arbiter.shares(d)
+            if self._last_shares.get(d) != shares:
+                self._last_shares[d] = shares
+                self.timeline.append((time.monotonic(), d, *shares))
         self._lock.notify_all()
 
     def _accept(self) -> None:

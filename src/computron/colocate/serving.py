@@ -20,6 +20,13 @@ In ``normal`` mode the engine keeps its whole budget and only the training job i
 The executor's arena follows the share (``EngineCore.set_budget`` / ``fit_memory``): on a GPU its
 memory past the share is returned to the driver (``memory/vmm.py``) before training is told it may
 grow, and mapped again before inference uses a larger share.
+
+Records (``report``): every handover, split into the arbiter's parts (signal, training's release,
+ack; ``ArbiterServer.demand``) and the engine's (``alloc_s``: applying the grant, i.e. mapping the
+arena's memory again; ``swap_s``: the swap-ins of the step it was asked for), the limits sent to
+training, the shares over time and what inference has booked over time. ``computron serve``
+serves them at ``GET /colocation`` and can switch the mode at run time (``POST
+/admin/colocation``, :class:`Colocated`).
 """
 
 from __future__ import annotations
@@ -27,9 +34,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 
 from .arbiter import MODES, Arbiter, ArbiterConfig
-from .protocol import ArbiterServer
+from .protocol import RECORDS, ArbiterServer
 
 log = logging.getLogger("computron.colocate")
 
@@ -42,25 +50,35 @@ class EngineLink:
             raise ValueError(f"the arbiter's capacity of {config.capacity} bytes is more than inference's budget "
                              f"({list(ceilings)} bytes per device)")
         self.devices = len(ceilings)
-        self.log: list[tuple[float, int, int]] = []  # (time, device, bytes) of every budget applied
+        self.opened = time.monotonic()
+        self.log: deque[tuple[float, int, int]] = deque(maxlen=RECORDS)  # (time, device, bytes) of each budget set
+        self.used: deque[tuple[float, int, int]] = deque(maxlen=RECORDS)  # (time, device, bytes booked), on change
+        self._used_last: dict[int, int] = {}
+        self._swap_for: dict[int, dict] = {}  # device -> the handover of this step, whose swap-ins are timed
         self._mail: dict[int, int] = {}  # device -> latest share sent from another thread
         self._unconfirmed: set[int] = set()  # devices whose reduced share is applied but not yet fitted
         self._mail_lock = threading.Lock()
         self._polling: int | None = None  # the engine thread while it is in poll()
         self.server = ArbiterServer(Arbiter(config, self.devices), address, on_share=self._on_share)
+        self.closed = False
         for d in range(self.devices):
             if config.mode == "normal":
-                continue  # inference keeps its whole budget
+                self._set(d, ceilings[d])  # inference keeps (or, after another mode, gets back) its whole budget
+                continue
             first = config.capacity - config.static_train if config.mode == "static" else 0
             self._set(d, first)
             if first:
                 self.server.demand(d, first)  # no training yet: granted at once
+        core.listeners.append(self._on_swap)
         core.colocation = self
 
     # ---- the engine thread -------------------------------------------------------------------
 
     def poll(self) -> None:
+        if self.closed:  # a wake-up posted before the link was closed (a mode switch)
+            return
         self._polling = threading.get_ident()
+        self._swap_for.clear()  # the last step's loads, if any, came in (``_on_swap``)
         try:
             self._apply_mail()
             sched = self.core.scheduler
@@ -71,23 +89,48 @@ class EngineLink:
                 self.server.busy(d)
                 if need > sched.shares[d] and self.config.mode != "normal":
                     try:
-                        self.server.demand(d, need, self.demand_timeout)
+                        rec = self.server.demand(d, need, self.demand_timeout)
                     except TimeoutError as e:
                         log.warning("colocation: %s; the scheduler works in %d bytes", e, sched.shares[d])
+                    else:
+                        if rec["signal_s"] is not None:  # training's memory moved: time inference's part
+                            t = time.monotonic()
+                            self._apply_mail()  # the grant: the arena maps the memory again
+                            rec["alloc_s"] = time.monotonic() - t
+                            self._swap_for[d] = rec  # the swap-ins of this step
             self._apply_mail()
+            self._record_used()
         finally:
             self._polling = None
 
     def close(self) -> None:
-        self.core.colocation = None
+        self.closed = True
+        if self.core.colocation is self:
+            self.core.colocation = None
+        if self._on_swap in self.core.listeners:
+            self.core.listeners.remove(self._on_swap)
         self.server.close()
+
+    def report(self, since: float | None = None) -> dict:
+        """Records since ``since`` (``time.monotonic()``, one clock for the machine's processes) as
+        plain JSON: the settings, the arbiter's records (``ArbiterServer.records``), the budgets
+        applied and the bytes inference booked. Safe from any thread."""
+        c = self.config
+        used = [list(r) for r in list(self.used) if since is None or r[0] >= since]
+        budgets = [list(r) for r in list(self.log) if since is None or r[0] >= since]
+        sched = self.core.scheduler
+        booked = [sched.shares[d] - sched.free_bytes(d) for d in range(self.devices)]
+        return {"mode": c.mode, "capacity": c.capacity, "static_train": c.static_train, "idle_s": c.idle_s,
+                "immediate": c.immediate, "address": self.server.address, "opened": self.opened,
+                "now": time.monotonic(), **self.server.records(since), "budgets": budgets, "used": used,
+                "booked": booked}
 
     # ---- internals ---------------------------------------------------------------------------
 
     def _on_share(self, device: int, nbytes: int) -> bool:
         """Called by the arbiter server (its lock held). On the engine thread: applied now. Else
         posted; False for a reduction, confirmed by ``released`` once the engine fits in it."""
-        if self.config.mode == "normal":
+        if self.config.mode == "normal" or self.closed:
             return True
         if self._polling == threading.get_ident():
             with self._mail_lock:
@@ -100,6 +143,24 @@ class EngineLink:
         if self.wake is not None:
             self.wake(self.poll)
         return nbytes >= self.core.scheduler.shares[device]
+
+    def _on_swap(self, kind: str, model: str, seconds: float, nbytes: int) -> None:
+        """An engine listener (engine thread): loads after a handover are its swap-in."""
+        if kind != "load" or not self._swap_for:
+            return
+        info = self.core.models.get(model)
+        for d in (info.placement.devices if info is not None else ()):
+            rec = self._swap_for.get(d)
+            if rec is not None:
+                rec["swap_s"] = (rec["swap_s"] or 0.0) + seconds
+
+    def _record_used(self) -> None:
+        sched = self.core.scheduler
+        for d in range(self.devices):
+            used = sched.shares[d] - sched.free_bytes(d)
+            if self._used_last.get(d) != used:
+                self._used_last[d] = used
+                self.used.append((time.monotonic(), d, used))
 
     def _apply_mail(self) -> None:
         with self._mail_lock:
@@ -134,7 +195,63 @@ def add_arguments(p) -> None:
                    help="training releases at its next micro-batch boundary instead of abandoning it")
 
 
-def attach(args, async_engine):
+class Colocated:
+    """``serve --colocate``: the link of a running server, which a mode switch replaces (``switch``:
+    the old arbiter closes, its job keeps its last limit and finds the new one at the same address)."""
+
+    def __init__(self, async_engine, address: str, config: ArbiterConfig):
+        self.ae, self.address = async_engine, address
+        self.link = async_engine.call(EngineLink, async_engine.engine.core, address, config,
+                                      wake=async_engine.call).result()
+
+    def switch(self, mode: str | None = None, idle_s: float | None = None, static_train: int | None = None,
+               immediate: bool | None = None) -> dict:
+        """On the engine thread: a new link with these settings (the others kept). ValueError for a
+        bad one (the old link stays)."""
+        import dataclasses
+
+        changes = {k: v for k, v in dict(mode=mode, idle_s=idle_s, static_train=static_train,
+                                         immediate=immediate).items() if v is not None}
+        cfg = dataclasses.replace(self.link.config, **changes)  # checked here, before anything closes
+        self.link.close()
+        self.link = EngineLink(self.ae.engine.core, self.address, cfg, wake=self.ae.call)
+        log.info("colocation: switched to mode %s (idle %.2f s, static training share %d bytes)", cfg.mode,
+                 cfg.idle_s, cfg.static_train)
+        return self.link.report(self.link.opened)
+
+    def close(self) -> None:
+        self.link.close()
+
+
+def add_routes(app, colocated: Colocated) -> None:
+    """``GET /colocation[?since=T]``: the link's records (``EngineLink.report``); ``POST
+    /admin/colocation`` with any of ``mode``, ``idle_s``, ``static_train`` (bytes or a size),
+    ``at_boundary``: switch the mode at run time (the admin key's)."""
+    from fastapi import Body
+
+    from ..config import parse_bytes
+    from ..server.errors import APIError
+
+    @app.get("/colocation")
+    async def colocation(since: float | None = None):
+        return colocated.link.report(since)
+
+    @app.post("/admin/colocation")
+    async def switch(body: dict = Body(...)):
+        unknown = sorted(set(body) - {"mode", "idle_s", "static_train", "at_boundary"})
+        if unknown:
+            raise APIError(400, f"unknown field(s) {', '.join(unknown)}; known: mode, idle_s, static_train, "
+                           "at_boundary", unknown[0], "invalid_field")
+        try:
+            kw = dict(mode=body.get("mode"), idle_s=None if body.get("idle_s") is None else float(body["idle_s"]),
+                      static_train=None if body.get("static_train") is None else parse_bytes(body["static_train"]),
+                      immediate=None if body.get("at_boundary") is None else not bool(body["at_boundary"]))
+            return await colocated.ae.run(colocated.switch, **kw)
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e), None, "invalid_value") from None
+
+
+def attach(args, async_engine) -> Colocated | None:
     """The link ``serve`` opens when ``--colocate`` is given (None otherwise); its capacity is
     inference's whole budget for weights and KV cache."""
     if not getattr(args, "colocate", None):
@@ -145,6 +262,6 @@ def attach(args, async_engine):
     cap = min(core.scheduler.config.budgets)
     cfg = ArbiterConfig(mode=args.colocate_mode, capacity=cap, idle_s=args.colocate_idle,
                         static_train=parse_bytes(args.colocate_static_train), immediate=not args.colocate_at_boundary)
-    link = async_engine.call(EngineLink, core, args.colocate, cfg, wake=async_engine.call).result()
+    colocated = Colocated(async_engine, args.colocate, cfg)
     log.info("colocation: arbiter on %s, mode %s, %d bytes per device shared", args.colocate, cfg.mode, cap)
-    return link
+    return colocated

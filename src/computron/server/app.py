@@ -200,8 +200,9 @@ class Guard:
         return None, replay
 
 
-def create_app(async_engine: AsyncEngine, config: ComputronConfig | None = None) -> FastAPI:
+def create_app(async_engine: AsyncEngine, config: ComputronConfig | None = None, colocation=None) -> FastAPI:
     """The server app for ``async_engine``; registers ``config.models`` in the background on start-up.
+    ``colocation``: the ``colocate.serving.Colocated`` of ``serve --colocate`` (its routes are added).
 
     The caller owns the AsyncEngine (and shuts it down after the server stops)."""
     config = config or ComputronConfig()
@@ -261,6 +262,10 @@ def create_app(async_engine: AsyncEngine, config: ComputronConfig | None = None)
     from .admin import add_admin_routes
 
     add_admin_routes(app, svc)
+    if colocation is not None:
+        from ..colocate.serving import add_routes
+
+        add_routes(app, colocation)
     errors.document(app)
     return app
 

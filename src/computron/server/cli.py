@@ -265,7 +265,7 @@ def serve_main(args) -> int:
     colocation = None
     try:
         colocation = __import__("computron.colocate.serving", fromlist=["attach"]).attach(args, ae)
-        app = create_app(ae, cfg)
+        app = create_app(ae, cfg, colocation)
         log.info("serving %d model(s) on http://%s:%d (OpenAI API under /v1)", len(cfg.models), srv.host, srv.port)
         server = uvicorn.Server(uvicorn.Config(app, host=srv.host, port=srv.port, log_level=args.log_level,
                                                log_config=None, timeout_graceful_shutdown=10))

@@ -523,3 +523,30 @@ def test_a_plan_that_repeats_is_followed_by_the_same_batch(seed):
     s.add_request(SchedRequest("long", "m0", 4, 50, 2000.0))
     s.schedule(2000.0)
     assert not s.schedule(2001.0, max_steps=8).repeats  # runs of several steps: no single step foretold
+
+
+def test_a_share_below_the_budget_holds_a_request_until_it_grows_and_only_then_fails_it():
+    """Colocation: training holds part of the budget. A model that does not fit the share waits for
+    it to grow (the engine's link asks training for memory); it fails only when the whole budget
+    cannot hold it beside a pinned model."""
+    s = _sched(250_000)
+    s.add_model("a", 100_000, KVT, pinned=True)
+    s.add_model("b", 100_000, KVT)
+    s.add_model("c", 200_000, KVT)
+    s.add_request(_req(9, "a", max_tokens=1))
+    _run_step(s)  # a is resident, and stays (pinned)
+    s.set_budget(0, 150_000)  # training took the rest
+    s.add_request(_req(0, "b"))
+    p = s.schedule()
+    assert not p.failed and not p.loads and not p.batches
+    s.set_budget(0, 250_000)
+    p = _run_step(s)
+    assert not p.failed and p.loads == ["b"]
+    s.add_request(_req(1, "c"))
+    while "r0" in s.requests:
+        assert not _run_step(s).failed
+    s.set_budget(0, 150_000)
+    assert not s.schedule().failed and "r1" in s.requests  # held while the share is short of the budget
+    s.set_budget(0, 250_000)
+    p = s.schedule()
+    assert p.failed and p.failed[0][0] == "r1" and "pinned models (a)" in p.failed[0][1]

@@ -349,6 +349,12 @@ class Memory:
         return all(len(self.on_device[d]) < self.config.max_loaded or
                    any(not c.running and not c.pinned for c in self.on_device[d].values()) for d in m.devices)
 
+    def _memory_may_come(self, m: ModelState) -> bool:
+        """Will memory that ``m`` lacks come without failing anything? Running requests beside it end,
+        or (colocation) a share below the budget grows: the engine's link asks training for what the
+        work needs before the next step."""
+        return self._busy_near(m) or any(self.shares[d] < self.config.budgets[d] for d in m.devices)
+
     def _busy_near(self, m: ModelState) -> bool:
         """Does any other model on m's devices have running requests (memory that will be freed)?"""
         return any(c.running for d in m.devices for c in self.on_device[d].values() if c is not m)

@@ -456,7 +456,7 @@ class Scheduler(Memory):
             if self._yielded and self._yielding(m):
                 continue
             if not self._make_resident(m, claimed, plan, plan.loads, now, evict_waiting=True):
-                if self._busy_near(m):
+                if self._memory_may_come(m):
                     hold_after = key if hold_after is None else hold_after
                 else:  # nothing runs that will ever free memory for it
                     self._fail_head(m, plan, self._cannot_load_reason(m))
@@ -620,7 +620,7 @@ class Scheduler(Memory):
                     not self._make_room(m, self._kv_need(m, new), keep, plan, evict_waiting=True):
                 if m.running or batch.prefill or req.id in plan.preempted:
                     break
-                if self._busy_near(m):
+                if self._memory_may_come(m):
                     return None
                 need = list(self._kv_need(m, new).values())
                 self._fail_head(m, plan, f"request {req.id!r} needs {need} bytes of KV cache on "

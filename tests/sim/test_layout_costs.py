@@ -135,3 +135,26 @@ def test_simulator_charges_server_seq_s():
         tpot[srv] = (r.finish - r.first_token) / 10
     assert tpot[0.0] == pytest.approx(2e-3 + 4 * 1e-4)
     assert tpot[5e-4] == pytest.approx(2e-3 + 4 * 1e-4 + 4 * 5e-4)
+
+
+def test_simulator_charges_a_graph_capture_per_bucket_after_each_load():
+    """The first decode step of each batch-size bucket after a load pays graph_capture_s (+ per byte):
+    a lone request's TPOT carries one capture over its 10 decode steps; a model loaded again
+    captures again; a batch of 3 runs in bucket 4, one capture more."""
+    from computron.config import EngineConfig
+    from computron.sim import Simulation
+
+    base = dict(hbm_bandwidth=1e15, prefill_fixed_s=1e-3, prefill_token_s=0.0, prefill_token_s_per_byte=0.0,
+                decode_fixed_s=2e-3, decode_seq_s=1e-4, decode_seq_s_per_byte=0.0)
+    cfg = EngineConfig(device="cpu", gpu_memory_budget=2**20 + 1_000_000, workspace_bytes=2**20)  # one model at a time
+    sim = Simulation(["tiny-opt=a", "tiny-opt=b"], Calibration(**base, graph_capture_s=5e-3), cfg)
+    res = sim.run([(0.0, "a", 8, 11), (1.0, "b", 8, 11), (2.0, "a", 8, 11), (3.0, "a", 8, 11), (3.0, "a", 8, 11),
+                   (3.0, "a", 8, 11)])
+    tpot = [(r.finish - r.first_token) / 10 for r in res.records]
+    for t in tpot[:3]:  # a, b, then a loaded again: each captures bucket 1
+        assert t == pytest.approx(2.1e-3 + 5e-3 / 10)
+    assert tpot[3] == pytest.approx(2e-3 + 3e-4 + 5e-3 / 10)  # three at once: bucket 4, captured once
+    assert res.stats["swap_ins"] == 3 and sim.executor.stats["graph_captures"] == 4
+    plain = Simulation(["tiny-opt=a"], Calibration(**base, graph_capture_s=5e-3),
+                       EngineConfig(device="cpu", cuda_graphs=False)).run([(0.0, "a", 8, 11)])
+    assert (plain.records[0].finish - plain.records[0].first_token) / 10 == pytest.approx(2.1e-3)  # no graphs

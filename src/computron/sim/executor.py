@@ -28,6 +28,7 @@ import math
 from typing import Callable
 
 from ..config import EngineConfig
+from ..engine.buckets import bucket_of, buckets
 from ..memory.units import arena_capacity, kv_region_bytes
 from ..messages import (DeviceStatus, ExecuteBatch, ExecutorStatus, ModelDescription, ModelInfo, Placement,
                         Residency, StepResult)
@@ -61,7 +62,7 @@ class _Done:
 
 class _Model:
     __slots__ = ("info", "device", "groups", "nbytes", "block_bytes", "token", "ready", "load_start",
-                 "load_end", "reported", "kv_ready")
+                 "load_end", "reported", "kv_ready", "captured")
 
     def __init__(self, info: ModelInfo, groups: list[int], block_bytes: int, token: int):
         self.info, self.groups, self.block_bytes, self.token = info, groups, block_bytes, token
@@ -71,6 +72,7 @@ class _Model:
         self.load_start = self.load_end = 0.0
         self.reported = True  # its last load was reported to the core as ended
         self.kv_ready = 0.0  # when the last cache moved back from host memory for it has landed
+        self.captured: set[int] = set()  # batch-size buckets whose decode graph was captured since its load
 
 
 class SimExecutor:
@@ -88,6 +90,9 @@ class SimExecutor:
         self.overlap = (cfg.executor or ("legacy" if cfg.policy == "computron" else "inprocess")) != "legacy"
         self.n_devices = devices
         self.token = token
+        # decode graphs: the batch sizes that have one (none without graphs, or with no capture cost)
+        capture = calibration.graph_capture_s or calibration.graph_capture_s_per_byte
+        self.graph_sizes = buckets(cfg.max_batch_size) if cfg.cuda_graphs and capture else None
         self.models: dict[str, _Model] = {}
         self.weights = [0] * devices
         self.kv = [0] * devices
@@ -96,7 +101,7 @@ class SimExecutor:
         self.host: dict[str, int] = {}  # req_id -> blocks of its cache in host memory (moved out)
         self.host_bytes = 0
         self.unreported: dict[str, _Model] = {}  # models whose last load was not reported as ended yet
-        self.stats = {"loads": 0, "evictions": 0, "steps": 0, "load_s": 0.0, "compute_s": 0.0,
+        self.stats = {"loads": 0, "evictions": 0, "steps": 0, "load_s": 0.0, "compute_s": 0.0, "graph_captures": 0,
                       "kv_moved_bytes": 0, "kv_move_s": 0.0, "host_peak_bytes": 0}
 
     # ---- models --------------------------------------------------------------------------------
@@ -205,6 +210,7 @@ class SimExecutor:
             done += g
             ready.append(start + done / bw)
         m.ready, m.load_start, m.load_end, m.reported = ready, start, ready[-1], False
+        m.captured.clear()  # back at another address, most likely: its graphs are captured again
         self.unreported[m.info.name] = m
         self.link_free[d] = m.load_end
         self.stats["loads"] += 1
@@ -278,6 +284,7 @@ class SimExecutor:
                                           f"{self.weights[d]} + {kv[d]} > {cap} bytes")
                 tokens[rid] = tok
             compute = batch_time(self.cal, m.nbytes, prefill, decode, prompts)
+            capture = self._capture(m, decode) if not prefill and self.graph_sizes else 0.0
             if m.load_end > now:  # cold: group i computes once group i has landed (legacy: once all have)
                 finish = pipelined_finish(now, compute, m.groups, m.ready) if self.overlap else m.load_end + compute
             else:
@@ -285,8 +292,9 @@ class SimExecutor:
                 finish = now + compute
             if m.kv_ready > now:  # caches moved back must land before its step computes
                 finish = max(finish, m.kv_ready + compute)
+            finish += capture
             result.compute_s[batch.model] = finish - now
-            self.stats["compute_s"] += compute
+            self.stats["compute_s"] += compute + capture
             if not m.reported:
                 result.loaded[batch.model] = m.load_end - m.load_start
                 m.reported = True
@@ -299,6 +307,16 @@ class SimExecutor:
             self._poll_loads(result.loaded)
         return result
 
+    def _capture(self, m: _Model, batch: int) -> float:
+        """Seconds of capturing the decode graph of ``batch`` sequences' bucket, the first time it runs
+        since ``m`` was loaded (eager past the largest bucket: nothing to capture)."""
+        bucket = bucket_of(batch, self.graph_sizes)
+        if bucket is None or bucket in m.captured:
+            return 0.0
+        m.captured.add(bucket)
+        self.stats["graph_captures"] += 1
+        return self.cal.capture_time(m.nbytes)
+
     def steps_before(self, model: str, batch: int, until: float, cap: int) -> int:
         """How many decode steps of ``batch`` sequences of a warm ``model``, one after another from
         now, run before one ends at or after ``until`` (that one included), at most ``cap``: the run
@@ -310,7 +328,12 @@ class SimExecutor:
         if until == math.inf:
             return cap
         dt = batch_time(self.cal, m.nbytes, 0, batch)
-        k = math.ceil((until - now) / dt)
+        first = 0.0  # the run's first step captures its bucket's graph, if it was not yet
+        if self.graph_sizes:
+            bucket = bucket_of(batch, self.graph_sizes)
+            if bucket is not None and bucket not in m.captured:
+                first = self.cal.capture_time(m.nbytes)
+        k = math.ceil((until - now - first) / dt)
         return min(cap, max(k, 1))
 
     def _poll_loads(self, out: dict[str, float], wait: bool = False) -> None:

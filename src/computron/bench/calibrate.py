@@ -8,7 +8,7 @@ For each model (resident alone on the device, through the real engine):
 - decode: B requests decoding together, step time = (last token − first token) / (tokens − 1), for
   each B of ``--batch`` (as ``bench decode``);
 - the weight-read floor (one pass over the model's bytes), which bounds every step from below;
-- on a GPU, the host time of recording a decode graph (the mean over the batch sizes' captures,
+- on a GPU, the host time of capturing a decode graph (the mean over the batch sizes' captures,
   warm-up left out): what the executor pays again when a model swapped back in lands at another address.
 
 With ``--serve`` prefill and decode are timed through the HTTP server instead, as ``computron loadgen``
@@ -196,9 +196,9 @@ def run(models: list[str], device: str, batches: list[int], prompts: list[int], 
                 points["decode"].append((spec.name, nbytes, b, step))
             after = path.call(eng.executor.status).stats
             if after.get("graph_captures", 0) > before.get("graph_captures", 0):  # decode graphs (a GPU)
-                record = (after["graph_record_s"] - before["graph_record_s"]) / \
+                again = (after["graph_recapture_s"] - before["graph_recapture_s"]) / \
                     (after["graph_captures"] - before["graph_captures"])
-                points["capture"].append((spec.name, nbytes, record))
+                points["capture"].append((spec.name, nbytes, again))
             path.call(eng.core.offload, spec.name)
     finally:
         path.close()

@@ -48,18 +48,20 @@ class DecodeGraph:
         side.wait_stream(torch.cuda.current_stream(device))
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(side):
+            t1 = time.perf_counter()
             for _ in range(2 if warm_up else 0):  # compile and tune every kernel of this shape, once
                 runner.forward(ids, pos, batch)
-            t1 = time.perf_counter()
+            warm = time.perf_counter() - t1
             self.graph.capture_begin(pool=mempool, capture_error_mode="thread_local")
             try:
                 self.logits = runner.forward(ids, pos, batch)
             finally:
                 self.graph.capture_end()
         torch.cuda.current_stream(device).wait_stream(side)
-        # host seconds (the warm-up may still be running on the device): all of it, and the recording
-        # alone, which is what a capture again after the weights moved costs (it skips the warm-up)
-        self.capture_s, self.record_s = time.perf_counter() - t0, time.perf_counter() - t1
+        # host seconds (the warm-up may still be running on the device): all of it, and all but the
+        # warm-up, which is what a capture again after the weights moved costs
+        self.capture_s = time.perf_counter() - t0
+        self.recapture_s = self.capture_s - warm
 
     def _fill(self, h, ids, pos, slots, lens) -> None:
         n, b = self.bucket, len(ids)
@@ -133,7 +135,7 @@ class DecodeGraphs:
         self.side: torch.cuda.Stream | None = None  # every capture's stream
         self.warm: set[int] = set()  # buckets captured before (at any address)
         self.captures, self.capture_s = 0, 0.0  # graphs captured so far, and the seconds it took
-        self.record_s = 0.0  # of which recording (capture_begin to capture_end)
+        self.recapture_s = 0.0  # of which all but the warm-ups: what captures again would cost
 
     def get(self, runner: ModelRunner, pool: KVPool, batch: int, address: int) -> DecodeGraph | None:
         bucket = bucket_of(batch, self.sizes)
@@ -151,5 +153,5 @@ class DecodeGraphs:
             self.warm.add(bucket)
             self.captures += 1
             self.capture_s += g.capture_s
-            self.record_s += g.record_s
+            self.recapture_s += g.recapture_s
         return g

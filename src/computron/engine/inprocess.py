@@ -552,7 +552,7 @@ class InProcessExecutor:
                   for n, r in self.resident.items()}
         graphs = [m.graphs for m in self.models.values() if m.graphs is not None]
         stats = {"graph_captures": sum(g.captures for g in graphs), "graph_capture_s": sum(g.capture_s for g in graphs),
-                 "graph_record_s": sum(g.record_s for g in graphs), "arena_backed_bytes": a.backed}
+                 "graph_recapture_s": sum(g.recapture_s for g in graphs), "arena_backed_bytes": a.backed}
         return ExecutorStatus([dev], models, self.block_tokens, stats)
 
     def resize(self, device: int, nbytes: int) -> int:

@@ -121,3 +121,22 @@ def test_an_order_that_leaves_no_room_stops_the_resume_and_the_job_pauses_again(
     assert colo.micro_batch(most=4) == 4
     assert stops == [True, False]  # stopped once, then resumed after the next raise
     assert acks.sent == [1, 2, 3, 4] and colo.paused_s >= 0.5
+
+
+def test_the_first_micro_batch_after_a_resume_does_not_teach_the_memory_model():
+    """It rebuilds state, so its peak is higher than its size's: recorded, it made the model predict
+    that nothing fits a limit the job had run in, and under a limit that never changes (static mode)
+    the job stayed paused for good."""
+    peaks = iter([1_000, 2_000, 1_000])  # steady, then the micro-batch right after the resume, then steady
+    colo = Colocation(memory=MemoryModel(100, 10, rel_margin=0.0), measure=(lambda: None, lambda: next(peaks)))
+    colo._chan = Acks()
+    colo.deliver({"t": "limit", "id": 1, "bytes": 10_000, "immediate": False})
+    for i in range(3):
+        if i == 1:  # paused by a limit under one sample, then resumed by one that fits
+            colo.deliver({"t": "limit", "id": 2, "bytes": 50, "immediate": False})
+            threading.Timer(0.1, colo.deliver, args=({"t": "limit", "id": 3, "bytes": 10_000, "immediate": False},)).start()
+        m = colo.micro_batch(most=4)
+        with colo.step(m):
+            pass
+    assert colo.memory.points == {4: 1_000}
+    assert colo.memory.largest(1_050, 4) == 4  # the size it ran in still fits

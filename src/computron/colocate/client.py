@@ -90,6 +90,10 @@ class Colocation:
         self._running = 0
         self._abandon = self._immediate = False
         self._paused = self._resuming = False
+        # the first micro-batch after a resume rebuilds state (the trainer remakes its bf16 weights from
+        # the masters): its peak is not the size's, and one such peak kept as the size's largest made the
+        # model say no micro-batch fits a limit the job ran in, so a static limit paused the job for good
+        self._settling = False
         self.resume_s = 0.0
         self._fences: collections.deque = collections.deque()  # events of the running micro-batch, oldest first
         self._chan: Channel | None = None
@@ -146,7 +150,7 @@ class Colocation:
                     self._resuming = False
                     self.resume_s += time.monotonic() - t0
                     if back:
-                        self._paused = False
+                        self._paused, self._settling = False, True
                     else:
                         self._committed = 0
             if not back:
@@ -186,7 +190,10 @@ class Colocation:
                 self._running, self._abandon = 0, False
         if not state.abandoned and self.measure is not None:
             state.peak_bytes = self.measure[1]()
-            self.memory.record(micro_batch, state.peak_bytes)
+            if self._settling:
+                self._settling = False
+            else:
+                self.memory.record(micro_batch, state.peak_bytes)
 
     def watch(self, module) -> None:
         """Hooks on ``module``'s submodules holding parameters, at each call in the forward and each

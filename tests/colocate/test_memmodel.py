@@ -35,3 +35,21 @@ def test_prior_until_two_sizes_measured_then_its_slope_through_one_point():
     assert mm.predict(2) == 1200
     mm.record(2, 1500)
     assert mm.coefficients() == (1300, 100) and mm.predict(4) == 1700
+
+
+def test_two_inflated_peaks_do_not_make_every_size_too_large():
+    """The stall a hybrid run met (GPT-2-medium, 14 GiB static limit): two sizes' largest peaks both
+    15.31 GiB fitted a slope of 0, so one sample looked like 16.9 GiB and the job paused for good. With
+    the slope floored at half the prior's a small micro-batch fits, and once it is measured the model
+    follows the measurement (predicting at least every peak seen)."""
+    gib = 2**30
+    mm = MemoryModel(prior_fixed=int(6.61 * gib), prior_per_sample=int(0.567 * gib))
+    mm.record(16, int(15.31 * gib))
+    mm.record(11, int(15.31 * gib))
+    m = mm.largest(14 * gib, most=16)
+    assert m >= 1
+    assert MemoryModel(0, 0, points=dict(mm.points)).largest(14 * gib, most=16) == 0  # no prior: no floor
+    mm.record(m, int(7.5 * gib))  # what that size really takes
+    for size, peak in mm.points.items():
+        assert mm.predict(size) >= peak
+    assert mm.largest(14 * gib, most=16) >= m

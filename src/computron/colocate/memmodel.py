@@ -8,6 +8,12 @@ margin (the largest under-prediction seen, and a relative one), and answers the 
 arbiter asks: the largest micro-batch whose peak fits a limit. Before two distinct sizes have
 been measured it answers from a prior (an estimate from the model's shape) scaled to the
 measurement it has.
+
+The fitted slope never goes below half the prior's (``slope_floor``): peaks are noisy and the model
+keeps the largest seen per size, so two sizes close together can fit a slope of 0, and every size
+then looks as large as the largest: a limit the job could run in at a smaller size paused it for
+good. Activations do grow with the micro-batch; a size measured after that shows its own peak, and
+the margin (the largest under-prediction seen) takes in any that the floor made optimistic.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ class MemoryModel:
     prior_fixed: int  # bytes: the estimate before any measurement
     prior_per_sample: int
     rel_margin: float = 0.05
+    slope_floor: float = 0.5  # the fitted per-sample bytes are at least this share of the prior's
     points: dict[int, int] = field(default_factory=dict)  # micro-batch size -> largest peak measured
 
     def record(self, micro_batch: int, peak_bytes: int) -> None:
@@ -35,7 +42,7 @@ class MemoryModel:
             mx = sum(m for m, _ in pts) / n
             my = sum(p for _, p in pts) / n
             sxx = sum((m - mx) ** 2 for m, _ in pts)
-            slope = max(0.0, sum((m - mx) * (p - my) for m, p in pts) / sxx)
+            slope = max(self.prior_per_sample * self.slope_floor, sum((m - mx) * (p - my) for m, p in pts) / sxx)
             return my - slope * mx, slope
         if len(pts) == 1:  # one measurement: the prior's slope through it
             (m, p), = pts

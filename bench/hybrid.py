@@ -290,7 +290,7 @@ def run_phase(args, phase: str, trace, server: Server | None, job: Job | None) -
 
 
 REFERENCES = ("inference-alone", "training-alone")
-HANDOVER_PARTS = ("wait", "signal", "release", "ack", "alloc", "swap")
+HANDOVER_PARTS = ("wait", "signal", "release", "ack", "alloc", "swap", "free")  # free: from the request's arrival
 
 
 def solo_latencies(runs: list[dict]) -> dict[str, float]:

@@ -96,6 +96,9 @@ def test_serve_hands_memory_to_and_from_a_training_job(tmp_path):
             line = job.wait_line(r"micro-batches \[([0-9]+, )*[1-7]\]", start=n)
             m = int(line.split("micro-batches [")[1].split("]")[0].split(",")[-1])
             assert mm.predict(m) <= capacity - dev["share"] * 0.9, (line, dev)
+            # the handover as the waiting request saw it: from its arrival to the memory mapped
+            moved = [h for h in httpx.get(url + "/colocation").json()["handovers"] if h["signal_s"] is not None]
+            assert moved and all(h["free_s"] is not None and h["free_s"] >= h["wait_s"] + h["alloc_s"] for h in moved)
             # idle: the models are evicted down to the share of 0 and training grows back
             wait_for(lambda: memory(url)[0]["share"] == 0)
             dev, states = memory(url)

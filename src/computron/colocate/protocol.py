@@ -127,9 +127,9 @@ class ArbiterServer:
     def demand(self, device: int, nbytes: int, timeout: float | None = None) -> dict:
         """Block until inference's budget on ``device`` is at least ``nbytes``; the handover's timing.
 
-        Returns ``{"t", "wait_s", "signal_s", "release_s", "ack_s", "granted", "alloc_s", "swap_s"}``
+        Returns ``{"t", "wait_s", "signal_s", "release_s", "ack_s", "granted", "alloc_s", "swap_s", "free_s"}``
         (``t``: when it was asked; the parts are None when no training memory had to move; the
-        engine fills ``alloc_s`` and ``swap_s`` in, see ``serving.EngineLink``). Raises TimeoutError
+        engine fills ``alloc_s``, ``swap_s`` and ``free_s`` in, see ``serving.EngineLink``). Raises TimeoutError
         after ``timeout`` seconds.
         """
         t0 = time.monotonic()
@@ -144,7 +144,8 @@ class ArbiterServer:
             t1 = time.monotonic()
             acks = [a for i, a in self._acks.items() if i > first_id and a["device"] == device]
         rec = {"t": t0, "device": device, "bytes": nbytes, "wait_s": t1 - t0, "granted": self.budgets[device],
-               "signal_s": None, "release_s": None, "ack_s": None, "alloc_s": None, "swap_s": None}
+               "signal_s": None, "release_s": None, "ack_s": None, "alloc_s": None, "swap_s": None,
+               "free_s": None}
         if acks:
             a = acks[-1]
             rec.update(signal_s=a["received"] - a["sent"], release_s=a["released"] - a["received"],

@@ -23,7 +23,9 @@ grow, and mapped again before inference uses a larger share.
 
 Records (``report``): every handover, split into the arbiter's parts (signal, training's release,
 ack; ``ArbiterServer.demand``) and the engine's (``alloc_s``: applying the grant, i.e. mapping the
-arena's memory again; ``swap_s``: the swap-ins of the step it was asked for), the limits sent to
+arena's memory again; ``swap_s``: the swap-ins of the step it was asked for; ``free_s``: from the
+arrival at the engine of the oldest request waiting on the device to the memory mapped, the whole
+handover as a request sees it), the limits sent to
 training, the shares over time and what inference has booked over time. ``computron serve``
 serves them at ``GET /colocation`` and can switch the mode at run time (``POST
 /admin/colocation``, :class:`Colocated`).
@@ -88,6 +90,7 @@ class EngineLink:
                     continue
                 self.server.busy(d)
                 if need > sched.shares[d] and self.config.mode != "normal":
+                    first = self._oldest_waiting(d)
                     try:
                         rec = self.server.demand(d, need, self.demand_timeout)
                     except TimeoutError as e:
@@ -97,6 +100,8 @@ class EngineLink:
                             t = time.monotonic()
                             self._apply_mail()  # the grant: the arena maps the memory again
                             rec["alloc_s"] = time.monotonic() - t
+                            if first is not None:  # from the arrival of the request that waited longest
+                                rec["free_s"] = self.core.clock() - first
                             self._swap_for[d] = rec  # the swap-ins of this step
             self._apply_mail()
             self._record_used()
@@ -143,6 +148,12 @@ class EngineLink:
         if self.wake is not None:
             self.wake(self.poll)
         return nbytes >= self.core.scheduler.shares[device]
+
+    def _oldest_waiting(self, device: int) -> float | None:
+        """Arrival (the engine's clock) of the oldest request not started yet of a model on ``device``."""
+        models = self.core.models
+        return min((r.arrival for r in self.core.requests.values()
+                    if r.first_token_at is None and device in models[r.model].placement.devices), default=None)
 
     def _on_swap(self, kind: str, model: str, seconds: float, nbytes: int) -> None:
         """An engine listener (engine thread): loads after a handover are its swap-in."""

@@ -41,19 +41,16 @@ def main() -> int:
     rows, acc = [], {"sched": 0.0, "exec": 0.0}
     sched_fn, exec_fn, step_fn = sched.schedule, exe.execute, core.step
 
-    def schedule(*args, **kw):
-        t0 = time.perf_counter()
-        try:
-            return sched_fn(*args, **kw)
-        finally:
-            acc["sched"] += time.perf_counter() - t0
+    def timed(fn, key):
+        def call(*args, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                acc[key] += time.perf_counter() - t0
+        return call
 
-    def execute(*args, **kw):
-        t0 = time.perf_counter()
-        try:
-            return exec_fn(*args, **kw)
-        finally:
-            acc["exec"] += time.perf_counter() - t0
+    schedule, execute = timed(sched_fn, "sched"), timed(exec_fn, "exec")
 
     def step(*args, **kw):
         acc["sched"] = acc["exec"] = 0.0

@@ -48,6 +48,10 @@ def test_switching_modes_at_run_time(tmp_path):
             bad = http.post("/admin/colocation", json={"mode": "sometimes"}, headers=ADMIN)
             assert bad.status_code == 400 and "sometimes" in bad.json()["error"]["message"]
             assert http.post("/admin/colocation", json={"moed": "static"}, headers=ADMIN).status_code == 400
+            bad = http.post("/admin/colocation", json={"mode": "colocate", "at_boundary": "false"}, headers=ADMIN)
+            assert bad.status_code == 400 and "at_boundary must be true or false" in bad.json()["error"]["message"]
+            bad = http.post("/admin/colocation", json={"idle_s": -1}, headers=ADMIN)
+            assert bad.status_code == 400 and "idle_s" in bad.json()["error"]["message"]
             assert http.get("/colocation").json()["mode"] == "normal"  # a refused switch keeps the link
 
             r = http.post("/admin/colocation", json={"mode": "static", "static_train": 1_000_000}, headers=ADMIN)

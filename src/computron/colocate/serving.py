@@ -253,10 +253,13 @@ def add_routes(app, colocated: Colocated) -> None:
         if unknown:
             raise APIError(400, f"unknown field(s) {', '.join(unknown)}; known: mode, idle_s, static_train, "
                            "at_boundary", unknown[0], "invalid_field")
+        if body.get("at_boundary") is not None and not isinstance(body["at_boundary"], bool):
+            raise APIError(400, f"at_boundary must be true or false, got {body['at_boundary']!r}", "at_boundary",
+                           "invalid_value")
         try:
             kw = dict(mode=body.get("mode"), idle_s=None if body.get("idle_s") is None else float(body["idle_s"]),
                       static_train=None if body.get("static_train") is None else parse_bytes(body["static_train"]),
-                      immediate=None if body.get("at_boundary") is None else not bool(body["at_boundary"]))
+                      immediate=None if body.get("at_boundary") is None else not body["at_boundary"])
             return await colocated.ae.run(colocated.switch, **kw)
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e), None, "invalid_value") from None

@@ -122,16 +122,24 @@ def main() -> int:
     ap.add_argument("--no-run-ahead", action="store_true", help="the executor never queues the next decode step early")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    kw = {"device": a.device, "policy": a.policy, "run_ahead": not a.no_run_ahead}
-    if a.budget:
-        kw["gpu_memory_budget"] = parse_bytes(a.budget)
-    if a.max_loaded:
-        kw["max_loaded"] = a.max_loaded
-    eng = Engine(EngineConfig(**kw))
-    for spec in a.models.split(","):
-        eng.register_model(ModelSpec.parse(spec))
-    cal = calibration(a.calibration)
-    trace = Trace.read_jsonl(a.trace)
+    try:  # what can be wrong is found before the engine starts, and said in one line
+        cal = calibration(a.calibration)
+        trace = Trace.read_jsonl(a.trace)
+        specs = [ModelSpec.parse(spec) for spec in a.models.split(",")]
+        missing = sorted({r.model for r in trace} - {s.name for s in specs})
+        if missing:
+            raise ValueError(f"the trace asks for models not in --models: {', '.join(missing)}")
+        kw = {"device": a.device, "policy": a.policy, "run_ahead": not a.no_run_ahead}
+        if a.budget:
+            kw["gpu_memory_budget"] = parse_bytes(a.budget)
+        if a.max_loaded:
+            kw["max_loaded"] = a.max_loaded
+        eng = Engine(EngineConfig(**kw))
+        for spec in specs:
+            eng.register_model(spec)
+    except (OSError, ValueError) as e:  # EngineError and TraceFormatError are ValueErrors
+        print(f"engine_replay: {e}", file=sys.stderr)
+        return 2
     records, steps = replay(eng, trace, cal)
     summary = by_model(records)
     res = residuals(steps)

@@ -162,3 +162,28 @@ def test_killed_worker_restarts_the_world_and_its_models_work_again(alive):
         assert eng.executor.status().stats["restarts"] == 2
     finally:
         eng.executor.shutdown()
+
+
+def test_preset_larger_than_its_tokenizer_samples_the_same_ids_at_tp2():
+    """A preset's vocabulary beyond its tokenizer's ids is masked off; sharded over the vocabulary
+    (tp=2), the mask applies to the gathered logits, whole, so tokens equal the unsharded model's."""
+    from computron.models.presets import PRESETS
+    from computron.models.preset_tokenizer import token_ids
+
+    ids = set(token_ids(PRESETS["opt-125m"]))
+    assert len(ids) < PRESETS["opt-125m"].vocab_size  # the mask is in play
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 17, 42, 9], [300, 2, 77, 40000, 8]]
+    ref = Engine(EngineConfig(device="cpu", gpu_memory_budget=2**30, workspace_bytes=2**26))
+    ref.register_model(ModelSpec("opt-125m", dtype="float32"))
+    want = [ref.generate("opt-125m", p, params).output_ids for p in prompts]
+    assert all(t in ids for w in want for t in w)
+    eng = Engine(EngineConfig(device="cpu", executor="workers", devices=2, gpu_memory_budget=2**30,
+                              workspace_bytes=2**26))
+    try:
+        eng.register_model(ModelSpec("opt-125m", dtype="float32", tp=2))
+        got = [eng.generate("opt-125m", p, params) for p in prompts]
+        assert [g.error for g in got] == [None, None]
+        assert [g.output_ids for g in got] == want
+    finally:
+        eng.executor.shutdown()

@@ -35,6 +35,8 @@ def add_swap_parser(sub) -> None:
                    help="workers: the same engine behind a worker process per device")
     p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel ranks (implies --executor workers)")
     p.add_argument("--pp", type=positive_int, default=1, help="pipeline stages (implies --executor workers)")
+    p.add_argument("--no-naive", action="store_true",
+                   help="skip the naive baseline (module.to(device) from pageable memory, the slowest part)")
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default=None)
     p.set_defaults(func=_swap)

@@ -9,7 +9,8 @@ Measured in one run, each the median of ``--repeats``:
 - eviction: wall time of releasing the model (nothing is copied back);
 - time to first token of a prompt, cold (swap-in included) and warm (resident), with a CUDA-event
   trace of the cold run: when each layer's compute started against when its copy ended;
-- the naive baseline: ``module.to(device)`` of the same weights from pageable memory;
+- the naive baseline: ``module.to(device)`` of the same weights from pageable memory (``--no-naive``
+  skips it: for a large model it takes longer than everything else);
 - batch-1 decode ms/token, warm, beside ``transformers``' ``generate`` on the same device when it
   is installed and the model is OPT-shaped.
 """
@@ -38,11 +39,13 @@ def _ttft(eng: Engine, name: str, prompt: list[int]) -> float:
     t0 = time.perf_counter()
     req = eng.submit(name, prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
     eng.run_until_done([req])  # the token came back to the host: the device work is done
+    if req.error:
+        raise RuntimeError(f"{name}: the timed request failed: {req.error}")
     return req.first_token_at - t0
 
 
 def run(model: str, device: str, repeats: int, prompt_len: int, decode_tokens: int,
-        executor: str = "inprocess", tp: int = 1, pp: int = 1) -> dict:
+        executor: str = "inprocess", tp: int = 1, pp: int = 1, naive_baseline: bool = True) -> dict:
     cfg, _ = resolve_model(model)
     layout = layout_for(cfg)
     k = tp * pp
@@ -89,7 +92,7 @@ def run(model: str, device: str, repeats: int, prompt_len: int, decode_tokens: i
                    tr["compute_start_s"][1] < tr["copy_end_s"][-1]}
 
     naive = []
-    if dev.type == "cuda":
+    if dev.type == "cuda" and naive_baseline:
         # The same weights (same seed, generated the same way) in pageable memory, moved by .to().
         pageable = HostImage(layout, pin=False)
         pageable.fill_random(cfg, 0, dev)
@@ -171,7 +174,8 @@ def main(args) -> int:
     results = {"machine": machine(), "settings": vars(args) | {"func": None}, "models": {}}
     rows = []
     for model in args.model:
-        r = run(model, device, args.repeats, args.prompt_len, args.decode_tokens, args.executor, args.tp, args.pp)
+        r = run(model, device, args.repeats, args.prompt_len, args.decode_tokens, args.executor, args.tp, args.pp,
+                not args.no_naive)
         results["models"][model] = r
         rows.append([model, r["bytes"] / 1e9, _median(r["raw_memcpy_s"]), _median(r["swap_in_s"]),
                      r["swap_over_raw_bandwidth"], _median(r["evict_s"]) * 1e3, _median(r["ttft_cold_s"]),

@@ -149,7 +149,7 @@ class InProcessExecutor:
         else:
             model = self._build_whole(desc, cfg, ckpt, progress)
         if ckpt is None and model.answers:
-            self._mask_unused_ids(model)
+            self._mask_unused_ids(model, cfg)
         self._keep_image(desc.name, model)
         with self._lock:
             if desc.name in self.models:
@@ -157,13 +157,15 @@ class InProcessExecutor:
             self.models[desc.name] = model
         return ModelInfo(desc.name, cfg, ckpt, pl, (self._weight_bytes(model),), (model.cfg.kv_bytes_per_token(),))
 
-    def _mask_unused_ids(self, model: _Model) -> None:
+    def _mask_unused_ids(self, model: _Model, cfg: ModelConfig) -> None:
         """A preset's random weights sample from its tokenizer's ids only: the rest of its vocabulary
-        has no text (its byte-level BPE has ~1,300 tokens), so a client would get empty completions."""
+        has no text (its byte-level BPE has ~1,300 tokens), so a client would get empty completions.
+        ``cfg``: the whole model's (a tensor-parallel shard's holds a part of the vocabulary, and its
+        logits are gathered whole before the mask)."""
         from ..models.preset_tokenizer import token_ids
 
         try:
-            ids, vocab = token_ids(model.cfg), model.cfg.vocab_size
+            ids, vocab = token_ids(cfg), cfg.vocab_size
         except ValueError:  # too small a vocabulary for any tokenizer: no text to keep, ids only
             return
         if len(ids) >= vocab:

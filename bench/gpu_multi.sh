@@ -3,8 +3,8 @@
 # in stages named on the command line (default: all, in this order):
 #   topo     how the GPUs are linked (nvidia-smi topo -m) and the machine
 #   test     tests/gpu/test_parallel_gpu.py: tp=2, pp=2, tp=2 x pp=2 over NCCL give tp=1's greedy tokens
-#   swap     aggregate swap-in of OPT-13B at tp=1, 2, 4 and pp=2, 4 against a raw pinned memcpy of every
-#            rank's shard on its own GPU at once (each repeat timed by its slowest rank)
+#   swap[:T,P] aggregate swap-in of OPT-13B at tp=1, 2, 4 and pp=2, 4 against a raw pinned memcpy of every
+#            rank's shard on its own GPU at once (each repeat timed by its slowest rank), or the layout named
 #   rr[:T,P] the original Computron experiment (round-robin, 2 copies of OPT-13B, 24 blocking requests),
 #            both policies in the same run, at (tp, pp) = (1,1), (4,1), (2,1), (1,4), (1,2), (2,2), or the
 #            layouts named (rr:1,1 rr:2,2 ...)
@@ -27,9 +27,10 @@ for st in "${stages[@]}"; do
       python3 -c "import torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count())" ;;
     test)
       python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_parallel_gpu.py 2>&1 | tee "$R/test_parallel_gpu.log" | tail -5 ;;
-    swap)
-      for l in "1 1" "2 1" "4 1" "1 2" "1 4"; do
-        set -- $l
+    swap|swap:*)
+      layouts=("1 1" "2 1" "4 1" "1 2" "1 4"); [ "$st" = swap ] || layouts=("${st#swap:}")
+      for l in "${layouts[@]}"; do
+        set -- ${l/,/ }
         $C bench swap opt-13b --tp $1 --pp $2 --repeats 5 --decode-tokens 0 --no-naive \
           --out "$R/swap_opt-13b_tp$1_pp$2.json" | tail -4
       done ;;

@@ -2,7 +2,8 @@
 # On a lent machine with 4 GPUs (kind nvidia-h200-x4 or nvidia-h100-x4): the model-parallel runs,
 # in stages named on the command line (default: all, in this order):
 #   topo     how the GPUs are linked (nvidia-smi topo -m) and the machine
-#   test     tests/gpu/test_parallel_gpu.py: tp=2, pp=2, tp=2 x pp=2 over NCCL give tp=1's greedy tokens
+#   test     tests/gpu/test_parallel_gpu.py: tp=2, pp=2, tp=2 x pp=2 over NCCL give tp=1's greedy tokens;
+#            tests/gpu/test_striped_gpu.py: striped swap-in lands byte for byte, tokens as unstriped
 #   swap[:T,P] aggregate swap-in of OPT-13B at tp=1, 2, 4 and pp=2, 4 against a raw pinned memcpy of every
 #            rank's shard on its own GPU at once (each repeat timed by its slowest rank), or the layout named
 #   rr[:T,P] the original Computron experiment (round-robin, 2 copies of OPT-13B, 24 blocking requests),
@@ -26,7 +27,8 @@ for st in "${stages[@]}"; do
       nvidia-smi -L; nvidia-smi topo -m | tee "$R/topo.txt"
       python3 -c "import torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count())" ;;
     test)
-      python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_parallel_gpu.py 2>&1 | tee "$R/test_parallel_gpu.log" | tail -5 ;;
+      python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_parallel_gpu.py tests/gpu/test_striped_gpu.py 2>&1 \
+        | tee "$R/test_parallel_gpu.log" | tail -5 ;;
     swap|swap:*)
       layouts=("1 1" "2 1" "4 1" "1 2" "1 4"); [ "$st" = swap ] || layouts=("${st#swap:}")
       for l in "${layouts[@]}"; do
@@ -42,7 +44,7 @@ for st in "${stages[@]}"; do
           --out "$R/round_robin_opt-13b_tp$1_pp$2_n2_r24_blocking.json" | tail -5
       done ;;
     striped)
-      python3 bench/striped_swap.py --gpus 2 4 --out "$R/striped_swap.json" ;;
+      python3 bench/striped_swap.py --model opt-13b --gpus 2 4 --out "$R/striped_swap.json" ;;
     *) echo "unknown stage $st" >&2; exit 2 ;;
   esac
 done

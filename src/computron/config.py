@@ -130,6 +130,10 @@ class EngineConfig:
     # $COMPUTRON_LOCAL_DEVICES, else every device is this node's.
     workers_listen: str | None = None
     local_devices: int | None = None
+    # executor "inprocess" on a GPU: other GPUs whose host links swap-ins also pull through (striped
+    # swap, memory/striped.py); each lends two 32 MiB staging slots while a swap runs. GPUs this
+    # engine does not otherwise use: their links are idle.
+    stripe_devices: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not isinstance(self.decode_steps, int) or not 1 <= self.decode_steps <= 64:
@@ -137,6 +141,9 @@ class EngineConfig:
         self.gpu_memory_budget = parse_bytes(self.gpu_memory_budget)
         self.workspace_bytes = parse_bytes(self.workspace_bytes)
         self.kv_host_bytes = parse_bytes(self.kv_host_bytes)  # "8GiB" in a file as on the command line
+        if len(set(self.stripe_devices)) != len(self.stripe_devices) or \
+                not all(isinstance(d, int) and d >= 0 for d in self.stripe_devices):
+            raise ValueError(f"stripe_devices must be distinct device indexes, got {self.stripe_devices!r}")
 
 
 @dataclass

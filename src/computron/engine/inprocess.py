@@ -110,7 +110,7 @@ class InProcessExecutor:
         self.graph_batch = config.max_batch_size if (config.cuda_graphs and self.device.type == "cuda"
                                                      and self.fixed_weights) else 0
         self.arena = Arena(arena_bytes, self.device)
-        self.swapper = ImageSwapper(self.arena)
+        self.swapper = self._swapper(config.stripe_devices)
         self.models: dict[str, _Model] = {}
         self.resident: dict[str, _Resident] = {}
         self.seqs: dict[str, _Seq] = {}
@@ -156,6 +156,25 @@ class InProcessExecutor:
                 raise ValueError(f"a model named {desc.name!r} is already registered")
             self.models[desc.name] = model
         return ModelInfo(desc.name, cfg, ckpt, pl, (self._weight_bytes(model),), (model.cfg.kv_bytes_per_token(),))
+
+    def _swapper(self, stripe: list[int]) -> ImageSwapper:
+        """The plain swapper, or a striped one pulling through the host links of the GPUs ``stripe``
+        names too (on the CPU, as many host buffers stand for them: the same path, in tests)."""
+        if not stripe:
+            return ImageSwapper(self.arena)
+        from ..memory.striped import StripedSwapper
+
+        if self.world > 1:
+            raise ValueError("stripe_devices is for the in-process executor: under workers, every GPU serves models "
+                             "of its own")
+        if self.device.type != "cuda":
+            return StripedSwapper(self.arena, [torch.device("cpu")] * len(stripe))
+        count, home = torch.cuda.device_count(), self.device.index or 0
+        bad = [d for d in stripe if d >= count or d == home]
+        if bad:
+            raise ValueError(f"stripe_devices {bad}: a helper must be another of this machine's {count} GPUs "
+                             f"than the serving one (cuda:{home})")
+        return StripedSwapper(self.arena, [torch.device("cuda", d) for d in stripe])
 
     def _mask_unused_ids(self, model: _Model, cfg: ModelConfig) -> None:
         """A preset's random weights sample from its tokenizer's ids only: the rest of its vocabulary

@@ -84,6 +84,12 @@ class Arena:
             self._vmm.map_to(end)
         return end
 
+    def grant(self, peer: torch.device) -> None:
+        """Let GPU ``peer`` write into the arena (a striped swap's peer copies). A plain allocation
+        needs nothing here: PyTorch enables peer access between the two devices at the first copy."""
+        if self._vmm is not None:
+            self._vmm.grant(peer)
+
     def used(self, tag: str | None = None) -> int:
         return sum(r.nbytes for r in self._regions if tag is None or r.tag == tag)
 

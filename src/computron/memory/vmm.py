@@ -93,7 +93,7 @@ class Reservation:
         _check(lib.cuMemAddressReserve(ctypes.byref(ptr), self.max_bytes, 0, 0, 0), "cuMemAddressReserve")
         self.ptr = ptr.value
         self._handles: list[int] = []  # chunk i is mapped at ptr + i * chunk
-        self._access = _AccessDesc(location=_Location(_LOC_DEVICE, device.index or 0), flags=_ACCESS_RW)
+        self._access = [_AccessDesc(location=_Location(_LOC_DEVICE, device.index or 0), flags=_ACCESS_RW)]
         self.map_to(self.chunk)  # torch asks the driver about the pointer: it must be backed
         with torch.cuda.device(device):
             self.tensor = torch.as_tensor(_View(self.ptr, max_bytes), device=device)
@@ -120,13 +120,26 @@ class Reservation:
             at = self.ptr + len(self._handles) * self.chunk
             try:
                 _check(lib.cuMemMap(at, self.chunk, 0, handle.value, 0), "cuMemMap")
-                _check(lib.cuMemSetAccess(at, self.chunk, ctypes.byref(self._access), 1), "cuMemSetAccess")
+                self._set_access(at, self.chunk)
             except RuntimeError:
                 lib.cuMemUnmap(at, self.chunk)
                 lib.cuMemRelease(handle.value)
                 raise
             self._handles.append(handle.value)
         return self.mapped
+
+    def grant(self, peer: torch.device) -> None:
+        """Let another GPU read and write the range (its copy engines push into it: a striped swap's
+        peer copies). Chunks mapped later get the same access."""
+        if any(a.location.id == (peer.index or 0) for a in self._access):
+            return
+        self._access.append(_AccessDesc(location=_Location(_LOC_DEVICE, peer.index or 0), flags=_ACCESS_RW))
+        for i in range(len(self._handles)):
+            self._set_access(self.ptr + i * self.chunk, self.chunk)
+
+    def _set_access(self, at: int, nbytes: int) -> None:
+        descs = (_AccessDesc * len(self._access))(*self._access)
+        _check(_driver().cuMemSetAccess(at, nbytes, descs, len(self._access)), "cuMemSetAccess")
 
     def close(self) -> None:
         if self.ptr:

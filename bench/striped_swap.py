@@ -1,0 +1,146 @@
+"""Striped swap-in of a model that lives on one GPU, through the host links of k GPUs at once.
+
+For each k of ``--gpus`` (the model on GPU 0, GPUs 1 .. k-1 lending their links and two staging
+slots each), in one run, each the median of ``--repeats`` after a warm-up, all timed by the host
+around a synchronize of every GPU involved:
+- one link: a raw pinned memcpy of the whole image into GPU 0 (one copy);
+- k links at once: GPU i copies the i-th k-th of the image into its own memory, all concurrently
+  (what the host side and the links allow together: the ceiling of any striping);
+- the engine's plain swap-in (``ImageSwapper``: a copy per layer group, over GPU 0's link);
+- the striped swap-in (``StripedSwapper``), for each ``--chunk``, and when its first layer group
+  was in (what a cold request's first layer waits for).
+The striped copy is checked byte for byte against the one-link copy, and every helper's staging
+is checked to be returned after the swap. Writes bench/results/striped_swap_<gpu>.json.
+
+    NCCL_NVLS_ENABLE=0 PYTHONPATH=src python3 bench/striped_swap.py --model opt-13b --gpus 2 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from computron.bench.common import machine, print_table, write_json
+from computron.memory.arena import Arena
+from computron.memory.host import HostImage
+from computron.memory.layout import layout_for
+from computron.memory.striped import StripedSwapper
+from computron.memory.swapper import ImageSwapper
+from computron.models import resolve_model
+
+
+def _timed(fn, devices, repeats: int) -> list[float]:
+    out = []
+    for i in range(repeats + 1):
+        for d in devices:
+            torch.cuda.synchronize(d)
+        t0 = time.perf_counter()
+        fn()
+        for d in devices:
+            torch.cuda.synchronize(d)
+        if i:  # the first is the warm-up
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+def measure(image: HostImage, k: int, chunks: list[int], repeats: int) -> dict:
+    devs = [torch.device("cuda", i) for i in range(k)]
+    n = image.nbytes
+    src = image.buffer
+    one = torch.empty(n, dtype=torch.uint8, device=devs[0])
+    raw_one = _timed(lambda: one.copy_(src, non_blocking=True), devs[:1], repeats)
+
+    bounds = [n * i // k for i in range(k + 1)]
+    parts = [torch.empty(bounds[i + 1] - bounds[i], dtype=torch.uint8, device=d) for i, d in enumerate(devs)]
+    streams = [torch.cuda.Stream(d) for d in devs]
+
+    def concurrent():
+        for i, (p, s) in enumerate(zip(parts, streams)):
+            with torch.cuda.stream(s):
+                p.copy_(src[bounds[i]:bounds[i + 1]], non_blocking=True)
+
+    raw_k = _timed(concurrent, devs, repeats)
+    del parts
+    arena = Arena(n + 2**20, devs[0])
+    out = {"gpus": k, "bytes": n, "raw_one_link_s": raw_one, "raw_k_links_s": raw_k}
+
+    def swaps(sw) -> tuple[list[float], list[float], bool]:
+        """Timed swap-ins (and when each one's first group was in), then one more checked against
+        the one-link copy, outside the timing."""
+        firsts = []
+
+        def once():
+            region, swap = sw.swap_in("m", image)
+            swap.events[-1].synchronize()
+            firsts.append(swap.start.elapsed_time(swap.events[0]) / 1e3)
+            sw.swap_out(region)
+
+        t = _timed(once, devs, repeats)
+        region, swap = sw.swap_in("m", image)
+        swap.events[-1].synchronize()
+        equal = bool(torch.equal(region.tensor, one))
+        sw.swap_out(region)
+        return t, firsts[1:], equal
+
+    out["plain_swap_s"], out["plain_first_group_s"], out["plain_bytes_equal"] = swaps(ImageSwapper(arena))
+    out["striped"] = {}
+    if k > 1:
+        for c in chunks:
+            sw = StripedSwapper(arena, devs[1:], chunk=c * 2**20)
+            t, first, ok = swaps(sw)
+            time.sleep(0.2)  # the threads that return the staging wait for the last push
+            out["striped"][c] = {"swap_s": t, "first_group_s": first, "bytes_equal": ok,
+                                 "staging_per_helper": sw.helpers[0].nbytes,
+                                 "staging_held_after": sum(sw.borrowed().values())}
+            del sw
+    del arena, one
+    torch.cuda.empty_cache()
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="opt-13b")
+    ap.add_argument("--gpus", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--chunk", type=int, nargs="+", default=[16, 32, 64], help="MiB a link moves at a time")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not have or max(args.gpus) > have:
+        print(f"needs {max(args.gpus)} CUDA GPUs, this machine has {have}", file=sys.stderr)
+        return 2
+    cfg, _ = resolve_model(args.model)
+    t0 = time.perf_counter()
+    image = HostImage(layout_for(cfg), pin=True)
+    image.fill_random(cfg, 0, "cuda:0")
+    res = {"machine": machine(), "settings": vars(args), "model": args.model, "startup_s": time.perf_counter() - t0,
+           "runs": []}
+    rows = []
+    med = statistics.median
+    for k in args.gpus:
+        r = measure(image, k, args.chunk, args.repeats)
+        res["runs"].append(r)
+        one, kk, plain = med(r["raw_one_link_s"]), med(r["raw_k_links_s"]), med(r["plain_swap_s"])
+        rows.append([k, "plain", plain * 1e3, one * 1e3, kk * 1e3, one / plain, kk / plain,
+                     med(r["plain_first_group_s"]) * 1e3, r["plain_bytes_equal"]])
+        for c, s in r["striped"].items():
+            t = med(s["swap_s"])
+            rows.append([k, f"striped {c} MiB", t * 1e3, one * 1e3, kk * 1e3, one / t, kk / t,
+                         med(s["first_group_s"]) * 1e3, s["bytes_equal"] and s["staging_held_after"] == 0])
+    gpu = torch.cuda.get_device_name(0).lower().replace("nvidia ", "").split()[0]
+    out = args.out or f"bench/results/striped_swap_{gpu}.json"
+    write_json(out, res)
+    print_table(f"striped swap-in of {args.model} ({image.nbytes / 1e9:.2f} GB) onto GPU 0, medians (ms)",
+                ["GPUs", "swap", "swap ms", "1-link raw ms", "k-link raw ms", "x one link", "of k links",
+                 "first group ms", "bytes equal, staging back"], rows)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -141,9 +141,14 @@ class EngineConfig:
         self.gpu_memory_budget = parse_bytes(self.gpu_memory_budget)
         self.workspace_bytes = parse_bytes(self.workspace_bytes)
         self.kv_host_bytes = parse_bytes(self.kv_host_bytes)  # "8GiB" in a file as on the command line
-        if len(set(self.stripe_devices)) != len(self.stripe_devices) or \
-                not all(isinstance(d, int) and d >= 0 for d in self.stripe_devices):
-            raise ValueError(f"stripe_devices must be distinct device indexes, got {self.stripe_devices!r}")
+        check_stripe_devices(self.stripe_devices)
+
+
+def check_stripe_devices(devices) -> list[int]:
+    if not isinstance(devices, list) or len(set(devices)) != len(devices) or \
+            not all(isinstance(d, int) and d >= 0 for d in devices):
+        raise ValueError(f"stripe_devices must be distinct device indexes, got {devices!r}")
+    return devices
 
 
 @dataclass

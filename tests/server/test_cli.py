@@ -69,6 +69,10 @@ def test_flags_override_file_override_defaults(tmp_path, monkeypatch):
     assert (eng.workers_listen, eng.local_devices) == ("10.0.0.1:29600", 2)
     assert not eng.preempt_keeps_kv and build_config(parse("serve", "--preempt-keep-kv")).engine.preempt_keeps_kv
     assert eng.kv_host_bytes == 0 and build_config(parse("serve", "--kv-host", "2GiB", "--policy", "slo")).engine.kv_host_bytes == 2**31
+    assert eng.stripe_devices == [] and build_config(parse("serve", "--stripe-devices", "1,3")).engine.stripe_devices == [1, 3]
+    for bad, why in (("1,x", "device indexes separated by commas"), ("2,2", "distinct device indexes")):
+        with pytest.raises(ValueError, match=why):
+            build_config(parse("serve", "--stripe-devices", bad))
 
 
 def test_slo_flags_set_each_models_slo_from_the_named_calibration():

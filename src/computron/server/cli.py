@@ -16,7 +16,7 @@ import logging
 import os
 import sys
 
-from ..config import ComputronConfig, ModelSpec, format_bytes, load_config, parse_bytes
+from ..config import ComputronConfig, ModelSpec, check_stripe_devices, format_bytes, load_config, parse_bytes
 
 log = logging.getLogger("computron.server")
 
@@ -65,6 +65,9 @@ def add_parsers(subparsers) -> None:
                         "(`computron worker --connect HOST:PORT`; default $COMPUTRON_WORKERS_LISTEN)")
     p.add_argument("--local-devices", type=int, metavar="N",
                    help="with --workers-listen: devices 0..N-1 are this node's (default $COMPUTRON_LOCAL_DEVICES)")
+    p.add_argument("--stripe-devices", metavar="I,J,...",
+                   help="executor inprocess on a GPU: other GPUs whose host links swap-ins pull through too "
+                        "(striped swap; GPUs this server does not otherwise use)")
     p.add_argument("--executor", choices=("inprocess", "legacy", "workers"),
                    help="inprocess (default), legacy (the computron policy's) or workers (a process per device)")
     p.add_argument("--host", help="address to bind (default 127.0.0.1; 0.0.0.0 exposes the server)")
@@ -155,6 +158,13 @@ def build_config(args) -> ComputronConfig:
         eng.decode_steps = args.decode_steps
     if getattr(args, "devices", None) is not None:
         eng.devices = args.devices
+    if getattr(args, "stripe_devices", None):
+        try:
+            devices = [int(x) for x in args.stripe_devices.split(",")]
+        except ValueError:
+            raise ValueError(f"--stripe-devices takes device indexes separated by commas, got "
+                             f"{args.stripe_devices!r}") from None
+        eng.stripe_devices = check_stripe_devices(devices)
     for name in ("workers_listen", "local_devices"):
         if getattr(args, name, None) is not None:
             setattr(eng, name, getattr(args, name))

@@ -10,24 +10,14 @@ from computron.engine import Engine, EngineError, SamplingParams  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    out = {}
-    torch.manual_seed(0)
-    for name, cfg in {
+def checkpoints(tmp_path_factory, hf_saver):
+    return hf_saver(tmp_path_factory, {
         "opt": transformers.OPTConfig(vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                       ffn_dim=64, max_position_embeddings=128, word_embed_proj_dim=32),
         "llama": transformers.LlamaConfig(vocab_size=300, hidden_size=32, num_hidden_layers=2,
                                           num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
                                           max_position_embeddings=128),
-    }.items():
-        model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn_like(p) * 0.2)
-        path = tmp_path_factory.mktemp(name)
-        model.save_pretrained(path, safe_serialization=True)
-        out[name] = (path, model)
-    return out
+    })
 
 
 def test_checkpoint_greedy_tokens_match_transformers_through_swaps(checkpoints):

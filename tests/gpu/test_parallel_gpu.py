@@ -28,27 +28,19 @@ PROMPTS = [[5, 17, 42, 99, 7], [300, 2, 77, 501, 8, 9, 10, 11, 12], [3]]  # not 
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """An OPT and a Llama (grouped-query attention) checkpoint, 4 layers, heads and vocabulary split evenly."""
-    out = {}
-    torch.manual_seed(0)
-    for name, cfg in {
+def checkpoints(tmp_path_factory, hf_saver):
+    """An OPT and a Llama (grouped-query attention) checkpoint, 4 layers, heads and vocabulary split
+    evenly, each with `transformers`' own greedy tokens of the prompts."""
+    saved = hf_saver(tmp_path_factory, {
         "opt": transformers.OPTConfig(vocab_size=512, hidden_size=128, num_hidden_layers=4, num_attention_heads=8,
                                       ffn_dim=256, max_position_embeddings=256, word_embed_proj_dim=128),
         "llama": transformers.LlamaConfig(vocab_size=512, hidden_size=128, num_hidden_layers=4,
                                           num_attention_heads=8, num_key_value_heads=4, intermediate_size=256,
                                           max_position_embeddings=256),
-    }.items():
-        model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn_like(p) * 0.2)
-        path = tmp_path_factory.mktemp(name)
-        model.save_pretrained(path, safe_serialization=True)
-        ref = [model.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False)[0, len(p):]
-               .tolist() for p in PROMPTS]
-        out[name] = (path, ref)
-    return out
+    })
+    return {name: (path, [model.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12,
+                                         do_sample=False)[0, len(p):].tolist() for p in PROMPTS])
+            for name, (path, model) in saved.items()}
 
 
 def _tokens(checkpoints, tp: int, pp: int) -> tuple[dict, dict]:

@@ -278,9 +278,8 @@ def test_parallel_logits_equal_tp1(layout, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def hf_checkpoints(tmp_path_factory):
+def hf_checkpoints(tmp_path_factory, hf_saver):
     transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
     common = dict(vocab_size=301)  # odd: the last vocabulary range is padded
     configs = {
         "opt": transformers.OPTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
@@ -290,16 +289,7 @@ def hf_checkpoints(tmp_path_factory):
                                           num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128,
                                           **common),
     }
-    out = {}
-    for name, hf in configs.items():
-        model = transformers.AutoModelForCausalLM.from_config(hf).eval()
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn_like(p) * 0.2)
-        path = tmp_path_factory.mktemp(name)
-        model.save_pretrained(path, safe_serialization=True)
-        out[name] = path
-    return out
+    return {name: path for name, (path, _) in hf_saver(tmp_path_factory, configs).items()}
 
 
 def test_checkpoint_loaded_shard_by_shard_reads_only_its_slices(hf_checkpoints, tmp_path):

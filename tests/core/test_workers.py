@@ -232,3 +232,32 @@ def test_shutdown_leaves_no_child(workers, alive):  # last: it stops the module'
     workers.executor.shutdown()
     workers.executor.shutdown()  # twice is fine
     assert not mp.active_children() and not alive(pid)
+
+
+def test_a_sharded_models_load_is_reported_as_its_slowest_ranks():
+    """Every rank of a step reports its own copies' time; the model's load took the slowest one's,
+    whichever rank answers the tokens (here the fast one)."""
+    import threading
+
+    from computron.engine.workers import WorkerExecutor
+    from computron.messages import ExecuteBatch, ModelDescription, Placement, StepResult
+    from computron.parallel.dims import ParallelDims
+
+    class Rank:
+        def __init__(self, device, seconds):
+            self.device, self.seconds = device, seconds
+
+        def start_step(self, batches):
+            self.batches = batches
+
+        def finish_step(self, timeout):
+            tokens = {"r": 7} if self.device == 0 else {}
+            return StepResult(tokens=tokens, loaded={"m": self.seconds}, compute_s={"m": 0.01})
+
+    ex = WorkerExecutor.__new__(WorkerExecutor)
+    ranks = {0: Rank(0, 0.10), 1: Rank(1, 0.25)}
+    ex._lock, ex._dead, ex._reset, ex.devices, ex.call_timeout = threading.Lock(), set(), set(), [0, 1], 5.0
+    ex._descs = {"m": ModelDescription("m", "tiny-opt", None, 0, Placement(ParallelDims(tp=2), (0, 1)))}
+    ex._worker = ranks.__getitem__
+    result = ex._step([ExecuteBatch("m", [])])
+    assert result.loaded == {"m": 0.25} and result.tokens == {"r": 7}

@@ -454,8 +454,10 @@ class WorkerExecutor:
             except Exception as e:
                 error = error or e
                 continue
+            for name, sec in part.loaded.items():  # a sharded model's load took its slowest rank's time
+                result.loaded[name] = max(sec, result.loaded.get(name, 0.0))
             if w.device in answers:
-                for field in ("tokens", "logprobs", "prompt_logprobs", "loaded", "compute_s", "failed", "trace"):
+                for field in ("tokens", "logprobs", "prompt_logprobs", "compute_s", "failed", "trace"):
                     getattr(result, field).update(getattr(part, field))
                 result.lost_devices.extend(part.lost_devices)
         if died is not None:  # a rank of the step died (another's error is then most likely its echo)

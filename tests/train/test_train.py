@@ -30,12 +30,16 @@ def test_changing_micro_batch_gives_the_same_parameters_after_each_step():
     ref = Trainer(TrainConfig(**CFG))
     got = Trainer(TrainConfig(**CFG))
     Sizes(got.colo, [3, 5, 1, 1, 2, 4, 2, 6])
-    for _ in range(3):
+    for step in range(3):
         r, g = ref.train_step(), got.train_step()
         assert r["micro_batches"] == [8] and sum(g["micro_batches"]) == 8 and len(g["micro_batches"]) > 1
         assert abs(r["loss"] - g["loss"]) < 1e-5
-        for name, p in ref.params.items():  # the same gradients within float32 rounding ...
-            torch.testing.assert_close(got.params[name].grad, p.grad, rtol=1e-4, atol=1e-7)
+        for name, p in ref.params.items():  # the same gradients within float32 rounding (sums taken in
+            # another order: an entry that nearly cancels differs by a fraction of the tensor's largest
+            # entry, not of itself); after the first step the parameters differ by Adam's rounding too,
+            # and the gradients with them, so the later steps are judged by their parameters below ...
+            scale = p.grad.abs().max().item() * (1e-5 if step == 0 else 1e-3)
+            torch.testing.assert_close(got.params[name].grad, p.grad, rtol=1e-4, atol=scale)
         for name, p in params(ref).items():  # ... so the same update (Adam amplifies rounding of ~0 gradients)
             torch.testing.assert_close(got.params[name].detach(), p, rtol=1e-5, atol=1e-2 * CFG["lr"])
     assert ref.samples_seen == got.samples_seen

@@ -2,13 +2,23 @@
 # On a lent machine with 2 or 4 GPUs: `bench plan-accuracy` over layouts of several GPUs (tp, pp with
 # 1F1B and interleaved, dp with DDP and ZeRO-1, micro-batch and recomputation varied), GPT-2 medium
 # (350M) to OPT-2.7B, each measured with the Trainer (one process per GPU, NCCL) against the
-# planner's estimate for one node of as many GPUs. NVLink multicast stays off. Results land in $OUT
-# (or bench/results when OUT is unset) as plan_accuracy_<gpu>_x<N>.{json,png}.
+# planner's estimate for one node of as many GPUs. Besides the errors, the same run
+#  - asks `plan search` (restricted to what the Trainer runs) for its layout of every group of
+#    configurations training the same model, batch and sequence on as many GPUs, measures the picks
+#    no configuration covers, and reports each pick against its group's fastest (within 5%?);
+#  - measures NCCL all-reduce bus bandwidth and send/recv bandwidth over 2 (and 4) ranks, 1 to 256
+#    MiB, beside the bandwidths the planner assumes for this GPU type.
+# On 4 GPUs one run holds both sets: a 2-rank configuration runs on GPUs 0 and 1 and is grouped,
+# summarised (summary.by_gpus) and compared with links over 2 ranks apart from the 4-rank ones, so
+# the 2- and 4-GPU results come from the same machine without running the 2-GPU set twice.
+# NVLink multicast stays off. Results land in $OUT (or bench/results when OUT is unset) as
+# plan_accuracy_<gpu>_x<N>.{json,png} and the profiles beside them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 OUT=${OUT:-bench/results}
 n=$(nvidia-smi -L | wc -l)
+nvidia-smi topo -m  # the links the bandwidths below run over
 slug=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z' 'a-z' | sed 's/nvidia //; s/ .*//')
 two=(gpt2-medium:8:32:1024@tp=2 gpt2-medium:8:32:1024@pp=2 gpt2-medium:4:32:1024@pp=2,v=2
      gpt2-medium:8:32:1024@dp=2 gpt2-medium:8:32:1024@dp=2,zero1 gpt2-large:4:32:1024@tp=2

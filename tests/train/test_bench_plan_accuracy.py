@@ -1,19 +1,23 @@
 """``computron bench plan-accuracy`` machinery on the CPU: measured rows, the planner's predictions,
-errors and summary consistent with them, JSON and PNG written (the numbers mean something on a GPU only)."""
+errors and summary consistent with them, the planner's pick against the fastest measured layout,
+links measured against the planner's assumption, JSON and PNG written (the numbers mean something
+on a GPU only)."""
 
 import json
+import math
 
 import pytest
 
 from computron.cli import main
-from computron.train.accuracy import Config, spearman
+from computron.train import links
+from computron.train.accuracy import Config, assumptions, spearman
 
 
 def test_plan_accuracy_writes_rows_summary_and_png(tmp_path, capsys):
-    out = tmp_path / "acc"
+    out = tmp_path / "acc"  # the pick and the links have a test of their own below
     assert main(["bench", "plan-accuracy", "--device", "cpu", "--gpu", "a100-80gb", "--config", "tiny-gpt2:2:4:16",
                  "--config", "tiny-llama:2:4:16:full", "--config", "tiny-gpt2:2:4:16@pp=2",
-                 "--warmup", "0", "--steps", "1", "--out", str(out)]) == 0
+                 "--warmup", "0", "--steps", "1", "--no-pick", "--no-links", "--out", str(out)]) == 0
     data = json.loads((tmp_path / "acc.json").read_text())
     rows, s = data["rows"], data["summary"]
     assert [(r["model"], r["recompute"], r["pp"]) for r in rows] == [("tiny-gpt2", False, 1), ("tiny-llama", True, 1),
@@ -26,15 +30,57 @@ def test_plan_accuracy_writes_rows_summary_and_png(tmp_path, capsys):
         assert r["memory_error"] == pytest.approx(r["predicted_bytes"] / r["measured_bytes"] - 1)
     assert s["time_mean_abs_error"] == pytest.approx(sum(abs(r["time_error"]) for r in rows) / 3)
     assert s["time_worst_abs_error"] == pytest.approx(max(abs(r["time_error"]) for r in rows))
+    # one GPU and two: each count summarised on its own too
+    assert {n: g["configs"] for n, g in s["by_gpus"].items()} == {"1": 2, "2": 1}
+    assert s["by_gpus"]["2"]["time_worst_abs_error"] == pytest.approx(abs(rows[2]["time_error"]))
+    assert "pick" not in data and "links" not in data
     assert (tmp_path / "acc.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "3 configurations: time error" in capsys.readouterr().out
+
+
+def test_plan_accuracy_on_two_ranks_reports_the_pick_and_the_links(tmp_path, capsys):
+    given = ["tiny-gpt2:2:4:16@pp=2", "tiny-gpt2:2:4:16@dp=2,zero1"]
+    assert main(["bench", "plan-accuracy", "--device", "cpu", "--gpu", "a100-80gb", "--config", given[0],
+                 "--config", given[1], "--warmup", "0", "--steps", "1", "--link-sizes", "0.0625,0.25",
+                 "--out", str(tmp_path / "acc")]) == 0
+    data = json.loads((tmp_path / "acc.json").read_text())
+    rows, pick = data["rows"], data["pick"]
+    # one group (the same model, batch and sequence on 2 GPUs): the search's pick, measured here (one of
+    # the given layouts, or added to the run), against the fastest layout measured
+    (g,) = pick["groups"]
+    assert (g["model"], g["global_batch"], g["seq_len"], g["gpus"], g["measured"]) == ("tiny-gpt2", 4, 16, 2, len(rows))
+    (picked,) = [r for r in rows if r["config"] == g["pick"]]
+    assert bool(picked.get("added")) == (picked["config"] not in [Config.parse(c).label for c in given])
+    assert len(rows) == 2 + bool(picked.get("added"))
+    assert picked["predicted_s"] == pytest.approx(g["pick_predicted_s"], rel=1e-9)  # the search's own estimate
+    assert g["pick_s"] == picked["measured_s"] and g["fastest_s"] == min(r["measured_s"] for r in rows)
+    assert g["ratio"] == pytest.approx(g["pick_s"] / g["fastest_s"]) and g["within"] == (g["ratio"] <= 1.05)
+    s = pick["summary"]
+    assert (s["groups"], s["worst_ratio"], s["all_within"]) == (1, g["ratio"], g["within"]) and s["restrictions"]
+    # all-reduce and send/recv over the two gloo ranks, beside the bandwidths the planner assumes for an A100 node
+    (link,) = data["links"]
+    assert (link["ranks"], link["backend"]) == (2, "gloo")
+    assert link["assumed"] == links.assumed("a100-80gb", 2, assumptions())
+    assert [r["bytes"] for r in link["sizes"]] == [65536, 262144]
+    for r in link["sizes"]:
+        for k in ("allreduce_s", "allreduce_bus_bw", "p2p_s", "p2p_bw", "allreduce_assumed_bus_bw", "p2p_assumed_bw"):
+            assert math.isfinite(r[k]) and r[k] > 0, k
+    printed = capsys.readouterr().out
+    assert "planner's pick against the fastest measured" in printed and f"ratio {g['ratio']:.3f}" in printed
+    assert "links over 2 ranks (gloo) against the planner's a100-80gb node" in printed
+    # predicted again without a device: the same measurements, the pick searched again, the links kept
+    assert main(["bench", "plan-accuracy", "--rescore", str(tmp_path / "acc.json"), "--out", str(tmp_path / "again")]) == 0
+    again = json.loads((tmp_path / "again.json").read_text())
+    assert again["pick"]["groups"][0]["pick"] == g["pick"] and again["pick"]["groups"][0]["ratio"] == g["ratio"]
+    assert [r.get("added") for r in again["rows"]] == [r.get("added") for r in rows]
+    assert again["links"] == data["links"]
 
 
 def test_plan_accuracy_profiles_the_trainers_layer_first(tmp_path):
     out = tmp_path / "acc"
     assert main(["bench", "plan-accuracy", "--device", "cpu", "--gpu", "a100-80gb", "--profile", "auto",
                  "--config", "tiny-llama:1:4:16", "--config", "tiny-llama:2:4:16", "--config", "tiny-llama:2:4:32",
-                 "--warmup", "0", "--steps", "1", "--out", str(out)]) == 0
+                 "--warmup", "0", "--steps", "1", "--no-pick", "--out", str(out)]) == 0
     rows = json.loads((tmp_path / "acc.json").read_text())["rows"]
     # one profile per model and sequence length, measured at the micro-batches the configurations use
     prof = [json.loads((tmp_path / f"acc_profile_tiny-llama_s{s}.json").read_text()) for s in (16, 32)]
@@ -68,6 +114,12 @@ def test_configurations_and_rank_correlation():
     assert c.label == "gpt2 mbs=2 gb=32 s=1024 tp2 pp2 dp2 v2 zero1"
     with pytest.raises(ValueError, match="'tp=0' is not tp=, pp=, dp=, v="):
         Config.parse("gpt2:2:32:1024@tp=0")
+    c = Config.parse("gpt2:2:32:1024@pp=2,v=2,part=4/3/3/2")
+    assert c.partition == (4, 3, 3, 2) and c.label.endswith("pp2 dp1 v2 part4/3/3/2")
+    assert Config.from_row(c.as_row()) == c and c.canonical(12) == c
+    assert Config.parse("gpt2:2:32:1024@pp=2,v=2,part=3/3/3/3").canonical(12).partition is None
+    with pytest.raises(ValueError, match="part= needs pp\\*v = 4 layer counts, got 2"):
+        Config.parse("gpt2:2:32:1024@pp=2,v=2,part=6/6")
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
     assert spearman([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)
@@ -83,4 +135,9 @@ def test_bad_inputs_are_refused_before_any_measurement(tmp_path, capsys):
     assert main(["bench", "plan-accuracy", "--device", "cpu", "--gpu", "a100-80gb", "--profile",
                  str(tmp_path / "missing.json"), "--config", "tiny-opt:1:2:8", "--out", out]) == 2
     assert "missing.json' does not exist" in capsys.readouterr().err
+    assert main(["bench", "plan-accuracy", "--device", "cpu", "--gpu", "a200", "--config", "tiny-opt:1:2:8", "--out", out]) == 2
+    assert "unknown GPU type 'a200'" in capsys.readouterr().err
+    assert main(["bench", "plan-accuracy", "--device", "cpu", "--gpu", "a100-80gb", "--config", "tiny-gpt2:2:4:16@pp=2,part=1/2",
+                 "--out", out]) == 2
+    assert "the partition covers 3 layers, tiny-gpt2 has 2" in capsys.readouterr().err
     assert not (tmp_path / "acc.json").exists()

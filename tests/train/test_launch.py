@@ -80,3 +80,8 @@ def test_a_plan_beyond_the_runtime_is_refused_with_the_reason(tmp_path, capsys):
                    "--dp", "2", "--cp", "2", "--mbs", "1")
     assert main(["plan", "launch", str(cp), "--emit", "megatron", "--device", "cpu"]) == 2
     assert "uses context parallelism cp=2" in capsys.readouterr().err
+    (tmp_path / "sel").mkdir()
+    selective = _estimate(tmp_path / "sel", "gpt2", "a100-80gb:8x1", "--tp", "2", "--pp", "1", "--dp", "4", "--mbs", "2",
+                          "--recompute", "selective")
+    assert main(["plan", "launch", str(selective), "--device", "cpu"]) == 2  # it used to run without recomputation
+    assert "uses selective recomputation, which the training runtime" in capsys.readouterr().err

@@ -314,8 +314,14 @@ def p2p_time(m: TransformerShape, t: int, b: int, link_bw: float, intra_bw: floa
     E = m.bytes_per_elem * b * m.seq_len * m.hidden
     if a.scatter_gather and t > 1 and crosses:
         gather = (t - 1) / t * E / (intra_bw * a.intra_eff) + (t - 1) * a.intra_latency_s
-        return E / t / link_bw + a.p2p_latency_s + gather
-    return E / link_bw + a.p2p_latency_s
+        return send_time(E / t, link_bw, a) + gather
+    return send_time(E, link_bw, a)
+
+
+def send_time(nbytes: float, link_bw: float, a: Assumptions = DEFAULT) -> float:
+    """One blocking point-to-point send of ``nbytes`` over a link of ``link_bw`` (efficiency applied):
+    ``nbytes/link_bw + p2p_latency``."""
+    return nbytes / link_bw + a.p2p_latency_s
 
 
 def ring_half(nbytes: float, n: int, bw: float, latency: float) -> float:

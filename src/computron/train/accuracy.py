@@ -9,16 +9,19 @@ profile`` of this GPU when given, else its roofline) predicts the same layout an
 on one node of as many GPUs of the named type. Out come a table, a JSON with
 each configuration's errors and the summary (mean and worst absolute time error, mean memory
 error, Spearman rank correlation of predicted and measured times, the best model TFLOP/s against
-this device's measured matrix rate), and a PNG of predicted against measured.
+this device's measured matrix rate; per GPU count too), and a PNG of predicted against measured.
+The same run asks the planner's search for its layout of every group of configurations that train
+the same thing on as many GPUs and measures it against the group's fastest (``pick.py``), and
+measures all-reduce and send/recv bandwidth between the ranks beside the planner's assumption
+(``links.py``).
 """
 
 from __future__ import annotations
 
 import json
 import statistics
-import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # GPT-shaped models from 125M to 1.3B, micro-batch, global batch, recomputation and sequence varied
 DEFAULT_CONFIGS = ["gpt2:4:32:1024", "gpt2:8:32:1024", "gpt2:8:32:1024:full", "gpt2:16:64:512",
@@ -26,7 +29,8 @@ DEFAULT_CONFIGS = ["gpt2:4:32:1024", "gpt2:8:32:1024", "gpt2:8:32:1024:full", "g
                    "gpt2-large:8:32:512:full", "gpt2-xl:2:16:1024", "gpt2-xl:4:16:1024:full"]
 
 
-FORMAT = "MODEL:MBS:GLOBAL_BATCH:SEQ_LEN[:full][@tp=T,pp=P,dp=D,v=V,zero1]"
+FORMAT = "MODEL:MBS:GLOBAL_BATCH:SEQ_LEN[:full][@tp=T,pp=P,dp=D,v=V,zero1,part=N/N/...]"
+LAYOUT_FIELDS = ("model", "mbs", "global_batch", "seq_len", "recompute", "tp", "pp", "dp", "v", "zero1", "partition")
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,7 @@ class Config:
     dp: int = 1
     v: int = 1  # model chunks per pipeline stage (interleaved 1F1B)
     zero1: bool = False
+    partition: tuple[int, ...] | None = None  # layers per model chunk (pp * v, in model order); None: uniform
 
     @classmethod
     def parse(cls, text: str) -> "Config":
@@ -55,10 +60,40 @@ class Config:
                 kw["zero1"] = True
             elif key in ("tp", "pp", "dp", "v") and value.isdigit() and int(value) >= 1:
                 kw[key] = int(value)
+            elif key == "part" and all(x.isdigit() and int(x) >= 1 for x in value.split("/")):
+                kw["partition"] = tuple(int(x) for x in value.split("/"))
             else:
-                raise ValueError(f"configuration {text!r}: {item!r} is not tp=, pp=, dp=, v= (a positive integer) "
-                                 f"or zero1; expected {FORMAT}")
-        return cls(parts[0], int(parts[1]), int(parts[2]), int(parts[3]), len(parts) == 5, **kw)
+                raise ValueError(f"configuration {text!r}: {item!r} is not tp=, pp=, dp=, v= (a positive integer), "
+                                 f"zero1 or part= (positive layer counts joined by /); expected {FORMAT}")
+        cfg = cls(parts[0], int(parts[1]), int(parts[2]), int(parts[3]), len(parts) == 5, **kw)
+        if cfg.partition is not None and len(cfg.partition) != cfg.pp * cfg.v:
+            raise ValueError(f"configuration {text!r}: part= needs pp*v = {cfg.pp * cfg.v} layer counts, "
+                             f"got {len(cfg.partition)}")
+        return cfg
+
+    @classmethod
+    def from_row(cls, row: dict) -> "Config":
+        """The configuration of a result row (or any dict with ``LAYOUT_FIELDS``)."""
+        part = row.get("partition")
+        return cls(**{k: row[k] for k in LAYOUT_FIELDS if k != "partition"},
+                   partition=None if part is None else tuple(part))
+
+    def as_row(self) -> dict:
+        d = {k: getattr(self, k) for k in LAYOUT_FIELDS}
+        d["partition"] = None if self.partition is None else list(self.partition)
+        return d
+
+    def canonical(self, layers: int) -> "Config":
+        """The same configuration with an explicit partition that is the uniform one written as None;
+        ValueError when the partition does not cover ``layers``."""
+        from ..parallel.sharding import stage_layers
+
+        if self.partition is None:
+            return self
+        if sum(self.partition) != layers:
+            raise ValueError(f"{self.label}: the partition covers {sum(self.partition)} layers, {self.model} has {layers}")
+        uniform = tuple(len(r) for r in stage_layers(layers, self.pp * self.v))
+        return replace(self, partition=None) if self.partition == uniform else self
 
     @property
     def world(self) -> int:
@@ -68,7 +103,8 @@ class Config:
     def label(self) -> str:
         layout = "" if self.world == 1 else f" tp{self.tp} pp{self.pp} dp{self.dp}" + f" v{self.v}" * (self.v > 1) + \
             " zero1" * self.zero1
-        return f"{self.model} mbs={self.mbs} gb={self.global_batch} s={self.seq_len}" + " rc" * self.recompute + layout
+        part = "" if self.partition is None else " part" + "/".join(map(str, self.partition))
+        return f"{self.model} mbs={self.mbs} gb={self.global_batch} s={self.seq_len}" + " rc" * self.recompute + layout + part
 
 
 def shape_of(c, seq_len: int, global_batch: int):
@@ -80,24 +116,38 @@ def shape_of(c, seq_len: int, global_batch: int):
                             dtype="bfloat16", tie_embeddings=c.tie_embeddings, flash_attention=True, dropout=False)
 
 
+def assumptions():
+    """The cost model's assumptions for this trainer: bf16 weight copies, float32 gradients, masters
+    and AdamW moments, 18 bytes a parameter."""
+    from ..planner.costs import Assumptions
+
+    return Assumptions(bytes_per_param=18)
+
+
+def cost_model(shape, gpu: str, profile: str | None):
+    """The planner's cost model of ``shape`` for this trainer, from the profile ``profile`` (a file)
+    or the roofline."""
+    from ..planner.estimate import CostModel
+    from ..planner.measured import load_profile
+
+    return CostModel(shape, assumptions(), load_profile(profile, gpu) if profile else None)
+
+
 def predict(shape, gpu: str, cfg: Config, profile: str | None) -> tuple[float, float]:
     """(iteration seconds, peak bytes) the planner gives for one GPU of type ``gpu``."""
     from ..parallel.dims import ParallelDims
-    from ..planner.costs import Assumptions
-    from ..planner.estimate import CostModel, PlanConfig, PlanContext
+    from ..parallel.sharding import stage_layers
+    from ..planner.estimate import PlanConfig, PlanContext
     from ..planner.hardware import load_cluster
     from ..planner.layout import stage_envs
-    from ..planner.measured import load_profile
 
-    from ..parallel.sharding import stage_layers
-
-    # the trainer keeps bf16 weight copies, float32 gradients, masters and AdamW moments: 18 bytes a parameter
-    cm = CostModel(shape, Assumptions(bytes_per_param=18), load_profile(profile, gpu) if profile else None)
+    cm = cost_model(shape, gpu, profile)
     dims = ParallelDims(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp)
     placement = (load_cluster(f"{gpu}:{cfg.world}x1").node_types[0],)
     ctx = PlanContext(cm, stage_envs(placement, dims, cm.a),
                       PlanConfig(dims, cfg.mbs, cfg.v, cfg.recompute, cfg.zero1, False, False, False))
-    chunks = stage_layers(shape.layers, cfg.pp * cfg.v)  # the trainer's uniform partition; chunk c on stage c % pp
+    # the trainer's partition (uniform unless given); chunk c on stage c % pp
+    chunks = stage_layers(shape.layers, cfg.pp * cfg.v, cfg.partition)
     counts = [sum(len(chunks[c]) for c in range(s, cfg.pp * cfg.v, cfg.pp)) for s in range(cfg.pp)]
     r = ctx.result(ctx.check_counts(counts), "given", placement)
     return r.iteration_s, max(r.stage_memory)
@@ -131,18 +181,13 @@ def _measure_here(cfg: Config, device: str, dtype: str, warmup: int, steps: int)
     tr = Trainer(TrainConfig(model=cfg.model, seq_len=cfg.seq_len, global_batch=cfg.global_batch, micro_batch=cfg.mbs,
                              steps=warmup + steps, recompute=cfg.recompute, device=device, dtype=dtype,
                              dims={"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp}, virtual_stages=cfg.v, zero1=cfg.zero1,
+                             partition=None if cfg.partition is None else list(cfg.partition),
                              synthetic_tokens=(cfg.global_batch * (warmup + steps) + 1) * cfg.seq_len + 1))
     recs = [tr.train_step() for _ in range(warmup + steps)][warmup:]
     out = {"time_s": statistics.median(r["time_s"] for r in recs), "peak_bytes": max(max(r["peak_bytes"]) for r in recs),
            "tflops_per_gpu": statistics.median(r["tflops_per_gpu"] for r in recs)}
     del tr, recs
-    import gc
-
-    import torch
-
-    gc.collect()  # the trainer's cycles (hooks, colocation callbacks) hold its GPU memory until collected:
-    if torch.cuda.is_available():  # the next configuration's peak would count it
-        torch.cuda.empty_cache()
+    _release()  # else the next configuration's peak would count this one's memory
     return out
 
 
@@ -195,17 +240,23 @@ def spearman(x: list[float], y: list[float]) -> float:
     return num / den if den else 0.0
 
 
-def profile_layers(configs: list[Config], gpu: str, device: str, dtype: str, out: str, log=print) -> dict:
+def profile_layers(configs: list[Config], gpu: str, device: str, dtype: str, out: str, log=print,
+                   search_tps: bool = False) -> dict:
     """``plan profile`` of this device for every (model, sequence length, tp) the configurations use, at
-    their micro-batch sizes, written beside ``out``; {(model, seq_len): profile path}."""
+    their micro-batch sizes, written beside ``out``; {(model, seq_len): profile path}. ``search_tps``:
+    also every tp the planner's pick may take on the configurations' GPU counts (``pick.trainer_tps``),
+    so that the search compares measured layers with measured layers."""
     from ..models import resolve_model
     from ..planner.profile import run_profile
+    from .pick import trainer_tps
 
     want: dict[tuple[str, int], tuple[set, set]] = {}
     for c in configs:
         tps, sizes = want.setdefault((c.model, c.seq_len), (set(), set()))
         tps.add(c.tp)
         sizes.add(c.mbs)
+        if search_tps:
+            tps.update(trainer_tps(shape_of(resolve_model(c.model, dtype="float32")[0], c.seq_len, 1), c.world))
     paths = {}
     for (model, seq), (tps, sizes) in want.items():
         shape = shape_of(resolve_model(model, dtype="float32")[0], seq, 1)
@@ -219,18 +270,63 @@ def profile_layers(configs: list[Config], gpu: str, device: str, dtype: str, out
 
 
 def run(configs: list[Config], gpu: str, device: str, dtype: str, profile: str | None, warmup: int, steps: int,
-        log=print, out: str | None = None) -> dict:
+        log=print, out: str | None = None, pick: bool = True, links: bool = True, link_sizes=None) -> dict:
     """Measure and predict every configuration. ``profile``: a ``plan profile`` file, ``auto`` (profile
     this device first, one file per model and sequence length, beside ``out``), or None (the roofline).
-    With a profile each row also carries the roofline's prediction."""
-    profiles = profile_layers(configs, gpu, device, dtype, out or "plan_accuracy", log) if profile == "auto" else {}
-    rows = []
-    for cfg in configs:
-        got = measure(cfg, device, dtype, warmup, steps)
-        prof = profiles.get((cfg.model, cfg.seq_len)) if profile == "auto" else profile
-        rows.append(score(cfg, got["shape"], got, gpu, prof, log))
-    return {"gpu": gpu, "device": device, "dtype": dtype, "profile": profile, "rows": rows,
-            "summary": summarize(rows, matmul_tflops(device, dtype))}
+    With a profile each row also carries the roofline's prediction. ``pick``: the planner's search picks
+    a layout for every group of configurations that train the same thing on as many GPUs; a pick no
+    configuration runs is measured too (its row marked ``added``; a pick that fails to run is reported,
+    not raised) and ``pick`` in the result compares each pick with its group's fastest (``pick.py``).
+    ``links``: all-reduce and send/recv measured over every number of ranks (> 1) the configurations
+    use, beside the bandwidths the planner assumes (``links.py``; ``link_sizes`` in bytes)."""
+    from ..models import resolve_model
+    from . import links as comm
+    from . import pick as picking
+
+    models = {c.model: resolve_model(c.model, dtype="float32")[0] for c in configs}
+    configs = [c.canonical(models[c.model].num_layers) for c in configs]
+    profiles = profile_layers(configs, gpu, device, dtype, out or "plan_accuracy", log, pick) if profile == "auto" else {}
+
+    def profile_of(model: str, seq_len: int) -> str | None:
+        return profiles.get((model, seq_len)) if profile == "auto" else profile
+
+    measured_links = [comm.run(n, gpu, device, assumptions(), link_sizes, log)
+                      for n in sorted({c.world for c in configs} - {1})] if links else []
+    picks = picking.search_picks(configs, models, gpu, profile_of, log) if pick else {}
+    added = picking.to_measure(configs, picks)
+    rows, failed = [], {}
+    for cfg in configs + added:
+        try:
+            got = measure(cfg, device, dtype, warmup, steps)
+        except (RuntimeError, ValueError) as e:  # a rank failed (RankFailed), out of memory, or refused
+            if cfg not in added:
+                raise
+            failed[cfg.label] = f"the pick failed to run: {e}"
+        if cfg.label in failed:  # past the handler, so that the failed trainer's frames can be freed
+            log(f"{cfg.label}: {failed[cfg.label]}")
+            _release()
+            continue
+        rows.append(score(cfg, got["shape"], got, gpu, profile_of(cfg.model, cfg.seq_len), log))
+        if cfg in added:
+            rows[-1]["added"] = "pick"
+    result = {"gpu": gpu, "device": device, "dtype": dtype, "profile": profile, "rows": rows,
+              "summary": summarize(rows, matmul_tflops(device, dtype))}
+    if pick:
+        result["pick"] = {**picking.compare(rows, picks, failed), "failed": failed}
+    if links:
+        result["links"] = measured_links
+    return result
+
+
+def _release() -> None:
+    """Free what a configuration left behind (the trainer's cycles hold GPU memory until collected)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def score(cfg: Config, model_cfg, got: dict, gpu: str, prof: str | None, log=print) -> dict:
@@ -238,9 +334,7 @@ def score(cfg: Config, model_cfg, got: dict, gpu: str, prof: str | None, log=pri
     planner's prediction from the profile ``prof`` (and the roofline's, when a profile is used)."""
     shape = shape_of(model_cfg, cfg.seq_len, cfg.global_batch)
     pred_s, pred_mem = predict(shape, gpu, cfg, prof)
-    row = {"config": cfg.label, "model": cfg.model, "mbs": cfg.mbs, "global_batch": cfg.global_batch,
-           "seq_len": cfg.seq_len, "recompute": cfg.recompute, "tp": cfg.tp, "pp": cfg.pp, "dp": cfg.dp,
-           "v": cfg.v, "zero1": cfg.zero1, "measured_s": got["time_s"], "predicted_s": pred_s,
+    row = {"config": cfg.label, **cfg.as_row(), "measured_s": got["time_s"], "predicted_s": pred_s,
            "time_error": pred_s / got["time_s"] - 1, "measured_bytes": got["peak_bytes"],
            "predicted_bytes": pred_mem, "memory_error": pred_mem / got["peak_bytes"] - 1,
            "tflops_per_gpu": got["tflops_per_gpu"], "profile": prof}
@@ -253,146 +347,52 @@ def score(cfg: Config, model_cfg, got: dict, gpu: str, prof: str | None, log=pri
 
 
 def summarize(rows: list[dict], rate: float) -> dict:
+    """The errors, rank correlation and best throughput of ``rows``; with several GPU counts, the same
+    for each count under ``by_gpus``."""
     best = max(rows, key=lambda r: r["tflops_per_gpu"])
-    return {"configs": len(rows), "time_mean_abs_error": statistics.fmean(abs(r["time_error"]) for r in rows),
-            "time_worst_abs_error": max(abs(r["time_error"]) for r in rows),
-            "memory_mean_abs_error": statistics.fmean(abs(r["memory_error"]) for r in rows),
-            "spearman": spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]),
-            "best": best["config"], "best_tflops_per_gpu": best["tflops_per_gpu"],
-            "matmul_tflops": rate, "best_fraction_of_matmul": best["tflops_per_gpu"] / rate}
+    out = {"configs": len(rows), "time_mean_abs_error": statistics.fmean(abs(r["time_error"]) for r in rows),
+           "time_worst_abs_error": max(abs(r["time_error"]) for r in rows),
+           "memory_mean_abs_error": statistics.fmean(abs(r["memory_error"]) for r in rows),
+           "spearman": spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]),
+           "best": best["config"], "best_tflops_per_gpu": best["tflops_per_gpu"],
+           "matmul_tflops": rate, "best_fraction_of_matmul": best["tflops_per_gpu"] / rate}
+    gpus = sorted({r["tp"] * r["pp"] * r["dp"] for r in rows})
+    if len(gpus) > 1:
+        out["by_gpus"] = {str(n): summarize([r for r in rows if r["tp"] * r["pp"] * r["dp"] == n], rate) for n in gpus}
+    return out
 
 
 def rescore(result: dict, profiles: str | None, log=print) -> dict:
     """A stored result's measurements predicted again by the planner as it is now (no device needed),
-    each row from its own profile file, looked up by name in the directory ``profiles``."""
+    each row from its own profile file, looked up by name in the directory ``profiles``; its picks
+    searched again (a pick the stored run did not measure is said to be so) and its links' assumed
+    bandwidths read again."""
     import os
 
     from ..models import resolve_model
+    from . import links as comm
+    from . import pick as picking
 
-    rows = []
+    rows, where = [], {}
     for r in result["rows"]:
-        layout = ",".join(f"{k}={r[k]}" for k in ("tp", "pp", "dp", "v")) + ",zero1" * bool(r["zero1"])
-        cfg = Config.parse(f"{r['model']}:{r['mbs']}:{r['global_batch']}:{r['seq_len']}" + ":full" * r["recompute"]
-                           + "@" + layout)
+        cfg = Config.from_row(r)
         prof = r.get("profile")
         if prof and profiles:
             prof = os.path.join(profiles, os.path.basename(prof))
+        where[cfg.model, cfg.seq_len] = prof
         got = {"time_s": r["measured_s"], "peak_bytes": r["measured_bytes"], "tflops_per_gpu": r["tflops_per_gpu"]}
         rows.append(score(cfg, resolve_model(cfg.model, dtype="float32")[0], got, result["gpu"], prof, log))
-    return {**result, "rows": rows, "summary": summarize(rows, result["summary"]["matmul_tflops"]), "rescored": True}
-
-
-def plot(result: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = result["rows"]
-    fig, ax = plt.subplots(figsize=(6.5, 6), dpi=110)
-    x, y = [r["measured_s"] for r in rows], [r["predicted_s"] for r in rows]
-    ax.scatter(x, y, c="C0")
-    for r in rows:
-        ax.annotate(r["config"], (r["measured_s"], r["predicted_s"]), fontsize=6, xytext=(3, 3), textcoords="offset points")
-    lo, hi = min(x + y) * 0.8, max(x + y) * 1.2
-    ax.plot([lo, hi], [lo, hi], "k--", lw=0.8, label="predicted = measured")
-    ax.fill_between([lo, hi], [lo * 0.9, hi * 0.9], [lo * 1.1, hi * 1.1], color="0.85", label="±10%")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("measured iteration time (s)")
-    ax.set_ylabel("predicted iteration time (s)")
-    s = result["summary"]
-    ax.set_title(f"plan estimate vs measured on {result['gpu']}: MAE {s['time_mean_abs_error']:.1%}, "
-                 f"rank corr {s['spearman']:.2f}", fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
-def add_bench_parser(bsub) -> None:
-    p = bsub.add_parser("plan-accuracy", help="training layouts measured here against plan estimate",
-                        description=__doc__.splitlines()[0])
-    p.add_argument("--config", action="append", default=None, metavar=FORMAT,
-                   help="a configuration (repeat it; default: ten GPT-shaped ones, 125M to 1.5B, one GPU each); "
-                        "a layout of several ranks runs on as many local devices")
-    p.add_argument("--gpu", default=None, help="the planner's GPU type of this device (default: detected)")
-    p.add_argument("--profile", default=None,
-                   help="a 'plan profile' JSON of this GPU, 'auto' (profile the trainer's layer here first, for every "
-                        "model and sequence length), or 'roofline' (no profile); default: auto on a GPU, else roofline")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"), help="default: bf16 on GPU, fp32 on CPU")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--out", default="bench/results/plan_accuracy", help="writes OUT.json and OUT.png")
-    p.add_argument("--rescore", metavar="RESULT.json", default=None,
-                   help="predict a stored result's measurements again with the planner as it is now (no device)")
-    p.add_argument("--profiles", metavar="DIR", default=None, help="with --rescore: the directory of its profiles")
-    p.set_defaults(func=cmd)
-
-
-def cmd(args) -> int:
-    from pathlib import Path
-
-    if args.rescore:
-        try:
-            result = rescore(json.loads(Path(args.rescore).read_text()), args.profiles)
-        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-            print(f"error: {args.rescore} is not a readable plan-accuracy result ({type(e).__name__}: {e})",
-                  file=sys.stderr)
-            return 2
-        except ValueError as e:  # a profile it names is missing or of another shape
-            print(f"error: {e}" + ("" if args.profiles else "; pass the directory of its profiles with --profiles"),
-                  file=sys.stderr)
-            return 2
-        return _write(result, args.out)
-    try:
-        configs = [Config.parse(c) for c in (args.config or DEFAULT_CONFIGS)]
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    gpu = args.gpu
-    if gpu is None:
-        import torch
-
-        from ..planner.profile import planner_gpu_name
-
-        if not args.device.startswith("cuda"):
-            print("error: name the planner's GPU type to predict with --gpu on a CPU", file=sys.stderr)
-            return 2
-        props = torch.cuda.get_device_properties(torch.device(args.device))
-        gpu = planner_gpu_name(props.name, props.total_memory)
-    if args.device.startswith("cuda"):
-        import torch
-
-        have = torch.cuda.device_count()
-        if too_big := [c.label for c in configs if c.world > have]:
-            print(f"error: {'; '.join(too_big)}: more ranks than the {have} GPU(s) here", file=sys.stderr)
-            return 2
-    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
-    profile = args.profile or ("auto" if args.device.startswith("cuda") else "roofline")
-    if profile not in ("auto", "roofline"):  # read it now, not after the measurements it would waste
-        from ..planner.measured import load_profile
-
-        try:
-            load_profile(profile, gpu)
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-    result = run(configs, gpu, args.device, dtype, None if profile == "roofline" else profile, args.warmup, args.steps,
-                 out=args.out)
-    return _write(result, args.out)
-
-
-def _write(result: dict, out: str) -> int:
-    from pathlib import Path
-
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out + ".json").write_text(json.dumps(result, indent=1) + "\n")
-    plot(result, out + ".png")
-    s = result["summary"]
-    print(f"{s['configs']} configurations: time error {s['time_mean_abs_error']:.1%} mean, {s['time_worst_abs_error']:.1%} "
-          f"worst; memory error {s['memory_mean_abs_error']:.1%} mean; rank correlation {s['spearman']:.2f}; best "
-          f"{s['best']} at {s['best_tflops_per_gpu']:.1f} TFLOP/s = {s['best_fraction_of_matmul']:.0%} of the measured "
-          f"{s['matmul_tflops']:.0f} TFLOP/s matrix rate; wrote {out}.json, {out}.png")
-    return 0
+        if r.get("added"):
+            rows[-1]["added"] = r["added"]
+    out = {**result, "rows": rows, "summary": summarize(rows, result["summary"]["matmul_tflops"]), "rescored": True}
+    if "pick" in result:
+        configs = [Config.from_row(r) for r in rows]
+        models = {c.model: resolve_model(c.model, dtype="float32")[0] for c in configs}
+        picks = picking.search_picks(configs, models, result["gpu"], lambda m, s: where.get((m, s)), log)
+        failed = result["pick"].get("failed", {})
+        out["pick"] = {**picking.compare(rows, picks, failed), "failed": failed}
+    if "links" in result:
+        a = assumptions()
+        out["links"] = [g if "error" in g else comm.compare(g, comm.assumed(result["gpu"], g["ranks"], a), a)
+                        for g in result["links"]]
+    return out

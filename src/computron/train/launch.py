@@ -79,24 +79,35 @@ def read_plan(path: str | Path, index: int = 1) -> Layout:
         if not 1 <= index <= len(data["plans"]):
             raise LaunchError(f"plan {path} lists {len(data['plans'])} plans; --index {index} is not one of them")
         row = data["plans"][index - 1]
+    if "model" not in data:
+        raise LaunchError(f"plan {path} lacks 'model': write it with 'plan estimate --json' or 'plan search --json'")
+    return layout_from_plan(data["model"], row, f"plan {path}")
+
+
+def layout_from_plan(model: dict, row: dict, source: str = "the plan") -> Layout:
+    """The layout of one plan: ``model`` the planner's shape (``TransformerShape.to_dict``), ``row`` its
+    ``report.plan_row`` with the PlanResult's ``to_dict`` as ``detail`` (what ``plan search --json``
+    writes); refused, with the reason, when it uses what the training runtime does not run."""
     try:
-        m, detail = data["model"], row["detail"]
+        m, detail = model, row["detail"]
         beyond = [f"context parallelism cp={row['cp']}"] * (row.get("cp", 1) > 1) + \
-            [f"ZeRO stage {row['zero']}"] * (row.get("zero", 0) >= 2) + ["fp8 matrix products"] * bool(row.get("fp8"))
+            [f"ZeRO stage {row['zero']}"] * (row.get("zero", 0) >= 2) + ["fp8 matrix products"] * bool(row.get("fp8")) + \
+            ["selective recomputation"] * (row.get("recompute") == "selective")
         if beyond:
-            raise LaunchError(f"plan {path} uses {', '.join(beyond)}, which the training runtime and its launch files "
-                              "do not run (ZeRO-1 at most, no cp, bf16): search with --zero 0,1 --cp 1 and without --fp8")
+            raise LaunchError(f"{source} uses {', '.join(beyond)}, which the training runtime and its launch files "
+                              "do not run (ZeRO-1 at most, no cp, full or no recomputation, bf16): search with "
+                              "--zero 0,1 --cp 1 --recompute auto and without --fp8")
         world = row["tp"] * row["pp"] * row["dp"]
         nodes = len(detail["placement"])
         if world % nodes:
-            raise LaunchError(f"plan {path}: {world} GPUs over {nodes} nodes of different sizes; launch needs equal nodes")
+            raise LaunchError(f"{source}: {world} GPUs over {nodes} nodes of different sizes; launch needs equal nodes")
         return Layout(model=m["name"], layers=m["layers"], hidden=m["hidden"], heads=m["heads"], ffn=m["ffn"],
                       vocab=m["vocab"], kv_heads=m.get("kv_heads") or m["heads"], dp=row["dp"], tp=row["tp"],
                       pp=row["pp"], mbs=row["mbs"], global_batch=m["global_batch"], seq_len=m["seq_len"],
                       partition=tuple(detail["partition"]), virtual_stages=row["virtual_stages"],
                       recompute=row["recompute"] == "full", zero1=bool(row["zero1"]), nodes=nodes)
     except KeyError as e:
-        raise LaunchError(f"plan {path} lacks {e.args[0]!r}: write it with 'plan estimate --json' or 'plan search --json'") from None
+        raise LaunchError(f"{source} lacks {e.args[0]!r}: write it with 'plan estimate --json' or 'plan search --json'") from None
 
 
 def train_args(lay: Layout, model: str, steps: int, device: str | None = None) -> list[str]:

@@ -2,7 +2,8 @@
 
 What flows through: a number of ranks, a device and message sizes go in. :func:`measure` starts
 that many processes here (``dist.spawn``, one GPU each over NCCL, or gloo on the CPU) and times,
-per size, an all-reduce of a float32 buffer over all of them and a ping-pong of send/recv between
+per size, an all-reduce (a maximum: the bytes and steps of a sum, while repeated runs stay
+finite) of a random float32 buffer over all of them and a ping-pong of send/recv between
 neighbouring pairs (0-1, 2-3, ... at once, as pipeline stages send): after a warm-up, the median
 over repeats of a few back-to-back operations each. Out come the all-reduce's time and bus
 bandwidth (algorithm bandwidth ``size / time`` times ``2(n-1)/n``, as nccl-tests reports it) and
@@ -122,8 +123,9 @@ def _rank(device: str, sizes, warmup: int, repeats: int, inner: int, path: str) 
 
     rows = []
     for size in sizes:
-        x = torch.zeros(size // 4, dtype=torch.float32, device=dev)  # zeros: sums stay finite
-        ar = timed(lambda: tdist.all_reduce(x))
+        x = torch.rand(size // 4, dtype=torch.float32, device=dev)  # random: never time zeros
+        # MAX moves the bytes a sum does, and repeated reductions of it stay finite
+        ar = timed(lambda: tdist.all_reduce(x, op=tdist.ReduceOp.MAX))
         p2p = timed(lambda: ping_pong(x)) / 2  # one way: half a round trip
         nbytes = x.numel() * 4
         rows.append({"bytes": nbytes, "allreduce_s": ar, "allreduce_bus_bw": bus_factor(n) * nbytes / ar,

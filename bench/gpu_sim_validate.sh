@@ -8,6 +8,10 @@
 # 3. per policy: `serve` + `loadgen --trace` (measured; MEASURE=0 keeps a measurement already there),
 #    then `sim --trace` from each of its two calibrations (simulated: validate_sim_<policy>.json and
 #    validate_sim_<policy>_served.json), all writing JSON and plots under $OUT (or bench/results).
+#    The simulation starts as loadgen leaves the server (`--loadgen-probes`: its solo-latency probes
+#    first, so the models they leave resident, and the legacy executor's page-locked host copies, are
+#    the trace's start); the legacy calibration also times the first (pageable) swap-in and the
+#    eviction that allocates page-locked host memory (bench/results/sim_validate_h100/README.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site; fi
@@ -43,7 +47,7 @@ for policy in default computron; do
   fi
   for kind in "" _served; do
     $C sim --models "$MODELS" --trace "$TRACE" --budget "$BUDGET" --policy "$policy" --max-loaded 2 \
-        --calibration "$CAL$kind.json" --out "$OUT/validate_sim_$policy$kind.json" \
+        --calibration "$CAL$kind.json" --loadgen-probes --out "$OUT/validate_sim_$policy$kind.json" \
         --plots "$OUT/validate_plots/sim_$policy$kind"
   done
 done

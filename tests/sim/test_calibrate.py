@@ -55,3 +55,19 @@ def test_served_calibration_times_requests_through_the_http_server():
     assert [(m, b) for m, _, b, _ in pts["decode"]] == [("tiny-opt", 1), ("tiny-opt", 3)]
     assert all(t > 0 for *_, t in pts["prefill"] + pts["decode"])
     assert len(pts["swap"]) == len(pts["evict"]) == 1  # swaps are timed on the engine, before the server starts
+
+
+def test_legacy_calibration_times_the_first_swap_in_and_the_page_locked_allocation():
+    """The legacy executor's first swap-in (pageable) and the evictions that allocate (its first two) are
+    kept apart from the steady ones: one round more than --repeats, fitted into their own terms."""
+    pytest.importorskip("torch")
+    from computron.bench.calibrate import run
+
+    res = run(["tiny-opt", "tiny-llama"], "cpu", batches=[1], prompts=[8], new=3, repeats=2, budget=None,
+              executor="legacy")
+    pts, cal = res["points"], res["calibration"]
+    assert [m for m, *_ in pts["first_swap"]] == [m for m, *_ in pts["pin_evict"]] == ["tiny-opt", "tiny-llama"]
+    assert len(pts["swap"]) == 2 * 3 and len(pts["evict"]) == 2 * 2  # swaps from page-locked copies; steady evictions
+    assert cal.pageable_swap_bandwidth > 0 and cal.evict_pin_s_per_byte >= 0
+    plain = run(["tiny-opt"], "cpu", batches=[1], prompts=[8], new=3, repeats=1, budget=None)
+    assert "first_swap" not in plain["points"] and plain["calibration"].pageable_swap_bandwidth == 0.0

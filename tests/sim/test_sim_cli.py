@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from computron.cli import main
 
 MODELS = "tiny-opt,tiny-llama,tiny-gpt2"
@@ -34,6 +36,11 @@ def test_trace_file_and_its_errors(tmp_path, capsys):
     code, res = _run(tmp_path, "--trace", str(trace))
     assert code == 0 and [r["model"] for r in res["records"]] == ["tiny-opt", "tiny-gpt2", "tiny-opt"]
     assert all(r["finish_reason"] == "length" for r in res["records"])
+    code, probed = _run(tmp_path / "p", "--trace", str(trace), "--loadgen-probes", "--policy", "computron",
+                        "--max-loaded", "2")
+    assert code == 0 and probed["settings"]["loadgen_probes"]  # the trace starts with both models resident:
+    assert probed["summary"]["stats"]["swap_ins"] == 0  # the probes' loads are not the trace's
+    assert [r["arrival"] for r in probed["records"]] == pytest.approx([0.0, 0.01, 0.02])  # relative to the trace's start
     trace.write_text(json.dumps({"time": 0, "model": "nope", "prompt_tokens": 1, "output_tokens": 1}) + "\n")
     assert _run(tmp_path / "x", "--trace", str(trace))[0] == 2
     assert "the trace names model(s) nope that --models does not" in capsys.readouterr().err

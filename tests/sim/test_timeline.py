@@ -1,10 +1,12 @@
 """Hand-computed timelines: the simulation reproduces the calibration's formulas exactly."""
 
+from dataclasses import replace
+
 import pytest
 
 from computron.config import EngineConfig
 from computron.models import PRESETS
-from computron.sim import Calibration, Simulation, group_bytes, simulate
+from computron.sim import Calibration, Simulation, arena_capacity, group_bytes, simulate
 
 CAL = Calibration(name="test", swap_bandwidth=1e8, hbm_bandwidth=1e15, prefill_fixed_s=0.01, prefill_token_s=0.001,
                   prefill_token_s_per_byte=0.0, decode_fixed_s=0.002, decode_seq_s=0.0005,
@@ -126,3 +128,73 @@ def test_the_computron_policy_loads_before_it_computes():
     first = 1.0 + W_OPT / 1e8 + CAL.prefill_fixed_s + 16 * CAL.prefill_token_s
     assert r.first_token == approx(first) and first > cold_prefill_end(OPT, 1.0, 16)
     assert r.finish == approx(first + 4 * (CAL.decode_fixed_s + CAL.decode_seq_s))
+
+
+# The legacy executor's copies (computron policy): pageable host memory until a model's first eviction,
+# then page-locked copies that each eviction allocates anew unless an earlier eviction freed one.
+LEGACY = replace(CAL, evict_s_per_byte=1e-9, evict_pin_s_per_byte=2e-8, pageable_swap_bandwidth=5e7)
+PREFILL16 = CAL.prefill_fixed_s + 16 * CAL.prefill_token_s
+
+
+def test_legacy_evictions_pay_for_page_locked_copies_until_a_freed_one_is_reused():
+    """Two models of one shape, one resident at a time, requests 10 s apart. By hand, with W bytes each:
+    the first load of each reads pageable memory (W / 5e7), later ones page-locked (W / 1e8); every
+    eviction copies back (evict_s + W * 1e-9), and the first three allocate (W * 2e-8): a's (no copy
+    freed yet), b's (a's pageable copy is not cached), a's second (b's and a's copies both held); that
+    one frees a's first copy, which b's second eviction reuses."""
+    trace = [(10.0 * i, "ab"[i % 2], 16, 1) for i in range(5)]
+    sim = Simulation(["tiny-opt=a", "tiny-opt=b"], LEGACY, EngineConfig(policy="computron", max_loaded=1))
+    res = sim.run(trace)
+    evict, pin = LEGACY.evict_s + W_OPT * 1e-9, W_OPT * 2e-8
+    expect = [W_OPT / 5e7,  # a: pageable, nothing to evict
+              evict + pin + W_OPT / 5e7,  # a's first eviction allocates; b is still pageable
+              evict + pin + W_OPT / 1e8,  # b's first eviction allocates; a's copy is page-locked
+              evict + pin + W_OPT / 1e8,  # a's second: both copies are held, so it allocates, then frees one
+              evict + W_OPT / 1e8]  # b's second reuses the freed copy
+    for i, (r, e) in enumerate(zip(res.records, expect)):
+        assert r.first_token == r.finish == approx(10.0 * i + e + PREFILL16)
+    assert sim.executor.stats["pinned_bytes"] == 3 * W_OPT and sim.executor.stats["pin_s"] == approx(3 * pin)
+    assert res.stats["swap_ins"] == 5 and res.stats["evictions"] == 4
+    # the default executor's images are page-locked from the start and its evictions allocate nothing
+    res = simulate(trace, ["tiny-opt=a", "tiny-opt=b"], LEGACY, ONE_MODEL)
+    for i, r in enumerate(res.records):
+        assert r.first_token == approx(cold_prefill_end(OPT, 10.0 * i + (evict if i else 0.0), 16))
+
+
+def test_legacy_weights_live_outside_the_arena():
+    """The legacy executor keeps device weights in PyTorch's allocator: two models whose weights do not
+    fit the arena together are resident at once, and one request's cache may take the whole arena."""
+    cfg = EngineConfig(policy="computron", max_loaded=2, gpu_memory_budget=1_000_000, workspace_bytes=0)
+    assert W_OPT + W_LLAMA > arena_capacity(1_000_000, 0) and W_OPT + 32 * 16 * 1024 > arena_capacity(1_000_000, 0)
+    sim = Simulation(["tiny-opt", "tiny-llama"], LEGACY, cfg)
+    res = sim.run([(0.0, "tiny-opt", 480, 20), (0.0, "tiny-llama", 8, 3)])  # 500 tokens: 32 blocks of 16 KiB
+    assert [r.finish_reason for r in res.records] == ["length", "length"]
+    assert res.stats["swap_ins"] == 2 and res.stats["evictions"] == 0
+    st = sim.executor.status()
+    assert st.devices[0].weights == W_OPT + W_LLAMA and set(st.models) == {"tiny-opt", "tiny-llama"}
+
+
+def test_legacy_decode_captures_no_graphs():
+    """A calibration with a graph-capture cost charges nothing under the legacy executor (eager decode)."""
+    cal = replace(CAL, graph_capture_s=0.5)
+    res = simulate([(1.0, "tiny-opt", 16, 5)], ["tiny-opt"], cal, EngineConfig(policy="computron"))
+    first = 1.0 + W_OPT / 1e8 + PREFILL16
+    assert res.records[0].finish == approx(first + 4 * (CAL.decode_fixed_s + CAL.decode_seq_s))
+
+
+def test_probes_first_start_the_trace_as_loadgen_leaves_the_server():
+    """loadgen's probes (a warm-up and a solo request per model, in name order) leave b and c resident and a's
+    host copy page-locked; the trace's times are relative to their end and its counters leave them out.
+    By hand: b and c are warm (a prefill each, one step after the other); a, 5 s later, evicts b (the least
+    recently used; its first eviction, so it allocates) and loads from its page-locked copy."""
+    trace = [(0.0, "b", 16, 1), (0.0, "c", 16, 1), (5.0, "a", 16, 1)]
+    sim = Simulation(["tiny-opt=a", "tiny-opt=b", "tiny-opt=c"], LEGACY, EngineConfig(policy="computron", max_loaded=2))
+    solo = sim.probe(trace)
+    assert solo == {"a": approx(PREFILL16), "b": approx(PREFILL16), "c": approx(PREFILL16)}  # warm after the warm-up
+    assert sim.origin > 0 and set(sim.executor.status().models) == {"b", "c"}
+    res = sim.run(trace)
+    b, c, a = res.records
+    assert b.first_token == approx(PREFILL16) and c.first_token == approx(2 * PREFILL16)
+    assert a.first_token == approx(5.0 + LEGACY.evict_s + W_OPT * 1e-9 + W_OPT * 2e-8 + W_OPT / 1e8 + PREFILL16)
+    assert a.arrival == approx(5.0) and res.end_time == approx(a.finish)
+    assert res.stats["swap_ins"] == 1 and res.stats["evictions"] == 1

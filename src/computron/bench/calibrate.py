@@ -4,6 +4,11 @@ For each model (resident alone on the device, through the real engine):
 
 - swap-in: offload, then load and wait for its copies (the engine's own path), median of
   ``--repeats``; eviction the same way. Bandwidth = image bytes / swap-in seconds;
+- the legacy executor (``--executor legacy``) also: its first swap-in, from the pageable host memory
+  the model was registered in (``pageable_swap_bandwidth``), and what an eviction costs more when the
+  page-locked host memory it copies into must be allocated (``evict_pin_s_per_byte``): the first
+  two evictions of a model allocate (the first's copy is still held while the second's is made);
+  from the third on a freed copy is reused, and those are the steady evictions fitted;
 - prefill: one request of P prompt tokens and one new token, for each P of ``--prompt``;
 - decode: B requests decoding together, step time = (last token − first token) / (tokens − 1), for
   each B of ``--batch`` (as ``bench decode``);
@@ -161,22 +166,28 @@ def run(models: list[str], device: str, batches: list[int], prompts: list[int], 
     eng = Engine(EngineConfig(device=device, gpu_memory_budget=budget, executor=executor))
     dev = eng.executor.device if hasattr(eng.executor, "device") else torch.device("cpu")
     points = {"swap": [], "evict": [], "prefill": [], "decode": [], "floor": [], "capture": []}
+    legacy = executor == "legacy"
+    if legacy:  # the first swap-in (pageable host memory) and the evictions that allocate page-locked memory
+        points["first_swap"], points["pin_evict"] = [], []
     rng = np.random.default_rng(0)
     specs = [ModelSpec.parse(name) for name in models]
     for spec in specs:
         eng.register_model(spec)
         nbytes = eng.core.models[spec.name].total_bytes
-        for _ in range(repeats + 1):  # the first round warms the path up
+        rounds = []
+        for _ in range(repeats + 1 + legacy):  # the first round warms the path up (legacy: see the docstring)
             eng.core.offload(spec.name)
             t0 = time.perf_counter()
             eng.core.load(spec.name, wait=True)
             swap = time.perf_counter() - t0
             t0 = time.perf_counter()
             eng.core.offload(spec.name)
-            evict = time.perf_counter() - t0
-            points["swap"].append((spec.name, nbytes, swap))
-            points["evict"].append((spec.name, nbytes, evict))
-        del points["swap"][-repeats - 1], points["evict"][-repeats - 1]
+            rounds.append((swap, time.perf_counter() - t0))
+        if legacy:
+            points["first_swap"].append((spec.name, nbytes, rounds[0][0]))
+            points["pin_evict"].append((spec.name, nbytes, rounds[1][1]))
+        points["swap"] += [(spec.name, nbytes, s) for s, _ in rounds[1:]]
+        points["evict"] += [(spec.name, nbytes, e) for _, e in rounds[1 + legacy:]]
         points["floor"].append((spec.name, nbytes, _floor_s(nbytes, dev)))
     path = _Served(eng) if serve else _Direct(eng)
     try:
@@ -209,6 +220,11 @@ def run(models: list[str], device: str, batches: list[int], prompts: list[int], 
     ev = _fit([(b, 0, t) for _, b, t in points["evict"]])  # fixed + per byte (a copy back, if any)
     # a graph recorded again after a move: fixed + per byte (0 without graphs: the CPU, the legacy executor)
     gc = _fit([(b, 0, t) for _, b, t in points["capture"]]) if points["capture"] else (0.0, 0.0)
+    pageable = pin = 0.0
+    if legacy:
+        pageable = statistics.median(b / s for _, b, s in points["first_swap"])
+        steady = {m: statistics.median(t for n, _, t in points["evict"] if n == m) for m, _, _ in points["pin_evict"]}
+        pin = max(0.0, statistics.median((t - steady[m]) / b for m, b, t in points["pin_evict"]))
     mem = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else \
         eng.executor.status().devices[0].budget
     cal = Calibration(name=f"measured:{machine().get('gpu', dev.type)}{' (served)' if serve else ''}",
@@ -217,7 +233,8 @@ def run(models: list[str], device: str, batches: list[int], prompts: list[int], 
                       prefill_token_s_per_byte=pf[3], decode_fixed_s=dc[0], decode_fixed_s_per_byte=dc[1],
                       decode_seq_s=dc[2], decode_seq_s_per_byte=dc[3],
                       evict_s=ev[0], evict_s_per_byte=ev[1], device_memory=int(mem),
-                      graph_capture_s=gc[0], graph_capture_s_per_byte=gc[1])
+                      graph_capture_s=gc[0], graph_capture_s_per_byte=gc[1],
+                      pageable_swap_bandwidth=pageable, evict_pin_s_per_byte=pin)
     checks = []
     for kind in ("prefill", "decode"):
         for name, b, n, t in points[kind]:
@@ -256,5 +273,7 @@ def main(args) -> int:
                 ["kind", "model", "tokens/batch", "measured", "fit", "error"], rows)
     print(f"swap-in {cal.swap_bandwidth[0] / 1e9:.1f} GB/s, weight reads {cal.hbm_bandwidth / 1e9:.0f} GB/s, "
           f"eviction {cal.evict_s * 1e6:.0f} us + {cal.evict_s_per_byte * 1e9 * 1e3:.2f} ms/GB; "
-          f"wrote {out} and {out.with_suffix('.points.json')}")
+          + (f"first swap-in (pageable) {cal.pageable_swap_bandwidth / 1e9:.1f} GB/s, page-locked host memory "
+             f"allocated {cal.evict_pin_s_per_byte * 1e9 * 1e3:.0f} ms/GB; " if args.executor == "legacy" else "")
+          + f"wrote {out} and {out.with_suffix('.points.json')}")
     return 0

@@ -48,6 +48,10 @@ def add_parser(sub) -> None:
                    help=f"slo and {KEEP_KV} policies: host memory the caches of stopped requests may move to "
                         "when their device memory is needed (default 0: off)")
     p.add_argument("--max-loaded", type=int, default=1, help="computron policy: models resident at once")
+    p.add_argument("--loadgen-probes", action="store_true",
+                   help="start as `computron loadgen` leaves a server before its replay: first, per model, its "
+                        "warm-up and solo-latency requests, one at a time (the models they leave resident, and "
+                        "the host copies the legacy executor leaves page-locked, are the trace's start)")
     p.add_argument("--max-wait", type=float, default=1.0, help="preempt and slo policies: seconds a request may "
                                                                "be kept waiting by other models' running requests")
     p.add_argument("--sweep", choices=("rate", "cv", "budget"), default=None,
@@ -103,6 +107,8 @@ def run_once(args, specs, cfg_kw, cal, policy: str):
                                               preempt_keeps_kv=policy == KEEP_KV, max_wait_s=args.max_wait,
                                               slos=slos, slo_scale=args.slo_scale, kv_host_bytes=kv_host,
                                               **cfg_kw))
+    if getattr(args, "loadgen_probes", False):
+        sim.probe(trace)
     result = sim.run(trace)
     summary = result.summary()
     plots, args.plots = args.plots, (f"{args.plots}/{policy}" if args.plots and args.sweep else args.plots)

@@ -3,7 +3,9 @@
 Every time is a simple affine model with a floor (no torch, no I/O except ``load``/``save``):
 
 - **swap-in**: ``bytes / swap_bandwidth[device]`` (one copy stream per device: loads on one
-  device run one after another, each layer group landing in turn);
+  device run one after another, each layer group landing in turn); the legacy executor of the
+  ``computron`` policy copies from pageable host memory until a model's first eviction, at
+  ``pageable_swap_bandwidth`` (0: as ``swap_bandwidth``, the rate from page-locked memory);
 - **prefill** of ``t`` tokens on a model of ``B`` weight bytes (one rank's shard):
   ``max(B / hbm_bandwidth, prefill_fixed_s + prefill_fixed_s_per_byte * B + t * (prefill_token_s +
   prefill_token_s_per_byte * B))``;
@@ -17,7 +19,10 @@ Every time is a simple affine model with a floor (no torch, no I/O except ``load
 - a **mixed** batch (prompts and decodes in one step) pays the prefill fixed cost and both sums;
 - **eviction**: ``evict_s + evict_s_per_byte * B`` (the default executor copies nothing back: the
   region is released; the legacy executor of the ``computron`` policy copies the weights back to
-  the host, which a calibration of that executor measures as a per-byte term);
+  the host, which a calibration of that executor measures as a per-byte term). The legacy copy
+  back lands in page-locked host memory, allocated anew unless a host copy freed earlier is there
+  to reuse (PyTorch caches freed page-locked blocks): the bytes allocated cost
+  ``evict_pin_s_per_byte`` more (a model's first evictions; 0 for other executors);
 - a **decode graph captured** after a load: ``graph_capture_s + graph_capture_s_per_byte * B``, added to
   the first decode step of each batch-size bucket (``engine/buckets.py``) after each load of the model. The
   executor keeps a model's graphs only while its weights stay at one address, and a model swapped back
@@ -54,6 +59,10 @@ class Calibration:
     server_seq_s: float = 0.0  # per sequence that makes a token in a step: the server's streaming work
     graph_capture_s: float = 0.0  # per decode graph captured after a load (the first step of a bucket)
     graph_capture_s_per_byte: float = 0.0  # the same, per weight byte (a deeper model records more kernels)
+    # legacy executor: bytes/s of a swap-in from pageable host memory (a model's loads before its first
+    # eviction; 0: as swap_bandwidth), and seconds per byte of page-locked host memory an eviction allocates
+    pageable_swap_bandwidth: float = 0.0
+    evict_pin_s_per_byte: float = 0.0
 
     def __post_init__(self) -> None:
         bw = self.swap_bandwidth
@@ -85,8 +94,10 @@ class Calibration:
         bw = self.swap_bandwidth
         return bw[device] if device < len(bw) else bw[-1]
 
-    def load_time(self, nbytes: int, device: int = 0) -> float:
-        return swap_time(nbytes, self.bandwidth(device))
+    def load_time(self, nbytes: int, device: int = 0, pageable: bool = False) -> float:
+        """Seconds of a swap-in; ``pageable``: from pageable host memory (the legacy executor's first loads)."""
+        bw = self.pageable_swap_bandwidth if pageable and self.pageable_swap_bandwidth else self.bandwidth(device)
+        return swap_time(nbytes, bw)
 
     def weight_read_time(self, nbytes: int) -> float:
         return nbytes / self.hbm_bandwidth

@@ -9,6 +9,12 @@ It answers every call of ``engine/executor.py`` as the in-process executor would
   model still loading first waits for its copies, as the real one synchronises); loads start now,
   or when the device's copy stream is free, and each layer group lands at ``start + bytes so far /
   bandwidth``;
+- the legacy executor (the ``computron`` policy's) as it really is: its host copies are pageable
+  until a model's first eviction (a load from them runs at ``pageable_swap_bandwidth``); each
+  eviction copies the weights back into page-locked host memory that PyTorch allocates anew
+  (``evict_pin_s_per_byte`` × bytes) unless a copy freed by an earlier eviction is cached for reuse
+  (the model's previous page-locked copy is freed once the new one is made); its device weights
+  live outside the arena, which holds only KV caches; and it captures no decode graphs;
 - ``execute``: one token per sequence (a fixed id, never EOS) in a completed future; the clock
   moves to the end of the slowest batch (batches of one step run on disjoint devices at once). A
   cold batch computes layer group *i* once group *i* has landed, so compute overlaps the copy
@@ -62,7 +68,7 @@ class _Done:
 
 class _Model:
     __slots__ = ("info", "device", "groups", "nbytes", "block_bytes", "token", "ready", "load_start",
-                 "load_end", "reported", "kv_ready", "captured")
+                 "load_end", "reported", "kv_ready", "captured", "pinned")
 
     def __init__(self, info: ModelInfo, groups: list[int], block_bytes: int, token: int):
         self.info, self.groups, self.block_bytes, self.token = info, groups, block_bytes, token
@@ -73,6 +79,7 @@ class _Model:
         self.reported = True  # its last load was reported to the core as ended
         self.kv_ready = 0.0  # when the last cache moved back from host memory for it has landed
         self.captured: set[int] = set()  # batch-size buckets whose decode graph was captured since its load
+        self.pinned = False  # legacy executor: its host copy is page-locked (it was evicted once)
 
 
 class SimExecutor:
@@ -87,12 +94,19 @@ class SimExecutor:
         # The legacy executor (the computron policy's) waits for a load to end before it returns (the
         # engine stands still, every model's batches with it) and computes after it; ours returns at
         # once and computes layer group i once group i has landed.
-        self.overlap = (cfg.executor or ("legacy" if cfg.policy == "computron" else "inprocess")) != "legacy"
+        legacy = (cfg.executor or ("legacy" if cfg.policy == "computron" else "inprocess")) == "legacy"
+        self.overlap = not legacy
+        # The legacy executor's device weights live in PyTorch's allocator, outside the arena, which
+        # holds only the KV caches (the scheduler of the computron policy counts models, not bytes).
+        self.weights_in_arena = not legacy
+        self.legacy = legacy
         self.n_devices = devices
         self.token = token
-        # decode graphs: the batch sizes that have one (none without graphs, or with no capture cost)
+        # decode graphs: the batch sizes that have one (none without graphs, with no capture cost, or
+        # under the legacy executor, whose weights move at every load and whose decode runs eager)
         capture = calibration.graph_capture_s or calibration.graph_capture_s_per_byte
-        self.graph_sizes = buckets(cfg.max_batch_size) if cfg.cuda_graphs and capture else None
+        self.graph_sizes = buckets(cfg.max_batch_size) if cfg.cuda_graphs and capture and not legacy else None
+        self.pinned_free = 0  # legacy: bytes of page-locked host copies freed and cached for reuse (process-wide)
         self.models: dict[str, _Model] = {}
         self.weights = [0] * devices
         self.kv = [0] * devices
@@ -102,7 +116,7 @@ class SimExecutor:
         self.host_bytes = 0
         self.unreported: dict[str, _Model] = {}  # models whose last load was not reported as ended yet
         self.stats = {"loads": 0, "evictions": 0, "steps": 0, "load_s": 0.0, "compute_s": 0.0, "graph_captures": 0,
-                      "kv_moved_bytes": 0, "kv_move_s": 0.0, "host_peak_bytes": 0}
+                      "kv_moved_bytes": 0, "kv_move_s": 0.0, "host_peak_bytes": 0, "pinned_bytes": 0, "pin_s": 0.0}
 
     # ---- models --------------------------------------------------------------------------------
     def register(self, desc: ModelDescription, progress: Callable[[str], None] | None = None) -> ModelInfo:
@@ -147,7 +161,7 @@ class SimExecutor:
             t0 = self.clock.t
             if m.load_end > t0:  # copies in flight must land before the region is reused
                 self.clock.advance_to(m.load_end)
-            self.clock.advance(self.cal.evict_s + self.cal.evict_s_per_byte * m.nbytes)
+            self.clock.advance(self.cal.evict_s + self.cal.evict_s_per_byte * m.nbytes + self._pin(m))
             self._evict(m)
             evicted[name] = self.clock.t - t0
         for name in change.load:
@@ -159,6 +173,22 @@ class SimExecutor:
         for rid in change.kv_in:
             self._kv_in(rid)
         return evicted
+
+    def _pin(self, m: _Model) -> float:
+        """Legacy: seconds of allocating the page-locked host memory an eviction of ``m`` copies into
+        (what the cache of freed copies does not hold); its previous page-locked copy is freed after."""
+        if not self.legacy:
+            return 0.0
+        reuse = min(m.nbytes, self.pinned_free)
+        alloc = m.nbytes - reuse
+        self.pinned_free -= reuse
+        if m.pinned:
+            self.pinned_free += m.nbytes
+        m.pinned = True
+        s = alloc * self.cal.evict_pin_s_per_byte
+        self.stats["pinned_bytes"] += alloc
+        self.stats["pin_s"] += s
+        return s
 
     def _copy(self, d: int, nbytes: int) -> float:
         """Queue a cache copy of ``nbytes`` on device d's copy stream (behind the loads); when it ends."""
@@ -190,7 +220,7 @@ class SimExecutor:
         m, n = seq[0], blocks * seq[0].block_bytes
         self.host_bytes -= n
         d = m.device
-        if self.weights[d] + self.kv[d] + n > self.capacity:
+        if self._arena_weights(d) + self.kv[d] + n > self.capacity:
             raise MemoryError(f"the cache of {rid!r} ({n} bytes) coming back exceeds the arena of device {d}")
         self.kv[d] += n
         seq[1] = blocks
@@ -198,13 +228,15 @@ class SimExecutor:
 
     def _load(self, m: _Model) -> None:
         d = m.device
-        if self.weights[d] + self.kv[d] + m.nbytes > self.capacity:
+        if self.weights_in_arena and self.weights[d] + self.kv[d] + m.nbytes > self.capacity:
             raise MemoryError(f"loading {m.info.name!r} ({m.nbytes} bytes) exceeds the arena of device {d}: "
                               f"{self.weights[d]} bytes of weights and {self.kv[d]} of KV cache in use of "
                               f"{self.capacity}")
         self.weights[d] += m.nbytes
         start = max(self.clock.t, self.link_free[d])
         bw = self.cal.bandwidth(d)
+        if self.legacy and not m.pinned and self.cal.pageable_swap_bandwidth:
+            bw = self.cal.pageable_swap_bandwidth  # never evicted: its host copy is still pageable
         ready, done = [], 0
         for g in m.groups:
             done += g
@@ -215,6 +247,10 @@ class SimExecutor:
         self.link_free[d] = m.load_end
         self.stats["loads"] += 1
         self.stats["load_s"] += m.load_end - start
+
+    def _arena_weights(self, d: int) -> int:
+        """Bytes of weights in device d's arena (none for the legacy executor: its weights are outside)."""
+        return self.weights[d] if self.weights_in_arena else 0
 
     def _evict(self, m: _Model) -> None:
         self.weights[m.device] -= m.nbytes
@@ -279,9 +315,9 @@ class SimExecutor:
                 if need > seq[1]:
                     kv[d] += (need - seq[1]) * bb
                     seq[1] = need
-                    if kv[d] + self.weights[d] > cap:
+                    if kv[d] + self._arena_weights(d) > cap:
                         raise MemoryError(f"KV cache of {rid!r} exceeds the arena of device {d}: "
-                                          f"{self.weights[d]} + {kv[d]} > {cap} bytes")
+                                          f"{self._arena_weights(d)} + {kv[d]} > {cap} bytes")
                 tokens[rid] = tok
             compute = batch_time(self.cal, m.nbytes, prefill, decode, prompts)
             capture = self._capture(m, decode) if not prefill and self.graph_sizes else 0.0
@@ -355,7 +391,7 @@ class SimExecutor:
     # ---- status --------------------------------------------------------------------------------
     def resize(self, device: int, nbytes: int) -> int:
         """Accounting only: the simulated arena keeps its size (budgets are the scheduler's)."""
-        return min(max(nbytes, self.weights[device] + self.kv[device]), self.capacity)
+        return min(max(nbytes, self._arena_weights(device) + self.kv[device]), self.capacity)
 
     def status(self) -> ExecutorStatus:
         t = self.clock.t
@@ -367,7 +403,7 @@ class SimExecutor:
 
     def probe_link(self, name: str, repeats: int) -> list[float]:
         m = self.models[name]
-        return [self.cal.load_time(m.nbytes, m.device)] * repeats
+        return [self.cal.load_time(m.nbytes, m.device, self.legacy and not m.pinned)] * repeats
 
     def shutdown(self) -> None:
         for m in self.models.values():

@@ -7,6 +7,11 @@ clock jumps to the next arrival, else the core takes one step (which moves the c
 modelled swap and compute times). A request's first-token and finish times are the clock's time
 at the end of the step that produced them, as in the engine.
 
+Probes first (``Simulation.probe``): as ``computron loadgen`` measures each model's solo latency
+before it replays a trace against a server, a warm-up request and a probe per model run alone first,
+so the trace starts with the models resident (and, under the legacy executor, the host copies
+page-locked) that the measured run started with.
+
 Fast-forward: when the scheduler's plan only decodes one model's batch, the core is allowed a run
 of as many steps as end before the next arrival that could change a plan (one that only waits
 behind others of its model cannot: ``Scheduler.joins_queue``); ``Scheduler.schedule(max_steps=...)``
@@ -113,6 +118,7 @@ class Simulation:
         self._params: dict[int, SamplingParams] = {}
         self._prompts: dict[tuple[str, int], list[int]] = {}
         self.schedule_calls = 0
+        self.origin = 0.0  # the clock when the trace starts: times in records are relative to it
         for m in models:
             spec = ModelSpec.parse(m) if isinstance(m, str) else m
             desc = ModelDescription(spec.name, spec.source, spec.dtype, spec.seed)
@@ -136,12 +142,38 @@ class Simulation:
             out[name] = batch_time(cal, m.nbytes, p, 0) + (o - 1) * batch_time(cal, m.nbytes, 0, 1)
         return out
 
+    def probe(self, trace) -> dict[str, float]:
+        """What ``computron loadgen`` sends before it replays ``trace`` (``workload.loadgen.solo_latency``):
+        per model of the trace, in name order, a warm-up request of its median prompt and 2 tokens, then
+        one of its median prompt and output lengths, each alone, once the one before has ended. The
+        trace ``run`` is given next starts where they end (its times and the records' are relative to
+        that), with the models they left resident; ``run``'s counters leave them out, as loadgen reads
+        the server's counters over the replay only. Returns each model's probe latency (loadgen's SLO base)."""
+        arrivals = _arrivals(trace)
+        out = {}
+        for name in sorted({a.model for a in arrivals}):
+            mine = [a for a in arrivals if a.model == name]
+            p = sorted(a.prompt_tokens for a in mine)[len(mine) // 2]
+            o = sorted(a.output_tokens for a in mine)[len(mine) // 2]
+            for tokens in (2, o):
+                rid = f"probe-{name}-{tokens}"
+                self._add(0, Arrival(self.clock.t, name, p, tokens), rid)
+                while self.core.requests:
+                    if not self.core.step().batches and not self.executor.wait_loads():
+                        raise RuntimeError(f"simulation stalled at t={self.clock.t} in the probe {rid!r}")
+                rec = self.records.pop(rid)
+                if not rec.ok:
+                    raise RuntimeError(f"the probe {rid!r} failed: {rec.error}")
+            out[name] = rec.latency
+        self.origin = self.clock.t
+        return out
+
     def _finished(self, req: CoreRequest) -> None:
         rec = self.records[req.id]
         rec.first_token, rec.finish, rec.finish_reason, rec.error = (req.first_token_at, req.finished_at,
                                                                      req.finish_reason, req.error)
 
-    def _add(self, i: int, a) -> None:
+    def _add(self, i: int, a, rid: str | None = None) -> None:
         n = a.output_tokens
         params = self._params.get(n)
         if params is None:
@@ -151,7 +183,7 @@ class Simulation:
         if prompt is None:
             prompt = self._prompts[key] = [self.executor.models[a.model].token] * a.prompt_tokens \
                 if a.model in self.executor.models else [0] * a.prompt_tokens
-        rid = f"r{i}"
+        rid = rid or f"r{i}"
         rec = self.records[rid] = RequestRecord(rid, a.model, a.time, a.prompt_tokens, n, None, None, None,
                                                 step=self.core.scheduler.step_count)
         try:
@@ -194,8 +226,11 @@ class Simulation:
                 gc.enable()
 
     def _run(self, trace, max_steps: int | None, t0: float) -> SimResult:
-        arrivals = _arrivals(trace)
+        arrivals, origin = _arrivals(trace), self.origin
+        if origin:
+            arrivals = [Arrival(a.time + origin, a.model, a.prompt_tokens, a.output_tokens) for a in arrivals]
         clock, core = self.clock, self.core
+        before, earlier = dict(core.stats), set(self.records) if origin else ()
         n, i, steps, idle = len(arrivals), 0, 0, 0
         while True:
             now = clock.t
@@ -225,9 +260,17 @@ class Simulation:
                                        f"outstanding and no step runs")
             if max_steps is not None and steps >= max_steps:
                 break
-        stats = dict(core.stats)
+        stats = {k: v - before[k] if k in before and isinstance(v, (int, float)) else v
+                 for k, v in core.stats.items()}  # this trace's, not the probes'
+        if origin:
+            for r in self.records.values():
+                if r.id in earlier:
+                    continue
+                r.arrival -= origin
+                r.first_token = None if r.first_token is None else r.first_token - origin
+                r.finish = None if r.finish is None else r.finish - origin
         ends = [r.finish for r in self.records.values() if r.finish is not None]
-        return SimResult(list(self.records.values()), max(ends) if ends else clock.t, steps, stats,
+        return SimResult(list(self.records.values()), max(ends) if ends else clock.t - origin, steps, stats,
                          time.perf_counter() - t0)
 
 

@@ -12,7 +12,8 @@
 # summarised (summary.by_gpus) and compared with links over 2 ranks apart from the 4-rank ones, so
 # the 2- and 4-GPU results come from the same machine without running the 2-GPU set twice.
 # NVLink multicast stays off. Results land in $OUT (or bench/results when OUT is unset) as
-# plan_accuracy_<gpu>_x<N>.{json,png} and the profiles beside them.
+# plan_accuracy_<gpu>_x<N>[_<set>].{json,png} and the profiles beside them.
+#   bash bench/gpu_plan_accuracy_multi.sh [two|four|all] [more bench plan-accuracy flags]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -28,6 +29,16 @@ four=(gpt2-medium:8:64:1024@dp=4 gpt2-medium:8:64:1024@dp=4,zero1 gpt2-large:4:3
       gpt2-large:4:32:1024@tp=4 gpt2-large:2:32:1024@pp=4 gpt2-large:2:32:1024@pp=2,v=2,dp=2
       gpt2-xl:2:32:1024@pp=2,dp=2 gpt2-xl:2:32:1024@pp=4,v=2 gpt2-xl:4:32:1024:full@pp=4
       opt-2.7b:2:32:1024@tp=4 opt-2.7b:2:32:1024@tp=2,pp=2 opt-2.7b:4:32:1024:full@tp=2,dp=2,zero1)
-configs=("${two[@]}"); [ "$n" -ge 4 ] && configs=("${two[@]}" "${four[@]}")
+# SET (first argument, optional): two | four | all (default: all the machine's GPUs allow). Each set is
+# a dozen trainings of a few processes each (about 20 s apiece with their start-up) plus the picks: run
+# the sets in separate calls where one call's time is short; each writes its own files.
+set_=${1:-all}; case $set_ in two|four|all) shift || true ;; *) set_=all ;; esac
+case $set_ in
+  two) configs=("${two[@]}") ;;
+  four) configs=("${four[@]}") ;;
+  all) configs=("${two[@]}"); [ "$n" -ge 4 ] && configs=("${two[@]}" "${four[@]}") ;;
+esac
+if [ "$set_" = four ] && [ "$n" -lt 4 ]; then echo "the four-GPU set needs 4 GPUs, this machine has $n" >&2; exit 2; fi
 args=(); for c in "${configs[@]}"; do args+=(--config "$c"); done
-python3 -m computron.cli bench plan-accuracy --device cuda --out "$OUT/plan_accuracy_${slug}_x${n}" "${args[@]}" "$@"
+tag=$([ "$set_" = all ] && echo "x${n}" || echo "x${n}_${set_}")
+python3 -m computron.cli bench plan-accuracy --device cuda --out "$OUT/plan_accuracy_${slug}_${tag}" "${args[@]}" "$@"

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from computron.memory.arena import Arena, OutOfMemory
+from computron.memory.arena import Arena, OutOfMemory, Region
 from computron.memory.units import ALIGN, align_up
 
 
@@ -159,3 +159,40 @@ def test_resize_moves_the_end_compacting_what_lies_past_it_and_never_below_what_
     assert arena.resize(0) == 32 * ALIGN  # four regions of 8 units are still in use
     assert arena.resize(1000 * ALIGN) == 64 * ALIGN  # at most what it was made with
     assert arena.allocate(32 * ALIGN, "kv", "fits again").offset == 32 * ALIGN
+
+
+def test_holes_place_every_region_where_first_fit_over_the_regions_would():
+    """Random allocations and releases of many sizes (blocks among weights): each region lands at the
+    lowest offset with room, as a first fit found by walking the regions puts it, compactions
+    included; the bytes in use and free stay the sums of the regions'."""
+    K = ALIGN
+    rng = random.Random(7)
+    arena = Arena(500 * K, "cpu")
+    live = []
+    for step in range(3000):
+        if live and (rng.random() < 0.45 or arena.free < 40 * K):
+            arena.release(live.pop(rng.randrange(len(live))))
+        else:
+            size = K if rng.random() < 0.8 else rng.randint(2, 40) * K  # mostly blocks
+            if size > arena.free:
+                continue
+            cursor, want = 0, None  # the reference: walk the regions for the lowest gap that holds it
+            for r in arena.regions():
+                if r.offset - cursor >= size:
+                    want = cursor
+                    break
+                cursor = r.offset + r.nbytes
+            if want is None and arena.nbytes - cursor >= size:
+                want = cursor
+            compactions = arena.compactions
+            region = arena.allocate(size, "kv" if size == K else "weights", str(step))
+            if want is not None:
+                assert region.offset == want and arena.compactions == compactions, step
+            else:  # no gap held it: the arena compacted, and it went right after the packed regions
+                assert arena.compactions == compactions + 1
+                assert region.offset == sum(r.nbytes for r in arena.regions()) - size
+            live.append(region)
+        check_layout(arena)
+        assert arena.used("kv") + arena.used("weights") == sum(r.nbytes for r in arena.regions())
+    with pytest.raises(ValueError, match="not in the arena"):
+        arena.release(Region(0, K, "kv", "stranger"))

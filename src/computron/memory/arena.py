@@ -2,7 +2,10 @@
 
 Lives on the serving device (GPU, or the CPU when there is none). Weights and KV-cache blocks
 are regions of it; PyTorch's own allocator only sees the workspace of a forward pass. Regions
-are placed first-fit at aligned offsets. When the free bytes suffice but no hole is large
+are placed first-fit at aligned offsets: the lowest hole that holds them. The holes between regions
+are kept (sorted by offset) beside the regions, and the bytes in use as counters, so that a KV
+block (the smallest region: any hole holds one) takes the first hole at once and a release finds
+its neighbours by bisection, with thousands of blocks live. When the free bytes suffice but no hole is large
 enough, the arena compacts: live regions slide down (device-to-device copies, in stream order)
 and their owners see a new ``version`` and re-take their views. So an allocation fails only when
 the bytes do not fit, never for fragmentation.
@@ -59,6 +62,9 @@ class Arena:
         else:
             self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         self._regions: list[Region] = []  # sorted by offset
+        self._offsets: list[int] = []  # their offsets, for bisection
+        self._holes: list[list[int]] = []  # [offset, bytes] of each gap between regions, sorted (not the tail)
+        self._used: dict[str, int] = {}  # bytes in use by tag
         self.compactions = 0
 
     @property
@@ -91,7 +97,7 @@ class Arena:
             self._vmm.grant(peer)
 
     def used(self, tag: str | None = None) -> int:
-        return sum(r.nbytes for r in self._regions if tag is None or r.tag == tag)
+        return sum(self._used.values()) if tag is None else self._used.get(tag, 0)
 
     @property
     def free(self) -> int:
@@ -111,20 +117,46 @@ class Arena:
             offset = self._first_fit(size)
             assert offset is not None, "compaction left no hole for bytes that fit"
         region = Region(offset, size, tag, owner, arena=self)
-        bisect.insort(self._regions, region, key=lambda r: r.offset)
+        i = bisect.bisect_left(self._offsets, offset)
+        self._regions.insert(i, region)
+        self._offsets.insert(i, offset)
+        self._used[tag] = self._used.get(tag, 0) + size
         return region
 
     def release(self, region: Region) -> None:
-        self._regions.remove(region)
+        i = bisect.bisect_left(self._offsets, region.offset)
+        if i == len(self._regions) or self._regions[i] is not region:
+            raise ValueError(f"{region.owner}: this region is not in the arena")
+        del self._regions[i], self._offsets[i]
+        self._used[region.tag] -= region.nbytes
         region.arena = None
+        lo = self._regions[i - 1].offset + self._regions[i - 1].nbytes if i else 0
+        if i == len(self._regions):  # it was the last region: its bytes and the hole before it join the tail
+            if self._holes and self._holes[-1][0] == lo:
+                self._holes.pop()
+            return
+        hi = self._regions[i].offset  # the hole from the previous region's end to the next one's start
+        j = bisect.bisect_left(self._holes, [lo])
+        if j < len(self._holes) and self._holes[j][0] == lo:  # merge with the hole before it ...
+            del self._holes[j]
+        if j < len(self._holes) and self._holes[j][0] < hi:  # ... and the one after it
+            del self._holes[j]
+        self._holes.insert(j, [lo, hi - lo])
 
     def _first_fit(self, size: int) -> int | None:
-        cursor = 0
-        for r in self._regions:
-            if r.offset - cursor >= size:
-                return cursor
-            cursor = r.offset + r.nbytes
-        return cursor if self.nbytes - cursor >= size else None
+        """The lowest offset with ``size`` bytes free (the hole it came from shrinks), or None."""
+        holes = self._holes
+        for j, h in enumerate(holes):
+            if h[1] >= size:
+                at = h[0]
+                if h[1] == size:
+                    del holes[j]
+                else:
+                    h[0] += size
+                    h[1] -= size
+                return at
+        end = self._regions[-1].offset + self._regions[-1].nbytes if self._regions else 0
+        return end if self.nbytes - end >= size else None
 
     def _compact(self) -> None:
         """Slide every region down to close the holes, copying in chunks no larger than the gap
@@ -141,4 +173,6 @@ class Arena:
                 r.offset = cursor
                 r.version += 1
             cursor = r.offset + r.nbytes
+        self._offsets = [r.offset for r in self._regions]
+        self._holes = []
         self.compactions += 1

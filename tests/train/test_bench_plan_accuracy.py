@@ -140,4 +140,9 @@ def test_bad_inputs_are_refused_before_any_measurement(tmp_path, capsys):
     assert main(["bench", "plan-accuracy", "--device", "cpu", "--gpu", "a100-80gb", "--config", "tiny-gpt2:2:4:16@pp=2,part=1/2",
                  "--out", out]) == 2
     assert "the partition covers 3 layers, tiny-gpt2 has 2" in capsys.readouterr().err
+    for layout, why in (("tp=3", "tp=3 does not divide the 4 attention heads"),
+                        ("pp=2,v=2", "pp=2 x v=2 model chunks exceed the 2 layers")):
+        assert main(["bench", "plan-accuracy", "--device", "cpu", "--gpu", "a100-80gb", "--config",
+                     f"tiny-gpt2:2:4:16@{layout}", "--out", out]) == 2
+        assert why in capsys.readouterr().err
     assert not (tmp_path / "acc.json").exists()

@@ -102,11 +102,21 @@ def cmd(args) -> int:
             return 2
         return _write(result, args.out)
     from ..models import resolve_model
+    from ..parallel.dims import ParallelDims
     from ..planner.hardware import gpu_type
 
     try:
         configs = [Config.parse(c) for c in (args.config or DEFAULT_CONFIGS)]
-        configs = [c.canonical(resolve_model(c.model, dtype="float32")[0].num_layers) for c in configs]
+        for i, c in enumerate(configs):  # refused here, before any process starts for it
+            m = resolve_model(c.model, dtype="float32")[0]
+            try:
+                ParallelDims(tp=c.tp, pp=c.pp, dp=c.dp).validate_for(
+                    num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.kv_heads)
+                if c.pp * c.v > m.num_layers:
+                    raise ValueError(f"pp={c.pp} x v={c.v} model chunks exceed the {m.num_layers} layers")
+            except ValueError as e:
+                raise ValueError(f"{c.label}: {e}") from None
+            configs[i] = c.canonical(m.num_layers)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -18,6 +18,9 @@ from ..models.transformer import init_std
 from .layout import WeightLayout
 
 
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
+
+
 def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
     """A flat uint8 host buffer; page-locked when ``pin`` so copies to the GPU run at full speed.
 
@@ -29,7 +32,9 @@ def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
     buf = torch.empty(nbytes, dtype=torch.uint8)
     if pin and nbytes:
         cudart = torch.cuda.cudart()
-        err = cudart.cudaHostRegister(buf.data_ptr(), nbytes, 0)
+        # portable: page-locked for every GPU's copies, not only the current one's (a striped swap
+        # pulls one image through several GPUs' links)
+        err = cudart.cudaHostRegister(buf.data_ptr(), nbytes, _HOST_REGISTER_PORTABLE)
         if int(err) != 0:
             raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(err)}")
         weakref.finalize(buf.untyped_storage(), cudart.cudaHostUnregister, buf.data_ptr())

@@ -197,5 +197,6 @@ class StripedSwapper(ImageSwapper):
 
     @staticmethod
     def _give_back(h: _Helper, last) -> None:
-        last.synchronize()
-        h.release()
+        with torch.cuda.device(h.device):  # the helper's context current on this thread for the unmap
+            last.synchronize()
+            h.release()

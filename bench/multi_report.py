@@ -37,7 +37,7 @@ def swap_table(root: Path) -> list[str]:
         base = swap if (tp, pp) == (1, 1) else base
         rows.append(f"| tp={tp} pp={pp} | {r['bytes'] / 1e9:.2f} GB | {_ms(raw)} ms | {_ms(swap)} ms | "
                     f"{r['bytes'] / swap / 1e9:.1f} GB/s | {raw / swap:.1%} | "
-                    f"{swap / base:.3f} |" if base else "- |")
+                    + (f"{swap / base:.3f} |" if base else "- |"))
     head = ["| layout | bytes (all ranks) | concurrent raw memcpy | swap-in | aggregate | swap / raw | "
             "swap-in / tp=1's |", "| --- | --- | --- | --- | --- | --- | --- |"]
     return head + rows
@@ -56,7 +56,8 @@ def round_robin_table(root: Path) -> list[str]:
         rows.append(
             f"| ({tp},{pp}) | {d['load']['mean']:.3f} / {d['response']['mean']:.3f} / {d['response']['p99']:.3f} | "
             f"{c['evict']['mean']:.3f} / {c['load']['mean']:.3f} / {c['response']['mean']:.3f} / "
-            f"{c['response']['p99']:.3f} | {base / d['load']['mean']:.2f}x | {off:.3f} / {load:.3f} / {resp:.3f} |")
+            f"{c['response']['p99']:.3f} | " + (f"{base / d['load']['mean']:.2f}x" if base else "-") +
+            f" | {off:.3f} / {load:.3f} / {resp:.3f} |")
     head = ["| (tp,pp) | default: load / response mean / p99 | computron: evict / load / response mean / p99 | "
             "default load, speed-up over (1,1) | published (4xA100): offload / load / response |",
             "| --- | --- | --- | --- | --- |"]

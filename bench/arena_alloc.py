@@ -24,6 +24,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from computron.bench.common import positive_int
+
 CHILD = r"""
 import json, random, sys, time, zlib
 from computron.memory.arena import Arena
@@ -56,12 +58,14 @@ def _one(src: str, n: int, ops: int) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--blocks", type=int, nargs="+", default=[100, 1000, 4000, 16000])
-    ap.add_argument("--ops", type=int, default=2000)
-    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--blocks", type=positive_int, nargs="+", default=[100, 1000, 4000, 16000])
+    ap.add_argument("--ops", type=positive_int, default=2000)
+    ap.add_argument("--runs", type=positive_int, default=5)
     ap.add_argument("--reference-src", default=None)
     ap.add_argument("--out", default="bench/results/arena_alloc.json")
     args = ap.parse_args(argv)
+    if args.reference_src and not (Path(args.reference_src) / "computron" / "memory" / "arena.py").is_file():
+        ap.error(f"--reference-src {args.reference_src} is not a checkout's src (no computron/memory/arena.py)")
     here = str(Path(__file__).resolve().parent.parent / "src")
     versions = {"this": here} | ({"reference": args.reference_src} if args.reference_src else {})
     rows = []

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from computron.bench.common import machine, print_table, write_json
+from computron.bench.common import machine, positive_int, print_table, write_json
 from computron.memory.arena import Arena
 from computron.memory.host import HostImage
 from computron.memory.layout import layout_for
@@ -105,9 +105,9 @@ def measure(image: HostImage, k: int, chunks: list[int], repeats: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="opt-13b")
-    ap.add_argument("--gpus", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--chunk", type=int, nargs="+", default=[16, 32, 64], help="MiB a link moves at a time")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--gpus", type=positive_int, nargs="+", default=[2, 4])
+    ap.add_argument("--chunk", type=positive_int, nargs="+", default=[16, 32, 64], help="MiB a link moves at a time")
+    ap.add_argument("--repeats", type=positive_int, default=5)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -38,6 +38,31 @@ def test_plan_accuracy_writes_rows_summary_and_png(tmp_path, capsys):
     assert "3 configurations: time error" in capsys.readouterr().out
 
 
+def test_a_configuration_that_fails_is_recorded_and_the_rest_still_measured(tmp_path, capsys, monkeypatch):
+    from computron.train import accuracy
+    from computron.train.dist import RankFailed
+
+    real = accuracy.measure
+
+    def measure(cfg, *a, **kw):
+        if cfg.pp == 2:
+            raise RankFailed("rank 1 of 2 failed: PipeliningShapeError: a stride mismatch")
+        return real(cfg, *a, **kw)
+
+    monkeypatch.setattr(accuracy, "measure", measure)
+    args = ["bench", "plan-accuracy", "--device", "cpu", "--gpu", "a100-80gb", "--warmup", "0", "--steps", "1",
+            "--no-pick", "--no-links", "--out", str(tmp_path / "acc")]
+    assert main(args + ["--config", "tiny-gpt2:2:4:16@pp=2", "--config", "tiny-gpt2:2:4:16"]) == 1
+    data = json.loads((tmp_path / "acc.json").read_text())
+    assert [r["config"] for r in data["rows"]] == [Config.parse("tiny-gpt2:2:4:16").label]
+    label = Config.parse("tiny-gpt2:2:4:16@pp=2").label
+    assert data["failed"] == {label: "failed to run: rank 1 of 2 failed: PipeliningShapeError: a stride mismatch"}
+    assert f"error: {label}: failed to run: rank 1 of 2" in capsys.readouterr().err
+    # nothing ran: no result, an error naming why
+    assert main(args + ["--config", "tiny-gpt2:2:4:16@pp=2", "--out", str(tmp_path / "none")]) == 1
+    assert "error: no configuration ran: " + label in capsys.readouterr().err and not (tmp_path / "none.json").exists()
+
+
 def test_plan_accuracy_on_two_ranks_reports_the_pick_and_the_links(tmp_path, capsys):
     given = ["tiny-gpt2:2:4:16@pp=2", "tiny-gpt2:2:4:16@dp=2,zero1"]
     assert main(["bench", "plan-accuracy", "--device", "cpu", "--gpu", "a100-80gb", "--config", given[0],

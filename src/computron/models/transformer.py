@@ -236,17 +236,22 @@ class DecoderLM(nn.Module):
             x = x + F.embedding(positions + self.cfg.position_offset, self.embed_positions)
         return x
 
-    def head(self, x: torch.Tensor, align: int = 1) -> torch.Tensor:
+    def head(self, x: torch.Tensor, align: int = 1, trim: bool = True) -> torch.Tensor:
         """Logits of hidden states ``x``. ``align``: the product runs over the vocabulary's rows padded
         to a multiple of it (zeros, sliced off after): an odd vocabulary such as GPT-2's 50,257 rows
-        otherwise gets a far slower matrix kernel on large batches (training: 128)."""
+        otherwise gets a far slower matrix kernel on large batches (training: 128). ``trim=False``
+        keeps an unsharded head's padded columns (logit 0, for the caller to slice off): a contiguous
+        tensor, where the sliced one is a strided view (what a pipeline stage must not emit). A
+        vocabulary-sharded head trims each shard before the gather whatever ``trim`` says."""
         if self.final_norm is not None:
             x = self.final_norm(x)
         if self.project_out is not None:
             x = F.linear(x, self.project_out)
         w = self.embed_tokens if self.lm_head is None else self.lm_head
         pad = -w.shape[0] % align
-        logits = F.linear(x, F.pad(w, (0, 0, 0, pad)))[..., :w.shape[0]] if pad else F.linear(x, w)
+        logits = F.linear(x, F.pad(w, (0, 0, 0, pad))) if pad else F.linear(x, w)
+        if pad and (trim or self.gather is not None or self.logit_mask is not None):
+            logits = logits[..., :w.shape[0]]
         if self.gather is not None:
             logits = self.gather(logits)
         return logits if self.logit_mask is None else logits + self.logit_mask

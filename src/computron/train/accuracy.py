@@ -299,9 +299,9 @@ def run(configs: list[Config], gpu: str, device: str, dtype: str, profile: str |
         try:
             got = measure(cfg, device, dtype, warmup, steps)
         except (RuntimeError, ValueError) as e:  # a rank failed (RankFailed), out of memory, or refused
-            if cfg not in added:
-                raise
-            failed[cfg.label] = f"the pick failed to run: {e}"
+            # recorded, and the rest still measured: one layout the runtime cannot run must not lose a
+            # dozen measurements (the command exits non-zero, naming it)
+            failed[cfg.label] = f"{'the pick ' if cfg in added else ''}failed to run: {e}"
         if cfg.label in failed:  # past the handler, so that the failed trainer's frames can be freed
             log(f"{cfg.label}: {failed[cfg.label]}")
             _release()
@@ -309,10 +309,13 @@ def run(configs: list[Config], gpu: str, device: str, dtype: str, profile: str |
         rows.append(score(cfg, got["shape"], got, gpu, profile_of(cfg.model, cfg.seq_len), log))
         if cfg in added:
             rows[-1]["added"] = "pick"
+    if not rows:
+        raise RuntimeError("no configuration ran: " + "; ".join(f"{k}: {v}" for k, v in failed.items()))
     result = {"gpu": gpu, "device": device, "dtype": dtype, "profile": profile, "rows": rows,
-              "summary": summarize(rows, matmul_tflops(device, dtype))}
+              "summary": summarize(rows, matmul_tflops(device, dtype)), "failed": failed}
     if pick:
-        result["pick"] = {**picking.compare(rows, picks, failed), "failed": failed}
+        picked = {label for label in failed if label in {c.label for c in added}}
+        result["pick"] = {**picking.compare(rows, picks, failed), "failed": {k: failed[k] for k in picked}}
     if links:
         result["links"] = measured_links
     return result

@@ -153,8 +153,12 @@ def cmd(args) -> int:
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-    result = run(configs, gpu, args.device, dtype, None if profile == "roofline" else profile, args.warmup, args.steps,
-                 out=args.out, pick=args.pick, links=args.links, link_sizes=args.link_sizes)
+    try:
+        result = run(configs, gpu, args.device, dtype, None if profile == "roofline" else profile, args.warmup,
+                     args.steps, out=args.out, pick=args.pick, links=args.links, link_sizes=args.link_sizes)
+    except RuntimeError as e:  # not one configuration ran
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return _write(result, args.out)
 
 
@@ -181,4 +185,6 @@ def _write(result: dict, out: str) -> int:
         from .links import print_report
 
         print_report(result["links"])
-    return 0
+    for label, why in result.get("failed", {}).items():
+        print(f"error: {label}: {why}", file=sys.stderr)
+    return 1 if result.get("failed") else 0

@@ -73,7 +73,8 @@ HEAD_ALIGN = 128
 
 class _Stage(nn.Module):
     """One model chunk as a step calls it: token ids ``[m, t]`` (first chunk) or hidden states
-    ``[m, t, hidden]`` in; hidden states, or logits ``[m, t, vocab]`` (last chunk), out."""
+    ``[m, t, hidden]`` in; hidden states, or logits ``[m, t, vocab padded to HEAD_ALIGN]`` (last chunk,
+    contiguous: a pipeline stage checks its outputs' strides; the loss slices the padding off), out."""
 
     def __init__(self, model: DecoderLM, dtype: torch.dtype):
         super().__init__()
@@ -88,7 +89,7 @@ class _Stage(nn.Module):
         h = model.embed(x.reshape(-1), positions) if model.first else x.reshape(m * t, -1)
         for layer in model.layers:
             h = layer(h, batch)
-        out = model.head(h, HEAD_ALIGN) if model.last else h
+        out = model.head(h, HEAD_ALIGN, trim=False) if model.last else h  # the loss trims the padding
         return out.view(m, t, -1)
 
 
@@ -292,6 +293,7 @@ class Trainer:
         """Summed token cross-entropy over the global batch's token count (the update is the same
         whatever the split into micro-batches and replicas)."""
         total = self.cfg.global_batch * self.cfg.seq_len
+        logits = logits[..., :self.model_cfg.vocab_size]  # the head's padded columns, if any
         return SoftmaxCrossEntropy.apply(logits.flatten(0, 1), targets.flatten()) / total
 
     def _micro(self, ids: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:

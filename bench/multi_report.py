@@ -4,7 +4,9 @@
    shards measured in the same run, and against tp=1;
 2. the round-robin experiment (2 copies of OPT-13B, 24 blocking requests) by layout, both policies,
    beside the original Computron's published means (4xA100, PCIe 4.0; ../shared/BENCHMARKS.md), with
-   the load-time speed-up over the one-GPU layout of the same run.
+   the load-time speed-up over the one-GPU layout of the same run;
+3. the striped swap-in of a one-GPU model (``bench/striped_swap.py``) on k GPUs against one link's raw
+   memcpy and k links' concurrent memcpy of the same run.
 
     python3 bench/multi_report.py [bench/results/multi_h200x4]
 """
@@ -64,6 +66,24 @@ def round_robin_table(root: Path) -> list[str]:
     return head + rows
 
 
+def striped_table(root: Path) -> list[str]:
+    f = root / "striped_swap.json"
+    if not f.exists():
+        return []
+    med, rows = statistics.median, []
+    for r in json.loads(f.read_text())["runs"]:
+        one, k = med(r["raw_one_link_s"]), med(r["raw_k_links_s"])
+        swaps = [("plain", med(r["plain_swap_s"]), med(r["plain_first_group_s"]), r["plain_bytes_equal"])]
+        swaps += [(f"striped, {c} MiB chunks", med(s["swap_s"]), med(s["first_group_s"]),
+                   s["bytes_equal"] and s["staging_held_after"] == 0) for c, s in r["striped"].items()]
+        for name, t, first, ok in swaps:
+            rows.append(f"| {r['gpus']} | {name} | {_ms(t)} ms | {_ms(one)} ms | {_ms(k)} ms | {one / t:.2f}x | "
+                        f"{k / t:.1%} | {_ms(first)} ms | {'yes' if ok else 'NO'} |")
+    return ["| GPUs | swap-in | time | one link, raw | k links at once, raw | speed-up over one link | "
+            "of k links | first layer group in | bytes equal, staging returned |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"] + rows
+
+
 def main(argv: list[str]) -> int:
     root = Path(argv[0] if argv else "bench/results/multi_h200x4")
     if not root.is_dir():
@@ -71,7 +91,8 @@ def main(argv: list[str]) -> int:
         return 2
     print("\n".join(["Aggregate swap-in, OPT-13B (medians of 5):", ""] + swap_table(root) +
                      ["", "Round-robin, 2 copies of OPT-13B, 24 blocking requests (seconds):", ""] +
-                     round_robin_table(root)))
+                     round_robin_table(root) +
+                     ["", "Striped swap-in of OPT-13B onto GPU 0 (medians of 5):", ""] + striped_table(root)))
     return 0
 
 

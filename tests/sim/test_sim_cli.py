@@ -55,3 +55,14 @@ def test_sim_runs_without_torch(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads((tmp_path / "o.json").read_text())["summary"]["all"]["failed"] == 0
+
+
+def test_a_preset_of_small_models_holds_its_resident_models_beside_the_workspace(tmp_path):
+    # the budget is R + 1/2 models and the 2 GiB workspace, exactly: rounded to a printed size it once
+    # lost small models' bytes altogether ("workspace ... leaves nothing of the budget")
+    out = tmp_path / "sim.json"
+    assert main(["sim", "--preset", "3m-10-1-1", "--models", "tiny-opt", "--duration", "2", "--prompt", "16",
+                 "--output", "4", "--out", str(out)]) == 0
+    s = json.loads(out.read_text())["summary"]
+    assert s["all"]["requests"] > 10 and s["all"]["failed"] == 0
+    assert set(s["models"]) <= {"tiny-opt-0", "tiny-opt-1", "tiny-opt-2"}

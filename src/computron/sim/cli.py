@@ -65,7 +65,7 @@ def add_parser(sub) -> None:
 
 def _setup(args):
     """(model specs, engine config keyword arguments) from the flags and the preset."""
-    from ..config import ModelSpec, format_bytes, parse_bytes
+    from ..config import ModelSpec, parse_bytes
     from .layout import group_bytes
 
     if args.preset:
@@ -79,7 +79,7 @@ def _setup(args):
             from ..models import resolve_model
 
             cfg, _ = resolve_model(specs[0].source, dtype=specs[0].dtype)
-            budget = format_bytes(int((resident + 0.5) * sum(group_bytes(cfg))) + (2 << 30))  # + the workspace
+            budget = int((resident + 0.5) * sum(group_bytes(cfg))) + (2 << 30)  # + the workspace; exact (small models)
         return specs, dict(gpu_memory_budget=budget, max_loaded=resident, workspace_bytes=2 << 30)
     if not args.models:
         raise ValueError("give --models (or --preset)")

@@ -6,7 +6,8 @@ it reports, for rank 0 and the slowest rank: the step's wall time, the time some
 GPU (the union of kernel intervals, so overlapping streams count once), the part of it in NCCL
 kernels, the host time spent inside CUDA launches, and the operators with the most device and host
 time. A step whose GPU is busy for a small part of its wall time is bound by the host (launches,
-Python, waiting); one whose NCCL kernels fill it, by communication.
+Python, waiting); one whose NCCL kernels fill it, by communication. ``--cuda-graphs both`` runs each
+layout eagerly and with the trainer's CUDA graphs (``computron train --cuda-graphs``), in turn.
 
     NCCL_NVLS_ENABLE=0 PYTHONPATH=src python3 bench/train_profile.py \\
         --config gpt2-large:4:32:1024@tp=2 --config gpt2-large:4:32:1024@tp=4 --out bench/results/train_profile.json
@@ -62,7 +63,7 @@ def profile_step(tr, device: str) -> dict:
             "top_device": top("self_device_time_total"), "top_cpu": top("self_cpu_time_total")}
 
 
-def _run_here(cfg, device: str, warmup: int) -> dict:
+def _run_here(cfg, device: str, warmup: int, graphs: bool = False) -> dict:
     from computron.train.config import TrainConfig
     from computron.train.job import Trainer
 
@@ -70,6 +71,7 @@ def _run_here(cfg, device: str, warmup: int) -> dict:
                              steps=warmup + 1, recompute=cfg.recompute, device=device,
                              dtype="bfloat16" if device.startswith("cuda") else "float32",
                              dims={"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp}, virtual_stages=cfg.v, zero1=cfg.zero1,
+                             cuda_graphs=graphs,
                              synthetic_tokens=(cfg.global_batch * (warmup + 2) + 1) * cfg.seq_len + 1))
     walls = [tr.train_step()["time_s"] for _ in range(warmup)]
     out = profile_step(tr, device)
@@ -77,32 +79,33 @@ def _run_here(cfg, device: str, warmup: int) -> dict:
     return out
 
 
-def _rank(cfg, device: str, warmup: int, folder: str) -> int:
+def _rank(cfg, device: str, warmup: int, graphs: bool, folder: str) -> int:
     from computron.train import dist
 
     device = dist.local_device(device)
     dist.init(device, 300.0)
-    out = _run_here(cfg, device, warmup)
+    out = _run_here(cfg, device, warmup, graphs)
     with open(f"{folder}/rank{os.environ.get('RANK', '0')}.json", "w") as f:
         json.dump(out, f)
     dist.close()
     return 0
 
 
-def run(label: str, device: str, warmup: int) -> dict:
+def run(label: str, device: str, warmup: int, graphs: bool = False) -> dict:
     from computron.train.accuracy import Config
     from computron.train.dist import spawn
 
     cfg = Config.parse(label)
     t0 = time.perf_counter()
     if cfg.world == 1:
-        ranks = [_run_here(cfg, device, warmup)]
+        ranks = [_run_here(cfg, device, warmup, graphs)]
     else:
         with tempfile.TemporaryDirectory() as tmp:
-            spawn(cfg.world, _rank, cfg, device, warmup, tmp)
+            spawn(cfg.world, _rank, cfg, device, warmup, graphs, tmp)
             ranks = [json.load(open(f"{tmp}/rank{r}.json")) for r in range(cfg.world)]
     slow = max(range(len(ranks)), key=lambda r: ranks[r]["step_s"])
-    return {"config": cfg.label, "wall_s": time.perf_counter() - t0, "slowest_rank": slow, "ranks": ranks}
+    return {"config": cfg.label + " graphs" * graphs, "cuda_graphs": graphs, "wall_s": time.perf_counter() - t0,
+            "slowest_rank": slow, "ranks": ranks}
 
 
 def main(argv=None) -> int:
@@ -110,13 +113,16 @@ def main(argv=None) -> int:
     ap.add_argument("--config", action="append", required=True)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--cuda-graphs", choices=("off", "on", "both"), default="off",
+                    help="the trainer's CUDA graphs (computron train --cuda-graphs); both: each layout twice")
     ap.add_argument("--out", default="bench/results/train_profile.json")
     args = ap.parse_args(argv)
     from computron.bench.common import machine, write_json
 
     res = {"machine": machine(), "settings": vars(args), "runs": []}
-    for label in args.config:
-        r = run(label, args.device, args.warmup)
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.cuda_graphs]
+    for label, graphs in ((c, g) for c in args.config for g in modes):
+        r = run(label, args.device, args.warmup, graphs)
         res["runs"].append(r)
         for name, k in (("rank 0", 0), (f"rank {r['slowest_rank']} (slowest)", r["slowest_rank"])):
             x = r["ranks"][k]

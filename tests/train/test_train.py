@@ -168,6 +168,14 @@ def test_a_sequence_longer_than_the_learned_positions_is_refused():
         Trainer(TrainConfig(**{**CFG, "model": "tiny-gpt2", "seq_len": n + 1}))
 
 
+def test_cuda_graphs_are_refused_where_they_cannot_run():
+    import pytest
+
+    for kw, why in [({}, "device cpu, pp=1"), ({"device": "cuda", "dims": {"pp": 2}}, "device cuda, pp=2")]:
+        with pytest.raises(ValueError, match=f"cuda_graphs needs a CUDA device, no pipeline .*: got {why}"):
+            Trainer(TrainConfig(**{**CFG, "cuda_graphs": True, **kw}))
+
+
 def test_the_head_over_a_padded_vocabulary_gives_the_same_logits_and_gradients():
     """Training's head pads the vocabulary rows for the matrix kernel: same logits and gradients."""
     import dataclasses

@@ -49,6 +49,10 @@ def add_parser(sub) -> None:
                    help="model chunks per pipeline rank (> 1: interleaved 1F1B)")
     g.add_argument("--partition", default=None, help="layers per pipeline stage, e.g. 7,5 (default: uniform)")
     g.add_argument("--recompute", action="store_true", help="recompute each layer's activations in the backward")
+    g.add_argument("--cuda-graphs", action="store_true",
+                   help="replay each micro-batch's forward and backward (collectives included) as one CUDA graph, "
+                        "captured once per micro-batch size: the host launches one graph instead of every kernel "
+                        "(CUDA, no pipeline, no colocation)")
     g.add_argument("--timeout", type=float, default=d.timeout_s, dest="timeout_s",
                    help="seconds a collective may wait before the job fails")
     p.set_defaults(func=run, _fields=[f.name for f in fields(TrainConfig)])

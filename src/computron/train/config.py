@@ -28,6 +28,7 @@ class TrainConfig:
     virtual_stages: int = 1  # model chunks per pipeline rank (> 1: interleaved 1F1B)
     partition: list | None = None  # layers per pipeline stage (pp * virtual_stages of them); None: uniform
     recompute: bool = False  # full activation recomputation, per layer
+    cuda_graphs: bool = False  # each micro-batch's forward, backward and accumulation replayed as one CUDA graph
     timeout_s: float = 300.0  # a collective waiting longer than this fails the job
     colocate: str | None = None  # the arbiter server's address (a socket path or host:port)
     colocate_device: int = 0

@@ -182,6 +182,9 @@ class Trainer:
                              "rank per key/value head")
         if dims.world_size > 1 and cfg.colocate:
             raise ValueError("colocation runs one process; it takes no dp, tp or pp")
+        if cfg.cuda_graphs and (not cfg.device.startswith("cuda") or dims.pp > 1 or cfg.colocate):
+            raise ValueError("cuda_graphs needs a CUDA device, no pipeline (pp=1) and no colocation: "
+                             f"got device {cfg.device}, pp={dims.pp}" + (", colocation" if cfg.colocate else ""))
         if dims.world_size > 1 and cfg.checkpoint:
             raise ValueError("checkpoints are written by single-process jobs only (dp=tp=pp=1)")
         if cfg.global_batch % dims.dp:
@@ -225,8 +228,9 @@ class Trainer:
             if self.cfg.recompute:
                 from torch.utils.checkpoint import checkpoint
 
-                for layer in model.layers:
-                    layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
+                for layer in model.layers:  # no dropout: the forward draws no random numbers to replay
+                    layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False,
+                                                      preserve_rng_state=False)
             out.append((shard, model))
         return out
 
@@ -304,6 +308,8 @@ class Trainer:
 
     def _accumulate(self, ids: list[int]) -> tuple[float, list[int]]:
         """One replica's batch in micro-batches (the size colocation allows), gradients added up."""
+        if self.cfg.cuda_graphs:
+            return self._accumulate_graphed(ids)
         pos, loss, sizes, masters = 0, 0.0, [], list(self.params.values())
         while pos < len(ids):
             left = len(ids) - pos
@@ -323,6 +329,58 @@ class Trainer:
             sizes.append(m)
             pos += m
         return float(loss), sizes
+
+    def _accumulate_graphed(self, ids: list[int]) -> tuple[float, list[int]]:
+        """``_accumulate`` with each micro-batch a CUDA graph replay: the batch's tokens go to the device
+        at once (one copy, not one that stops the host per micro-batch), each micro-batch's are copied
+        into its graph's input buffers and the graph runs the forward, the backward and the addition
+        of the gradients into float32 accumulators, which become the masters' gradients."""
+        m = self.cfg.micro_batch
+        n = -(-len(ids) // m)
+        sizes = [len(ids) // n + (i < len(ids) % n) for i in range(n)]  # evened out, as _accumulate does
+        inputs, targets = (t.to(self.device) for t in self.data.batch(ids))
+        if not hasattr(self, "_graphs"):
+            self._graphs: dict[int, dict] = {}
+            self._grad_acc = [torch.zeros_like(p) for p in self.params.values()]
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        torch._foreach_zero_(self._grad_acc)
+        loss, pos = torch.zeros((), device=self.device), 0
+        for size in sizes:
+            g = self._graphs.get(size) or self._capture(size)
+            g["inputs"].copy_(inputs[pos:pos + size])
+            g["targets"].copy_(targets[pos:pos + size])
+            g["graph"].replay()
+            loss += g["loss"]
+            pos += size
+        for p, acc in zip(self.params.values(), self._grad_acc):
+            p.grad = acc
+        return float(loss), sizes
+
+    def _capture(self, size: int) -> dict:
+        """The graph of one micro-batch of ``size`` samples: its static inputs, targets and loss. Two
+        eager runs on a side stream come first (libraries allocate their workspaces on a first call,
+        which a capture must not see); their gradients are dropped. Every rank captures at the same
+        micro-batch, so the collectives inside match."""
+        t = self.cfg.seq_len
+        inputs = torch.zeros(size, t, dtype=torch.long, device=self.device)
+        targets = torch.zeros_like(inputs)
+        here = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(here)
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                torch.autograd.grad(self._loss(self.stages[0](inputs), targets), self.work)
+        here.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
+            loss = self._loss(self.stages[0](inputs), targets)
+            grads = torch.autograd.grad(loss, self.work)
+            torch._foreach_add_(self._grad_acc, grads)
+            loss = loss.detach()
+        del grads
+        g = self._graphs[size] = {"graph": graph, "inputs": inputs, "targets": targets, "loss": loss}
+        self.log(f"captured a CUDA graph of a micro-batch of {size}")
+        return g
 
     def _pipeline(self, ids: list[int]) -> tuple[float, list[int]]:
         """One replica's batch through the pipeline schedule (equal micro-batches)."""

@@ -6,13 +6,14 @@
 # R of them as `computron sim --preset` sets it; rates as named; Gamma arrivals with CV (default 1) for
 # DURATION seconds (default 30), prompts and outputs of 128 tokens. Per preset and policy: `serve` +
 # `loadgen --trace` (measured), then `sim --trace --loadgen-probes` from the policy's calibration
-# (made once by `bench calibrate` and reused: calibration_gpu[_legacy].json under $OUT, as
-# bench/gpu_sim_validate.sh makes them). Afterwards `python3 bench/sim_presets_report.py $OUT/presets`
+# (made once by `bench calibrate` and reused: calibration_gpu[_legacy].json under $CAL_DIR, by default
+# $OUT, as bench/gpu_sim_validate.sh makes them; CAL_DIR=bench/results/sim_validate reuses the H200's). Afterwards `python3 bench/sim_presets_report.py $OUT/presets`
 # tabulates mean and p99 latency, measured and simulated, and the default policy's gain over computron's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/results}
+CAL_DIR=${CAL_DIR:-$OUT}
 R="$OUT/presets"
 mkdir -p "$R"
 C="python3 -m computron.cli"
@@ -37,7 +38,7 @@ make_workload(names, rate=None, rates=[float(r) for r in '$RATES'.split(',')], d
               prompt=128, output=128, seed=1).write_jsonl('$trace')"
   echo "== $preset: $MODELS, budget $BUDGET, $RESIDENT resident, rates $RATES, CV $CV ($(wc -l < "$trace") requests)"
   for policy in default computron; do
-    if [ "$policy" = computron ]; then EXE="--executor legacy"; CAL="$OUT/calibration_gpu_legacy.json"; else EXE=""; CAL="$OUT/calibration_gpu.json"; fi
+    if [ "$policy" = computron ]; then EXE="--executor legacy"; CAL="$CAL_DIR/calibration_gpu_legacy.json"; else EXE=""; CAL="$CAL_DIR/calibration_gpu.json"; fi
     [ -f "$CAL" ] || $C bench calibrate $EXE --prompt 32 128 512 2000 --out "$CAL"
     printf 'engine:\n  policy: %s\n  max_loaded: %s\n  gpu_memory_budget: %s\n  workspace_bytes: 2GiB\n' \
       "$policy" "$RESIDENT" "$BUDGET" > "/tmp/presets_$policy.yaml"

@@ -7,8 +7,9 @@
 # DURATION seconds (default 30), prompts and outputs of 128 tokens. Per preset and policy: `serve` +
 # `loadgen --trace` (measured), then `sim --trace --loadgen-probes` from the policy's calibration
 # (made once by `bench calibrate` and reused: calibration_gpu[_legacy].json under $CAL_DIR, by default
-# $OUT, as bench/gpu_sim_validate.sh makes them; CAL_DIR=bench/results/sim_validate reuses the H200's). Afterwards `python3 bench/sim_presets_report.py $OUT/presets`
-# tabulates mean and p99 latency, measured and simulated, and the default policy's gain over computron's.
+# $OUT, as bench/gpu_sim_validate.sh makes them; CAL_DIR=bench/results/sim_validate reuses the H200's).
+# Afterwards `python3 bench/sim_presets_report.py $OUT/presets` tabulates mean and p99 latency, measured
+# and simulated, and the default policy's gain over computron's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src:${PYTHONPATH:-} PYTHONUNBUFFERED=1

@@ -10,14 +10,15 @@ hidden states ``[N, hidden]`` go point to point: tensor rank *t* of stage *s* se
 the logits of each sequence's last token; earlier stages return None. With tp = pp = 1 nothing
 here touches ``torch.distributed``.
 
-Training (``grads=True``) uses the same two hooks as autograd functions. Every tensor rank computes
-the same replicated activations (residual stream, norms); in the backward each rank carries only
-its own part of their gradient (through its heads, its MLP columns, its vocabulary range), and the
-parts add up to the true gradient. So the reduce after a row-parallel projection sums in both
-directions (forward: the partial outputs; backward: the partial gradients, which the sharded
-weights before it need whole), the gather hands each rank the gradient of its own vocabulary
-range, and the gradients of the replicated parameters (norms, learned positions) are summed over
-the group once per step by the trainer (``train/job.py``). This is Megatron's identity/all-reduce
+Training (``grads=True``) uses the reduce as an autograd function and no gather: the loss is taken
+on each rank's vocabulary range (``train/job.py``'s ``SoftmaxCrossEntropy`` with the group: the row
+maxima, the denominators and the targets' logits are all-reduced, the logits never gathered). Every
+tensor rank computes the same replicated activations (residual stream, norms); in the backward
+each rank carries only its own part of their gradient (through its heads, its MLP columns, its
+vocabulary range), and the parts add up to the true gradient. So the reduce after a row-parallel
+projection sums in both directions (forward: the partial outputs; backward: the partial gradients,
+which the sharded weights before it need whole), and the gradients of the replicated parameters
+(norms, learned positions) are summed over the group once per step by the trainer. This is Megatron's identity/all-reduce
 pair with the backward all-reduce moved from the column-parallel input to the row-parallel
 output, which needs no hook inside the layers; it moves the same bytes.
 """
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from ..models.transformer import DecoderLM
 from .dims import ParallelDims
@@ -82,25 +82,6 @@ class _SumBothWays(torch.autograd.Function):
         return grad, None
 
 
-class _GatherVocab(torch.autograd.Function):
-    """All-gather of vocab-parallel logits (the padding dropped); backward: this rank's range of the gradient."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group, tp: int, rank: int, vocab: int) -> torch.Tensor:
-        ctx.rank, ctx.size = rank, x.shape[-1]
-        parts = [torch.empty_like(x) for _ in range(tp)]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=-1)[..., :vocab]
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        a = ctx.rank * ctx.size
-        mine = grad[..., a:a + ctx.size]
-        if mine.shape[-1] < ctx.size:  # the last range's padding rows get no gradient
-            mine = F.pad(mine, (0, ctx.size - mine.shape[-1]))
-        return mine.contiguous(), None, None, None, None
-
-
 def install_tp_hooks(model: DecoderLM, shard: Shard, group, grads: bool = False) -> None:
     """Set the model's reduce/gather hooks to collectives over ``group`` (nothing when tp = 1);
     ``grads``: collectives that carry gradients (training)."""
@@ -109,7 +90,7 @@ def install_tp_hooks(model: DecoderLM, shard: Shard, group, grads: bool = False)
         return
     if grads:
         model.reduce = (lambda x: _SumBothWays.apply(x, group)) if shard.first else None
-        model.gather = (lambda x: _GatherVocab.apply(x, group, tp, shard.tensor_rank, vocab)) if shard.last else None
+        model.gather = None  # the loss is taken on each rank's vocabulary range (train/job.py SoftmaxCrossEntropy)
         for layer in model.layers:
             layer.attn.reduce = layer.mlp.reduce = lambda x: _SumBothWays.apply(x, group)
         return

@@ -122,7 +122,7 @@ def runtime_head(m: TransformerShape, device, dtype):
             _bind_random(self.lm, cfg, device, dtype)
 
         def forward(self, x, targets):
-            return SoftmaxCrossEntropy.apply(self.lm.head(x, HEAD_ALIGN), targets)
+            return SoftmaxCrossEntropy.apply(self.lm.head(x, HEAD_ALIGN, trim=False), targets, cfg.vocab_size)
 
     return Head()
 

@@ -94,28 +94,51 @@ class _Stage(nn.Module):
 
 
 class SoftmaxCrossEntropy(torch.autograd.Function):
-    """Summed token cross-entropy of logits ``[N, vocab]`` (any float dtype), computed in float32 in
+    """Summed token cross-entropy of logits ``[N, width]`` (any float dtype), computed in float32 in
     place: one float32 copy of the logits becomes their softmax (kept for the backward) and then, in
     the backward, the gradient, returned in the logits' dtype. Peak (4 + e) bytes a logit where
     ``F.cross_entropy(logits.float())`` holds the copy, its log-softmax and two gradients (16 + e).
-    The backward reuses the saved softmax, so it runs once (no ``retain_graph``)."""
+    The backward reuses the saved softmax, so it runs once (no ``retain_graph``).
+
+    ``valid``: the columns that are vocabulary (the rest, padding of the head's product, get no
+    probability and no gradient; default all). Vocabulary parallel (``group``, a tensor-parallel
+    group): the columns are this rank's range of the vocabulary, ids ``start`` .. ``start + valid``;
+    the row maxima and the softmax denominators are all-reduced over the group, and so is each target's
+    logit, which one rank holds. Every rank gets the whole loss and the gradient of its own columns,
+    which is all its shard of the head needs: no rank gathers the logits."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = logits.float() if logits.dtype != torch.float32 else logits.clone()
-        x -= x.amax(-1, keepdim=True)
-        picked = x.gather(-1, targets[:, None]).squeeze(-1)
-        total = x.exp_().sum(-1)
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, valid: int | None = None, start: int = 0,
+                group=None) -> torch.Tensor:
+        valid = logits.shape[-1] if valid is None else valid
+        x = torch.empty(logits.shape[0], valid, dtype=torch.float32, device=logits.device)
+        x.copy_(logits[:, :valid])
+        peak = x.amax(-1)
+        if group is not None:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+        x -= peak[:, None]
+        local = targets - start
+        mine = (local >= 0) & (local < valid)
+        local = local.clamp(0, valid - 1)
+        parts = torch.stack((x.gather(-1, local[:, None]).squeeze(-1) * mine, x.exp_().sum(-1)))
+        if group is not None:  # each target's logit (one rank holds it) and the denominators
+            dist.all_reduce(parts, group=group)
+        picked, total = parts
         x /= total[:, None]
-        ctx.save_for_backward(x, targets)
-        ctx.dtype = logits.dtype
+        ctx.save_for_backward(x, local, mine)
+        ctx.dtype, ctx.width = logits.dtype, logits.shape[-1]
         return (total.log() - picked).sum()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        p, targets = ctx.saved_tensors
-        p[torch.arange(len(targets), device=p.device), targets] -= 1.0
-        return p.mul_(grad).to(ctx.dtype), None
+        p, local, mine = ctx.saved_tensors
+        p[torch.arange(len(local), device=p.device), local] -= mine.to(p.dtype)
+        p.mul_(grad)
+        if p.shape[-1] == ctx.width:
+            return p.to(ctx.dtype), None, None, None, None
+        out = torch.zeros(p.shape[0], ctx.width, dtype=ctx.dtype, device=p.device)  # the padding's: zero
+        out[:, :p.shape[-1]] = p
+        return out, None, None, None, None
 
 
 def _all_reduce(tensors: list[torch.Tensor], group) -> None:
@@ -151,6 +174,7 @@ class Trainer:
         self.work: list[torch.Tensor] = []  # the model's parameters in self.params' order (bf16 copies, or the masters)
         self.chunks = self._build(ckpt_dir)
         self.model = self.chunks[0][1]
+        self._vocab = self.chunks[-1][0].vocab[:2]  # (start, stop) of the vocabulary the last chunk's head holds
         self.stages = [_Stage(m, self.compute_dtype) for _, m in self.chunks]
         self.opt = self._optimizer()
         self.schedule = self._schedule() if self.dims.pp > 1 else None
@@ -297,8 +321,9 @@ class Trainer:
         """Summed token cross-entropy over the global batch's token count (the update is the same
         whatever the split into micro-batches and replicas)."""
         total = self.cfg.global_batch * self.cfg.seq_len
-        logits = logits[..., :self.model_cfg.vocab_size]  # the head's padded columns, if any
-        return SoftmaxCrossEntropy.apply(logits.flatten(0, 1), targets.flatten()) / total
+        start, stop = self._vocab  # this rank's vocabulary (all of it at tp=1): the head's padding is left out
+        return SoftmaxCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), stop - start, start,
+                                         self.mesh.tp if self.dims.tp > 1 else None) / total
 
     def _micro(self, ids: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         inputs, targets = self.data.batch(ids)

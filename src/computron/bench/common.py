@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import statistics
 from pathlib import Path
@@ -29,7 +30,7 @@ def machine() -> dict:
 
     info = {"host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "cpu_count": __import__("os").cpu_count()}
+            "cpu_count": os.cpu_count(), "cpus_usable": cpus_usable()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
         info["gpu_count"] = torch.cuda.device_count()
@@ -37,6 +38,19 @@ def machine() -> dict:
     else:
         info["gpu"], info["gpu_count"] = None, 0
     return info
+
+
+def cpus_usable() -> float:
+    """CPUs this process may use: its affinity, capped by a cgroup v2 CPU quota (a container's
+    ``cpu.max``), which ``os.cpu_count()`` does not see; a host-bound run is limited by this."""
+    n = float(len(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else float(os.cpu_count() or 1)
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            n = min(n, int(quota) / int(period))
+    except (OSError, ValueError):
+        pass
+    return n
 
 
 def summary(xs: list[float]) -> dict:

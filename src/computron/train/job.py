@@ -325,9 +325,8 @@ class Trainer:
         return SoftmaxCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), stop - start, start,
                                          self.mesh.tp if self.dims.tp > 1 else None) / total
 
-    def _micro(self, ids: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        inputs, targets = self.data.batch(ids)
-        loss = self._loss(self.stages[0](inputs.to(self.device)), targets.to(self.device))
+    def _micro(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        loss = self._loss(self.stages[0](inputs), targets)
         grads = torch.autograd.grad(loss, self.work)
         return loss.detach(), grads  # a tensor: reading it here would stop the host until the GPU is done
 
@@ -336,12 +335,15 @@ class Trainer:
         if self.cfg.cuda_graphs:
             return self._accumulate_graphed(ids)
         pos, loss, sizes, masters = 0, 0.0, [], list(self.params.values())
+        # the replica's tokens go to the device at once: a copy from pageable memory stops the host until
+        # the device has done all it was given, which once per micro-batch kept the host from running ahead
+        inputs, targets = (t.to(self.device) for t in self.data.batch(ids))
         while pos < len(ids):
             left = len(ids) - pos
             m = self.colo.micro_batch(self.cfg.micro_batch)
             m = -(-left // -(-left // m))  # as many micro-batches as size m needs, evened out: 32 by 10 is 4 x 8
             with self.colo.step(m) as s:
-                part, grads = self._micro(ids[pos:pos + m])
+                part, grads = self._micro(inputs[pos:pos + m], targets[pos:pos + m])
             if s.abandoned:
                 continue  # the same samples again, in the micro-batch that fits now
             if masters[0].grad is None:
@@ -363,7 +365,7 @@ class Trainer:
         m = self.cfg.micro_batch
         n = -(-len(ids) // m)
         sizes = [len(ids) // n + (i < len(ids) % n) for i in range(n)]  # evened out, as _accumulate does
-        inputs, targets = (t.to(self.device) for t in self.data.batch(ids))
+        inputs, targets = (t.to(self.device) for t in self.data.batch(ids))  # at once, as _accumulate
         if not hasattr(self, "_graphs"):
             self._graphs: dict[int, dict] = {}
             self._grad_acc = [torch.zeros_like(p) for p in self.params.values()]

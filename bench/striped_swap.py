@@ -71,12 +71,14 @@ def measure(image: HostImage, k: int, chunks: list[int], repeats: int) -> dict:
     def swaps(sw) -> tuple[list[float], list[float], bool]:
         """Timed swap-ins (and when each one's first group was in), then one more checked against
         the one-link copy, outside the timing."""
-        firsts = []
+        firsts, links = [], []
 
         def once():
             region, swap = sw.swap_in("m", image)
             swap.events[-1].synchronize()
             firsts.append(swap.start.elapsed_time(swap.events[0]) / 1e3)
+            if swap.link_ends:
+                links.append([swap.start.elapsed_time(e) / 1e3 for e in swap.link_ends])
             sw.swap_out(region)
 
         t = _timed(once, devs, repeats)
@@ -84,9 +86,11 @@ def measure(image: HostImage, k: int, chunks: list[int], repeats: int) -> dict:
         swap.events[-1].synchronize()
         equal = bool(torch.equal(region.tensor, one))
         sw.swap_out(region)
+        out["link_ends_s"] = links[1:]  # the last swaps' (read by the caller right after)
         return t, firsts[1:], equal
 
     out["plain_swap_s"], out["plain_first_group_s"], out["plain_bytes_equal"] = swaps(ImageSwapper(arena))
+    out.pop("link_ends_s")
     out["striped"] = {}
     if k > 1:
         for c in chunks:
@@ -95,7 +99,10 @@ def measure(image: HostImage, k: int, chunks: list[int], repeats: int) -> dict:
             time.sleep(0.2)  # the threads that return the staging wait for the last push
             out["striped"][c] = {"swap_s": t, "first_group_s": first, "bytes_equal": ok,
                                  "staging_per_helper": sw.helpers[0].nbytes,
-                                 "staging_held_after": sum(sw.borrowed().values())}
+                                 "staging_held_after": sum(sw.borrowed().values()),
+                                 # per repeat, when each link's last bytes landed (own link first): a
+                                 # straggler shows as one link ending after the others
+                                 "link_ends_s": out.pop("link_ends_s")}
             del sw
     del arena, one
     torch.cuda.empty_cache()

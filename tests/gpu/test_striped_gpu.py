@@ -33,6 +33,9 @@ def test_striped_image_lands_byte_for_byte_group_by_group_and_the_staging_goes_b
             swap.events[i].synchronize()  # once group i's event fired, its bytes are all there
             assert torch.equal(region.tensor[lo:hi].cpu(), image.buffer[lo:hi]), f"group {i}"
         assert torch.equal(region.tensor.cpu(), image.buffer)
+        # every link (own, then each helper) reports when its last bytes landed: before the last group's event
+        ends = [swap.start.elapsed_time(e) for e in swap.link_ends]
+        assert len(ends) == GPUS and 0 < max(ends) <= swap.start.elapsed_time(swap.events[-1]) + 1e-3
         sw.swap_out(region)
     deadline = time.time() + 5
     while any(sw.borrowed().values()) and time.time() < deadline:

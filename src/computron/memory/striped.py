@@ -172,11 +172,15 @@ class StripedSwapper(ImageSwapper):
             ev = torch.cuda.Event(enable_timing=True)
             ev.record(self.join)
             events.append(ev)
+        ends = [torch.cuda.Event(enable_timing=True)]
+        ends[0].record(self.copy_stream)
         for h in self.helpers:
             last = torch.cuda.Event()
             last.record(h.push)
             threading.Thread(target=self._give_back, args=(h, last), daemon=True).start()
-        return SwapIn(events, start)
+            ends.append(torch.cuda.Event(enable_timing=True))
+            ends[-1].record(h.recv)  # on the model's GPU, after the helper's last push (its fence)
+        return SwapIn(events, start, link_ends=ends)
 
     @staticmethod
     def _relay(h: _Helper, staging: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, lo: int, hi: int) -> None:

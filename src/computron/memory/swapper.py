@@ -32,6 +32,7 @@ class SwapIn:
     events: list | None = None
     start: object = None  # CUDA event recorded before the first copy
     wall_s: float = 0.0  # synchronous swaps (CPU, legacy): measured wall time
+    link_ends: list | None = None  # striped swaps: per link (own first, then each helper's), when its last bytes landed
 
     def wait(self, group: int) -> None:
         if self.events is not None:

@@ -66,3 +66,13 @@ def test_a_preset_of_small_models_holds_its_resident_models_beside_the_workspace
     s = json.loads(out.read_text())["summary"]
     assert s["all"]["requests"] > 10 and s["all"]["failed"] == 0
     assert set(s["models"]) <= {"tiny-opt-0", "tiny-opt-1", "tiny-opt-2"}
+
+
+def test_striped_loads_in_the_simulator_and_a_bad_device_list(tmp_path, capsys):
+    args = ["--rate", "6", "--duration", "10", "--prompt", "32", "--output", "8", "--calibration", "h200-rough"]
+    _, plain = _run(tmp_path, *args)
+    code, striped = _run(tmp_path, *args, "--stripe-devices", "1,2,3")
+    assert code == 0 and striped["summary"]["stats"]["swap_ins"] > 0 and plain["summary"]["stats"]["swap_ins"] > 0
+    assert striped["summary"]["all"]["ttft"]["mean"] < plain["summary"]["all"]["ttft"]["mean"]
+    assert _run(tmp_path, *args, "--stripe-devices", "1,x")[0] == 2
+    assert "--stripe-devices takes distinct device indexes separated by commas, got '1,x'" in capsys.readouterr().err

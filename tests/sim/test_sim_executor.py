@@ -64,3 +64,28 @@ def test_a_run_gives_the_collector_back_as_it_found_it(enabled):
         assert gc.isenabled() == enabled
     finally:
         (gc.enable if was else gc.disable)()
+
+
+@pytest.mark.parametrize("host, links", [(0.0, 4e7), (2.5e7, 2.5e7)])
+def test_a_striped_load_pulls_through_every_link_up_to_the_host_side(host, links):
+    # three helpers' links beside the model's own (1e7 bytes/s each), capped by the host side when given;
+    # the slo policy's cost of the load is the same
+    from dataclasses import replace
+
+    from computron.scheduler.slo import ModelCost
+
+    cal = replace(CAL, host_bandwidth=host)
+    ex = SimExecutor(EngineConfig(gpu_memory_budget=4_000_000, workspace_bytes=0, stripe_devices=[1, 2, 3]), cal)
+    info = ex.register(ModelDescription("a", "tiny-opt"))
+    nbytes = sum(group_bytes(PRESETS["tiny-opt"]))
+    ex.apply(Residency(load=["a"]))
+    assert ex.wait_loads() == {"a": pytest.approx(nbytes / links)}
+    assert cal.load_time(nbytes, 0, False, (1, 2, 3)) == pytest.approx(nbytes / links)
+    cost = ModelCost.from_calibration(cal, info.weight_bytes, info.placement.devices, ex.stripe)
+    assert cost.load_s == pytest.approx(nbytes / links)
+    # the legacy executor does not stripe
+    legacy = SimExecutor(EngineConfig(gpu_memory_budget=4_000_000, workspace_bytes=0, stripe_devices=[1, 2, 3],
+                                      executor="legacy"), cal)
+    legacy.register(ModelDescription("a", "tiny-opt"))
+    legacy.apply(Residency(load=["a"]))
+    assert legacy.wait_loads() == {"a": pytest.approx(nbytes / 1e7)}

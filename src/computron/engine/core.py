@@ -118,7 +118,7 @@ class EngineCore:
                     from ..sim.costs import calibration
 
                     cost = ModelCost.from_calibration(calibration(self.slo_calibration), info.weight_bytes,
-                                                      info.placement.devices)
+                                                      info.placement.devices, tuple(cfg.stripe_devices))
                 slo = Slo.solo(cost, cfg.slo_scale)  # what the config gives replaces these
                 slo = Slo(**{**asdict(slo), **{k: float(v) for k, v in cfg.slos.get(info.name, {}).items()}})
                 self.slo_counts[info.name] = [0, 0]

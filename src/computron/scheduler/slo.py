@@ -29,14 +29,17 @@ class ModelCost:
     decode_seq_s: float
 
     @classmethod
-    def from_calibration(cls, cal, weight_bytes: tuple[int, ...], devices: tuple[int, ...]) -> "ModelCost":
+    def from_calibration(cls, cal, weight_bytes: tuple[int, ...], devices: tuple[int, ...],
+                         stripe: tuple[int, ...] = ()) -> "ModelCost":
         """The cost of a model of ``weight_bytes`` per rank on ``devices`` from a calibration (an object
-        with ``load_time(nbytes, device)``, ``prefill_time(nbytes, tokens)`` and ``decode_time(nbytes,
-        batch)``, as the simulator's): the slowest rank's, its affine terms read at 1 and 2."""
+        with ``load_time(nbytes, device, pageable, helpers)``, ``prefill_time(nbytes, tokens)`` and
+        ``decode_time(nbytes, batch)``, as the simulator's): the slowest rank's, its affine terms read at
+        1 and 2. ``stripe``: devices whose links a one-device model's loads also pull through."""
         b = max(weight_bytes)
         p1, p2 = cal.prefill_time(b, 1), cal.prefill_time(b, 2)
         d1, d2 = cal.decode_time(b, 1), cal.decode_time(b, 2)
-        return cls(max(cal.load_time(w, d) for w, d in zip(weight_bytes, devices)),
+        helpers = tuple(stripe) if len(devices) == 1 else ()
+        return cls(max(cal.load_time(w, d, False, helpers) for w, d in zip(weight_bytes, devices)),
                    2 * p1 - p2, p2 - p1, 2 * d1 - d2, d2 - d1)
 
     def prefill(self, tokens: int) -> float:

@@ -52,6 +52,9 @@ def add_parser(sub) -> None:
                    help="start as `computron loadgen` leaves a server before its replay: first, per model, its "
                         "warm-up and solo-latency requests, one at a time (the models they leave resident, and "
                         "the host copies the legacy executor leaves page-locked, are the trace's start)")
+    p.add_argument("--stripe-devices", metavar="I,J,...", default=None,
+                   help="default policy: loads also pull through these GPUs' host links (`computron serve "
+                        "--stripe-devices`); the calibration's host_bandwidth caps the links together")
     p.add_argument("--max-wait", type=float, default=1.0, help="preempt and slo policies: seconds a request may "
                                                                "be kept waiting by other models' running requests")
     p.add_argument("--sweep", choices=("rate", "cv", "budget"), default=None,
@@ -65,6 +68,20 @@ def add_parser(sub) -> None:
 
 def _setup(args):
     """(model specs, engine config keyword arguments) from the flags and the preset."""
+    specs, kw = _models_and_budget(args)
+    stripe = getattr(args, "stripe_devices", None)
+    if stripe:
+        from ..config import check_stripe_devices
+
+        try:
+            kw["stripe_devices"] = check_stripe_devices([int(x) for x in stripe.split(",")])
+        except ValueError:
+            raise ValueError(f"--stripe-devices takes distinct device indexes separated by commas, got "
+                             f"{stripe!r}") from None
+    return specs, kw
+
+
+def _models_and_budget(args):
     from ..config import ModelSpec, parse_bytes
     from .layout import group_bytes
 

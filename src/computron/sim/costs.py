@@ -63,6 +63,9 @@ class Calibration:
     # eviction; 0: as swap_bandwidth), and seconds per byte of page-locked host memory an eviction allocates
     pageable_swap_bandwidth: float = 0.0
     evict_pin_s_per_byte: float = 0.0
+    # bytes/s the host side moves over all links at once (0: no limit beyond the links' own): a striped
+    # swap-in (stripe_devices) pulls through several links, which four H200s did at 3.3x one link, not 4x
+    host_bandwidth: float = 0.0
 
     def __post_init__(self) -> None:
         bw = self.swap_bandwidth
@@ -94,10 +97,18 @@ class Calibration:
         bw = self.swap_bandwidth
         return bw[device] if device < len(bw) else bw[-1]
 
-    def load_time(self, nbytes: int, device: int = 0, pageable: bool = False) -> float:
-        """Seconds of a swap-in; ``pageable``: from pageable host memory (the legacy executor's first loads)."""
-        bw = self.pageable_swap_bandwidth if pageable and self.pageable_swap_bandwidth else self.bandwidth(device)
-        return swap_time(nbytes, bw)
+    def striped_bandwidth(self, devices) -> float:
+        """Swap-in bytes/s through the links of ``devices`` at once (a striped swap-in: the model's own
+        device and its helpers): their sum, capped by ``host_bandwidth`` when given."""
+        total = sum(self.bandwidth(d) for d in devices)
+        return min(total, self.host_bandwidth) if self.host_bandwidth else total
+
+    def load_time(self, nbytes: int, device: int = 0, pageable: bool = False, helpers=()) -> float:
+        """Seconds of a swap-in; ``pageable``: from pageable host memory (the legacy executor's first
+        loads); ``helpers``: devices whose links it also pulls through (striped)."""
+        if pageable and self.pageable_swap_bandwidth:
+            return swap_time(nbytes, self.pageable_swap_bandwidth)
+        return swap_time(nbytes, self.striped_bandwidth((device, *helpers)) if helpers else self.bandwidth(device))
 
     def weight_read_time(self, nbytes: int) -> float:
         return nbytes / self.hbm_bandwidth

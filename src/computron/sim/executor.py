@@ -100,6 +100,8 @@ class SimExecutor:
         # holds only the KV caches (the scheduler of the computron policy counts models, not bytes).
         self.weights_in_arena = not legacy
         self.legacy = legacy
+        # the in-process executor's striped swap-in: a model's load also pulls through these devices' links
+        self.stripe = tuple(cfg.stripe_devices) if not legacy else ()
         self.n_devices = devices
         self.token = token
         # decode graphs: the batch sizes that have one (none without graphs, with no capture cost, or
@@ -234,7 +236,7 @@ class SimExecutor:
                               f"{self.capacity}")
         self.weights[d] += m.nbytes
         start = max(self.clock.t, self.link_free[d])
-        bw = self.cal.bandwidth(d)
+        bw = self.cal.striped_bandwidth((d, *self.stripe)) if self.stripe else self.cal.bandwidth(d)
         if self.legacy and not m.pinned and self.cal.pageable_swap_bandwidth:
             bw = self.cal.pageable_swap_bandwidth  # never evicted: its host copy is still pageable
         ready, done = [], 0

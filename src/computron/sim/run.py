@@ -123,8 +123,8 @@ class Simulation:
             spec = ModelSpec.parse(m) if isinstance(m, str) else m
             desc = ModelDescription(spec.name, spec.source, spec.dtype, spec.seed)
             info = self.executor.register(desc)  # the slo policy's costs are the calibration's
-            self.core.add_model(info, spec.pinned, ModelCost.from_calibration(calibration, info.weight_bytes,
-                                                                              info.placement.devices))
+            self.core.add_model(info, spec.pinned, ModelCost.from_calibration(
+                calibration, info.weight_bytes, info.placement.devices, self.executor.stripe))
 
     def solo_latency(self, trace) -> dict[str, float]:
         """Each model's latency for its median request (prompt and output tokens of ``trace``) alone

@@ -14,7 +14,9 @@ For each model (resident alone on the device, through the real engine):
   each B of ``--batch`` (as ``bench decode``);
 - the weight-read floor (one pass over the model's bytes), which bounds every step from below;
 - on a GPU, the host time of capturing a decode graph (the mean over the batch sizes' captures,
-  warm-up left out): what the executor pays again when a model swapped back in lands at another address.
+  warm-up left out): what the executor pays again when a model swapped back in lands at another address;
+- on a machine of several GPUs, what the host side moves into all of them at once
+  (``host_bandwidth``: the cap of a striped swap-in in the simulator).
 
 With ``--serve`` prefill and decode are timed through the HTTP server instead, as ``computron loadgen``
 times them against ``computron serve``: the engine on its own thread behind the server, the requests
@@ -153,6 +155,41 @@ def _replay(url: str, reqs: list[tuple[float, str, int, int]]) -> list[tuple[flo
     return [(r.arrival, r.first_token, r.finish) for r in recs]
 
 
+def torch_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def host_bandwidth(repeats: int, nbytes: int = 2**30) -> float:
+    """Bytes/s the host side moves into every GPU of this machine at once (one pinned buffer, a slice
+    per GPU, copied concurrently; the median of ``repeats``): what a striped swap-in can reach. 0 with
+    fewer than two GPUs (nothing to cap)."""
+    import torch
+
+    from ..memory.host import host_buffer
+
+    n = torch_gpus()
+    if n < 2:
+        return 0.0
+    src = host_buffer(nbytes, pin=True)
+    cut = [nbytes * i // n for i in range(n + 1)]
+    dst = [torch.empty(cut[i + 1] - cut[i], dtype=torch.uint8, device=f"cuda:{i}") for i in range(n)]
+    streams = [torch.cuda.Stream(f"cuda:{i}") for i in range(n)]
+    times = []
+    for _ in range(repeats + 1):  # the first warms the links up
+        for i in range(n):
+            torch.cuda.synchronize(i)
+        t0 = time.perf_counter()
+        for i, (d, st) in enumerate(zip(dst, streams)):
+            with torch.cuda.stream(st):
+                d.copy_(src[cut[i]:cut[i + 1]], non_blocking=True)
+        for i in range(n):
+            torch.cuda.synchronize(i)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times[1:])
+
+
 def run(models: list[str], device: str, batches: list[int], prompts: list[int], new: int, repeats: int,
         budget: str | None, executor: str | None = None, serve: bool = False) -> dict:
     import torch
@@ -234,7 +271,8 @@ def run(models: list[str], device: str, batches: list[int], prompts: list[int], 
                       decode_seq_s=dc[2], decode_seq_s_per_byte=dc[3],
                       evict_s=ev[0], evict_s_per_byte=ev[1], device_memory=int(mem),
                       graph_capture_s=gc[0], graph_capture_s_per_byte=gc[1],
-                      pageable_swap_bandwidth=pageable, evict_pin_s_per_byte=pin)
+                      pageable_swap_bandwidth=pageable, evict_pin_s_per_byte=pin,
+                      host_bandwidth=host_bandwidth(repeats) if dev.type == "cuda" else 0.0)
     checks = []
     for kind in ("prefill", "decode"):
         for name, b, n, t in points[kind]:
@@ -275,5 +313,6 @@ def main(args) -> int:
           f"eviction {cal.evict_s * 1e6:.0f} us + {cal.evict_s_per_byte * 1e9 * 1e3:.2f} ms/GB; "
           + (f"first swap-in (pageable) {cal.pageable_swap_bandwidth / 1e9:.1f} GB/s, page-locked host memory "
              f"allocated {cal.evict_pin_s_per_byte * 1e9 * 1e3:.0f} ms/GB; " if args.executor == "legacy" else "")
+          + (f"all {torch_gpus()} GPUs at once {cal.host_bandwidth / 1e9:.0f} GB/s; " if cal.host_bandwidth else "")
           + f"wrote {out} and {out.with_suffix('.points.json')}")
     return 0

@@ -13,7 +13,7 @@
 # the 2- and 4-GPU results come from the same machine without running the 2-GPU set twice.
 # NVLink multicast stays off. Results land in $OUT (or bench/results when OUT is unset) as
 # plan_accuracy_<gpu>_x<N>[_<set>].{json,png} and the profiles beside them.
-#   bash bench/gpu_plan_accuracy_multi.sh [two|four|all] [more bench plan-accuracy flags]
+#   bash bench/gpu_plan_accuracy_multi.sh [two|four|all] [more bench plan-accuracy flags, e.g. --cuda-graphs]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1

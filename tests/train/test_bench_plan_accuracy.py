@@ -170,4 +170,7 @@ def test_bad_inputs_are_refused_before_any_measurement(tmp_path, capsys):
         assert main(["bench", "plan-accuracy", "--device", "cpu", "--gpu", "a100-80gb", "--config",
                      f"tiny-gpt2:2:4:16@{layout}", "--out", out]) == 2
         assert why in capsys.readouterr().err
+    assert main(["bench", "plan-accuracy", "--device", "cpu", "--gpu", "a100-80gb", "--config", "tiny-opt:1:2:8",
+                 "--cuda-graphs", "--out", out]) == 2
+    assert "--cuda-graphs needs a CUDA device" in capsys.readouterr().err
     assert not (tmp_path / "acc.json").exists()

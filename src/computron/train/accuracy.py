@@ -153,13 +153,13 @@ def predict(shape, gpu: str, cfg: Config, profile: str | None) -> tuple[float, f
     return r.iteration_s, max(r.stage_memory)
 
 
-def measure(cfg: Config, device: str, dtype: str, warmup: int, steps: int) -> dict:
+def measure(cfg: Config, device: str, dtype: str, warmup: int, steps: int, graphs: bool = False) -> dict:
     """Median step time, peak bytes (the largest rank's) and model TFLOP/s per GPU of ``cfg``; a
     layout of several ranks runs as that many processes here (``dist.spawn``), rank 0 reporting."""
     from ..models import resolve_model
 
     if cfg.world == 1:
-        out = _measure_here(cfg, device, dtype, warmup, steps)
+        out = _measure_here(cfg, device, dtype, warmup, steps, graphs)
     else:
         import tempfile
 
@@ -167,14 +167,14 @@ def measure(cfg: Config, device: str, dtype: str, warmup: int, steps: int) -> di
 
         with tempfile.TemporaryDirectory() as tmp:
             path = f"{tmp}/rank0.json"
-            spawn(cfg.world, _measure_rank, cfg, device, dtype, warmup, steps, path)
+            spawn(cfg.world, _measure_rank, cfg, device, dtype, warmup, steps, path, graphs)
             with open(path) as f:
                 out = json.load(f)
     out["shape"] = resolve_model(cfg.model, dtype="float32")[0]
     return out
 
 
-def _measure_here(cfg: Config, device: str, dtype: str, warmup: int, steps: int) -> dict:
+def _measure_here(cfg: Config, device: str, dtype: str, warmup: int, steps: int, graphs: bool = False) -> dict:
     from .config import TrainConfig
     from .job import Trainer
 
@@ -182,6 +182,7 @@ def _measure_here(cfg: Config, device: str, dtype: str, warmup: int, steps: int)
                              steps=warmup + steps, recompute=cfg.recompute, device=device, dtype=dtype,
                              dims={"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp}, virtual_stages=cfg.v, zero1=cfg.zero1,
                              partition=None if cfg.partition is None else list(cfg.partition),
+                             cuda_graphs=graphs and cfg.pp == 1,  # a pipeline's schedule runs eager
                              synthetic_tokens=(cfg.global_batch * (warmup + steps) + 1) * cfg.seq_len + 1))
     recs = [tr.train_step() for _ in range(warmup + steps)][warmup:]
     out = {"time_s": statistics.median(r["time_s"] for r in recs), "peak_bytes": max(max(r["peak_bytes"]) for r in recs),
@@ -191,7 +192,8 @@ def _measure_here(cfg: Config, device: str, dtype: str, warmup: int, steps: int)
     return out
 
 
-def _measure_rank(cfg: Config, device: str, dtype: str, warmup: int, steps: int, path: str) -> int:
+def _measure_rank(cfg: Config, device: str, dtype: str, warmup: int, steps: int, path: str,
+                  graphs: bool = False) -> int:
     """One rank of a layout's measurement (``dist.spawn`` sets its environment)."""
     import os
 
@@ -199,7 +201,7 @@ def _measure_rank(cfg: Config, device: str, dtype: str, warmup: int, steps: int,
 
     device = dist.local_device(device)
     dist.init(device, 300.0)
-    out = _measure_here(cfg, device, dtype, warmup, steps)
+    out = _measure_here(cfg, device, dtype, warmup, steps, graphs)
     if int(os.environ.get("RANK", "0")) == 0:
         with open(path, "w") as f:
             json.dump(out, f)
@@ -270,7 +272,8 @@ def profile_layers(configs: list[Config], gpu: str, device: str, dtype: str, out
 
 
 def run(configs: list[Config], gpu: str, device: str, dtype: str, profile: str | None, warmup: int, steps: int,
-        log=print, out: str | None = None, pick: bool = True, links: bool = True, link_sizes=None) -> dict:
+        log=print, out: str | None = None, pick: bool = True, links: bool = True, link_sizes=None,
+        graphs: bool = False) -> dict:
     """Measure and predict every configuration. ``profile``: a ``plan profile`` file, ``auto`` (profile
     this device first, one file per model and sequence length, beside ``out``), or None (the roofline).
     With a profile each row also carries the roofline's prediction. ``pick``: the planner's search picks
@@ -278,7 +281,9 @@ def run(configs: list[Config], gpu: str, device: str, dtype: str, profile: str |
     configuration runs is measured too (its row marked ``added``; a pick that fails to run is reported,
     not raised) and ``pick`` in the result compares each pick with its group's fastest (``pick.py``).
     ``links``: all-reduce and send/recv measured over every number of ranks (> 1) the configurations
-    use, beside the bandwidths the planner assumes (``links.py``; ``link_sizes`` in bytes)."""
+    use, beside the bandwidths the planner assumes (``links.py``; ``link_sizes`` in bytes). ``graphs``:
+    layouts without a pipeline train with CUDA graphs (``computron train --cuda-graphs``); each row
+    says whether it did."""
     from ..models import resolve_model
     from . import links as comm
     from . import pick as picking
@@ -297,7 +302,7 @@ def run(configs: list[Config], gpu: str, device: str, dtype: str, profile: str |
     rows, failed = [], {}
     for cfg in configs + added:
         try:
-            got = measure(cfg, device, dtype, warmup, steps)
+            got = measure(cfg, device, dtype, warmup, steps, graphs)
         except (RuntimeError, ValueError) as e:  # a rank failed (RankFailed), out of memory, or refused
             # recorded, and the rest still measured: one layout the runtime cannot run must not lose a
             # dozen measurements (the command exits non-zero, naming it)
@@ -307,6 +312,7 @@ def run(configs: list[Config], gpu: str, device: str, dtype: str, profile: str |
             _release()
             continue
         rows.append(score(cfg, got["shape"], got, gpu, profile_of(cfg.model, cfg.seq_len), log))
+        rows[-1]["cuda_graphs"] = graphs and cfg.pp == 1
         if cfg in added:
             rows[-1]["added"] = "pick"
     if not rows:
@@ -385,6 +391,7 @@ def rescore(result: dict, profiles: str | None, log=print) -> dict:
         where[cfg.model, cfg.seq_len] = prof
         got = {"time_s": r["measured_s"], "peak_bytes": r["measured_bytes"], "tflops_per_gpu": r["tflops_per_gpu"]}
         rows.append(score(cfg, resolve_model(cfg.model, dtype="float32")[0], got, result["gpu"], prof, log))
+        rows[-1]["cuda_graphs"] = r.get("cuda_graphs", False)
         if r.get("added"):
             rows[-1]["added"] = r["added"]
     out = {**result, "rows": rows, "summary": summarize(rows, result["summary"]["matmul_tflops"]), "rescored": True}

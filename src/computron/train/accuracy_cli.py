@@ -71,6 +71,8 @@ def add_bench_parser(bsub) -> None:
     p.add_argument("--link-sizes", type=_mib_list, default=None, metavar="MIB,MIB,...",
                    help="message sizes of the link measurement in MiB (default: 1,4,16,64,256 on a GPU, "
                         "0.0625,0.25,1 on the CPU)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="train the layouts without a pipeline with CUDA graphs (computron train --cuda-graphs)")
     p.set_defaults(func=cmd)
 
 
@@ -136,6 +138,9 @@ def cmd(args) -> int:
     except ValueError as e:
         print(f"error: {e}; name it with --gpu", file=sys.stderr)
         return 2
+    if args.cuda_graphs and not args.device.startswith("cuda"):
+        print("error: --cuda-graphs needs a CUDA device", file=sys.stderr)
+        return 2
     if args.device.startswith("cuda"):
         import torch
 
@@ -155,7 +160,8 @@ def cmd(args) -> int:
             return 2
     try:
         result = run(configs, gpu, args.device, dtype, None if profile == "roofline" else profile, args.warmup,
-                     args.steps, out=args.out, pick=args.pick, links=args.links, link_sizes=args.link_sizes)
+                     args.steps, out=args.out, pick=args.pick, links=args.links, link_sizes=args.link_sizes,
+                     graphs=args.cuda_graphs)
     except RuntimeError as e:  # not one configuration ran
         print(f"error: {e}", file=sys.stderr)
         return 1

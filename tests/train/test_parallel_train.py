@@ -86,6 +86,7 @@ def test_two_ranks_equal_one_process(tmp_path, deep_llama):
         "dp2_zero1": replace(BASE, model="tiny-opt", dims={"dp": 2}, zero1=True),
         "tp2_opt": replace(BASE, model="tiny-opt", dims={"tp": 2}),
         "tp2_llama_gqa": replace(BASE, model="tiny-llama", dims={"tp": 2}),
+        "tp2_recompute": replace(BASE, model="tiny-opt", dims={"tp": 2}, recompute=True),
         "pp2_opt_tied": replace(BASE, model="tiny-opt", dims={"pp": 2}),
         "pp2_1f1b": replace(BASE, model=deep_llama, dims={"pp": 2}, partition=[3, 1]),
         "pp2_interleaved": replace(BASE, model=deep_llama, dims={"pp": 2}, virtual_stages=2),

@@ -70,14 +70,16 @@ class _SumBothWays(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        # in place: x is a fresh projection output (or the masked embedding) that nothing saved for the
+        # backward, so summing into it spares a copy a collective
         ctx.group = group
-        x = x.clone()
+        ctx.mark_dirty(x)
         dist.all_reduce(x, group=group)
         return x
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad = grad.clone()
+        grad = grad.clone()  # the incoming gradient may be shared (the residual branch holds it too)
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
 

@@ -67,3 +67,5 @@ def test_stripe_devices_are_checked():
     with pytest.raises(EngineError, match="stripe_devices is for the in-process executor"):
         Engine(EngineConfig(device="cpu", executor="workers", devices=2, gpu_memory_budget=2**24,
                             stripe_devices=[1]))
+    with pytest.raises(EngineError, match="this executor copies through one link \\(the legacy executor"):
+        Engine(EngineConfig(device="cpu", policy="computron", gpu_memory_budget=2**24, stripe_devices=[1]))

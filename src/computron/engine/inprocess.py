@@ -88,6 +88,7 @@ class _Seq:
 class InProcessExecutor:
     pin_images = True  # page-locked host images (on a GPU): copies at the link's full speed
     fixed_weights = True  # a model's weights keep their address until evicted or moved (graphs may bake it in)
+    stripes = True  # swap-ins may pull through other GPUs' links too (stripe_devices)
 
     def __init__(self, config, index: int = 0, world: int = 1):
         """``index``: this executor's device among ``world`` (one executor per device, each in a worker
@@ -162,6 +163,9 @@ class InProcessExecutor:
         names too (on the CPU, as many host buffers stand for them: the same path, in tests)."""
         if not stripe:
             return ImageSwapper(self.arena)
+        if not self.stripes:
+            raise ValueError("stripe_devices: this executor copies through one link (the legacy executor, as the "
+                             "original did); striped swap-ins are the in-process executor's")
         from ..memory.striped import StripedSwapper
 
         if self.world > 1:

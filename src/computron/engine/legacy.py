@@ -17,6 +17,7 @@ from .inprocess import InProcessExecutor, _Model, _Resident
 
 class LegacyExecutor(InProcessExecutor):
     pin_images = False  # the original started from pageable host memory
+    stripes = False  # and copied through one link
     fixed_weights = False  # every load lands wherever PyTorch's allocator puts it
 
     def __init__(self, config, index: int = 0, world: int = 1):

@@ -101,7 +101,10 @@ class SimExecutor:
         self.weights_in_arena = not legacy
         self.legacy = legacy
         # the in-process executor's striped swap-in: a model's load also pulls through these devices' links
-        self.stripe = tuple(cfg.stripe_devices) if not legacy else ()
+        if legacy and cfg.stripe_devices:
+            raise ValueError("stripe_devices: the legacy executor (the computron policy's) copies through one link, "
+                             "as the original did; striped swap-ins are the in-process executor's")
+        self.stripe = tuple(cfg.stripe_devices)
         self.n_devices = devices
         self.token = token
         # decode graphs: the batch sizes that have one (none without graphs, with no capture cost, or

@@ -144,6 +144,14 @@ class EngineConfig:
         check_stripe_devices(self.stripe_devices)
 
 
+def parse_stripe_devices(text: str) -> list[int]:
+    """``--stripe-devices I,J,...`` (serve, sim) as checked device indexes."""
+    try:
+        return check_stripe_devices([int(x) for x in text.split(",")])
+    except ValueError:
+        raise ValueError(f"--stripe-devices takes distinct device indexes separated by commas, got {text!r}") from None
+
+
 def check_stripe_devices(devices) -> list[int]:
     if not isinstance(devices, list) or len(set(devices)) != len(devices) or \
             not all(isinstance(d, int) and d >= 0 for d in devices):

@@ -16,7 +16,7 @@ import logging
 import os
 import sys
 
-from ..config import ComputronConfig, ModelSpec, check_stripe_devices, format_bytes, load_config, parse_bytes
+from ..config import ComputronConfig, ModelSpec, format_bytes, load_config, parse_bytes, parse_stripe_devices
 
 log = logging.getLogger("computron.server")
 
@@ -159,12 +159,7 @@ def build_config(args) -> ComputronConfig:
     if getattr(args, "devices", None) is not None:
         eng.devices = args.devices
     if getattr(args, "stripe_devices", None):
-        try:
-            devices = [int(x) for x in args.stripe_devices.split(",")]
-        except ValueError:
-            raise ValueError(f"--stripe-devices takes device indexes separated by commas, got "
-                             f"{args.stripe_devices!r}") from None
-        eng.stripe_devices = check_stripe_devices(devices)
+        eng.stripe_devices = parse_stripe_devices(args.stripe_devices)
     for name in ("workers_listen", "local_devices"):
         if getattr(args, name, None) is not None:
             setattr(eng, name, getattr(args, name))

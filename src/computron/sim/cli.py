@@ -71,13 +71,9 @@ def _setup(args):
     specs, kw = _models_and_budget(args)
     stripe = getattr(args, "stripe_devices", None)
     if stripe:
-        from ..config import check_stripe_devices
+        from ..config import parse_stripe_devices
 
-        try:
-            kw["stripe_devices"] = check_stripe_devices([int(x) for x in stripe.split(",")])
-        except ValueError:
-            raise ValueError(f"--stripe-devices takes distinct device indexes separated by commas, got "
-                             f"{stripe!r}") from None
+        kw["stripe_devices"] = parse_stripe_devices(stripe)
     return specs, kw
 
 

@@ -183,6 +183,11 @@ class Trainer:
                      TokenData.synthetic(self.model_cfg.vocab_size, cfg.synthetic_tokens, cfg.seq_len, cfg.seed))
         self.flops_per_sample = model_flops_per_sample(self.model_cfg, cfg.seq_len)
         self.step_no = 0
+        # cuda_graphs: a micro-batch size -> its graph, inputs, targets and loss; the float32 gradient
+        # accumulators every graph adds into; the graphs' memory pool (made at the first step)
+        self._graphs: dict[int, dict] = {}
+        self._grad_acc: list[torch.Tensor] | None = None
+        self._graph_pool = None
         self.samples_seen: list[list[int]] = []  # per step, the sample ids in the order they were used
         cuda = self.device.type == "cuda"
         self.parking = Parking(lambda: training_slots(self.params.values(), self.opt), self.device)
@@ -366,8 +371,7 @@ class Trainer:
         n = -(-len(ids) // m)
         sizes = [len(ids) // n + (i < len(ids) % n) for i in range(n)]  # evened out, as _accumulate does
         inputs, targets = (t.to(self.device) for t in self.data.batch(ids))  # at once, as _accumulate
-        if not hasattr(self, "_graphs"):
-            self._graphs: dict[int, dict] = {}
+        if self._grad_acc is None:
             self._grad_acc = [torch.zeros_like(p) for p in self.params.values()]
             self._graph_pool = torch.cuda.graph_pool_handle()
         torch._foreach_zero_(self._grad_acc)

@@ -118,6 +118,14 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="bench/results/train_profile.json")
     args = ap.parse_args(argv)
     from computron.bench.common import machine, write_json
+    from computron.train.accuracy import Config
+
+    try:  # every layout read before any runs
+        for label in args.config:
+            Config.parse(label)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     res = {"machine": machine(), "settings": vars(args), "runs": []}
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.cuda_graphs]

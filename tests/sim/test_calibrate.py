@@ -71,3 +71,17 @@ def test_legacy_calibration_times_the_first_swap_in_and_the_page_locked_allocati
     assert cal.pageable_swap_bandwidth > 0 and cal.evict_pin_s_per_byte >= 0
     plain = run(["tiny-opt"], "cpu", batches=[1], prompts=[8], new=3, repeats=1, budget=None)
     assert "first_swap" not in plain["points"] and plain["calibration"].pageable_swap_bandwidth == 0.0
+
+
+def test_the_cpus_a_run_may_use_count_a_containers_quota(tmp_path):
+    import os
+
+    from computron.bench.common import cpus_usable
+
+    mine = len(os.sched_getaffinity(0))
+    quota = tmp_path / "cpu.max"
+    quota.write_text("max 100000\n")  # no quota: the affinity
+    assert cpus_usable(str(quota)) == mine
+    quota.write_text("50000 100000\n")  # half a CPU
+    assert cpus_usable(str(quota)) == 0.5
+    assert cpus_usable(str(tmp_path / "none")) == mine  # no cgroup v2 file

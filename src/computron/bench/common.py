@@ -40,12 +40,12 @@ def machine() -> dict:
     return info
 
 
-def cpus_usable() -> float:
+def cpus_usable(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> float:
     """CPUs this process may use: its affinity, capped by a cgroup v2 CPU quota (a container's
     ``cpu.max``), which ``os.cpu_count()`` does not see; a host-bound run is limited by this."""
     n = float(len(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else float(os.cpu_count() or 1)
     try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        quota, period = Path(cpu_max).read_text().split()[:2]
         if quota != "max":
             n = min(n, int(quota) / int(period))
     except (OSError, ValueError):

@@ -18,6 +18,7 @@ CAL_DIR=${CAL_DIR:-$OUT}
 R="$OUT/presets"
 mkdir -p "$R"
 C="python3 -m computron.cli"
+PORT=${PORT:-8100}  # the server's port (another for each run side by side on one machine)
 SHAPE=${SHAPE:-opt-1.3b}
 CV=${CV:-1}
 DURATION=${DURATION:-30}
@@ -42,13 +43,13 @@ make_workload(names, rate=None, rates=[float(r) for r in '$RATES'.split(',')], d
     if [ "$policy" = computron ]; then EXE="--executor legacy"; CAL="$CAL_DIR/calibration_gpu_legacy.json"; else EXE=""; CAL="$CAL_DIR/calibration_gpu.json"; fi
     [ -f "$CAL" ] || $C bench calibrate $EXE --prompt 32 128 512 2000 --out "$CAL"
     printf 'engine:\n  policy: %s\n  max_loaded: %s\n  gpu_memory_budget: %s\n  workspace_bytes: 2GiB\n' \
-      "$policy" "$RESIDENT" "$BUDGET" > "/tmp/presets_$policy.yaml"
+      "$policy" "$RESIDENT" "$BUDGET" > "/tmp/presets_${policy}_$PORT.yaml"
     flags=(); for m in ${MODELS//,/ }; do flags+=(--model "$m"); done
-    $C serve --config "/tmp/presets_$policy.yaml" "${flags[@]}" --port 8100 --log-level warning > "/tmp/serve_$policy.log" 2>&1 &
+    $C serve --config "/tmp/presets_${policy}_$PORT.yaml" "${flags[@]}" --port $PORT --log-level warning > "/tmp/serve_${policy}_$PORT.log" 2>&1 &
     pid=$!
-    for _ in $(seq 300); do curl -sf http://127.0.0.1:8100/health > /dev/null && break; kill -0 $pid 2>/dev/null || break; sleep 1; done
+    for _ in $(seq 300); do curl -sf http://127.0.0.1:$PORT/health > /dev/null && break; kill -0 $pid 2>/dev/null || break; sleep 1; done
     tag="${preset}_cv${CV}_$policy"
-    $C loadgen --url http://127.0.0.1:8100 --trace "$trace" --out "$R/measured_$tag.json" | tail -4
+    $C loadgen --url http://127.0.0.1:$PORT --trace "$trace" --out "$R/measured_$tag.json" | tail -4
     kill -INT $pid; wait $pid
     $C sim --preset "$preset" --models "$SHAPE" --trace "$trace" --policy "$policy" --calibration "$CAL" \
         --loadgen-probes --out "$R/sim_$tag.json" | tail -4

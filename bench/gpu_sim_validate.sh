@@ -18,6 +18,7 @@ if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile
 export PYTHONPATH=src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/results}
 C="python3 -m computron.cli"
+PORT=${PORT:-8100}  # the server's port (another for each run side by side on one machine)
 WHICH=${1:-all}
 TRACE="$OUT/validate_trace.jsonl"
 SHAPE=${SHAPE:-opt-1.3b}
@@ -35,15 +36,15 @@ for policy in default computron; do
   [ -f "$CAL.json" ] || $C bench calibrate $EXE $CALIBRATE_ARGS --out "$CAL.json"
   [ -f "${CAL}_served.json" ] || $C bench calibrate $EXE --serve $CALIBRATE_ARGS --out "${CAL}_served.json"
   if [ "${MEASURE:-1}" = 1 ] || [ ! -f "$OUT/validate_measured_$policy.json" ]; then
-    printf 'engine:\n  policy: %s\n  max_loaded: 2\n  gpu_memory_budget: %s\n' "$policy" "$BUDGET" > /tmp/validate_$policy.yaml
-    $C serve --config /tmp/validate_$policy.yaml --model $SHAPE=a --model $SHAPE=b --model $SHAPE=c \
-        --port 8100 --log-level warning > "/tmp/serve_$policy.log" 2>&1 &
+    printf 'engine:\n  policy: %s\n  max_loaded: 2\n  gpu_memory_budget: %s\n' "$policy" "$BUDGET" > /tmp/validate_${policy}_$PORT.yaml
+    $C serve --config /tmp/validate_${policy}_$PORT.yaml --model $SHAPE=a --model $SHAPE=b --model $SHAPE=c \
+        --port $PORT --log-level warning > "/tmp/serve_${policy}_$PORT.log" 2>&1 &
     pid=$!
-    for _ in $(seq 300); do curl -sf http://127.0.0.1:8100/health > /dev/null && break; kill -0 $pid 2>/dev/null || break; sleep 1; done
-    $C loadgen --url http://127.0.0.1:8100 --trace "$TRACE" --out "$OUT/validate_measured_$policy.json" \
+    for _ in $(seq 300); do curl -sf http://127.0.0.1:$PORT/health > /dev/null && break; kill -0 $pid 2>/dev/null || break; sleep 1; done
+    $C loadgen --url http://127.0.0.1:$PORT --trace "$TRACE" --out "$OUT/validate_measured_$policy.json" \
         --plots "$OUT/validate_plots/measured_$policy"
     kill -INT $pid; wait $pid
-    tail -3 "/tmp/serve_$policy.log"
+    tail -3 "/tmp/serve_${policy}_$PORT.log"
   fi
   for kind in "" _served; do
     $C sim --models "$MODELS" --trace "$TRACE" --budget "$BUDGET" --policy "$policy" --max-loaded 2 \

@@ -77,3 +77,51 @@ def test_switching_modes_at_run_time(tmp_path):
         colocated.close()
         ae.shutdown()
         engine.executor.shutdown()
+
+
+def test_a_handover_is_timed_from_the_request_that_asked_for_the_memory(tmp_path):
+    # The engine's clock is a fake one. A request waiting behind another of its model (batches of one)
+    # asks for no more memory; a later request for a second model does: its handover counts from the
+    # later request's arrival, not from the arrival of the request that waited longest.
+    import threading
+
+    from computron.colocate.serving import EngineLink
+    from computron.messages import SamplingParams
+
+    now = [0.0]
+    cfg = EngineConfig(device="cpu", gpu_memory_budget=6_000_000, workspace_bytes=100_000, max_batch_size=1)
+    engine = Engine(cfg, clock=lambda: now[0])
+    for name in ("tiny-opt", "tiny-gpt2"):
+        engine.register_model(ModelSpec(name))
+    cap = min(engine.core.scheduler.config.budgets)
+    link = EngineLink(engine.core, str(tmp_path / "arb.sock"), ArbiterConfig(mode="colocate", capacity=cap))
+    job, limit = join(link.server.address)
+
+    def acks():  # the job gives back whatever it is asked for at once
+        while (msg := job.recv()) is not None:
+            job.send({"t": "ack", "id": msg["id"], "bytes": msg["bytes"], "received": time.monotonic(),
+                      "released": time.monotonic()})
+
+    threading.Thread(target=acks, daemon=True).start()
+    try:
+        long = SamplingParams(max_tokens=40, temperature=0.0)
+        engine.submit("tiny-opt", [1, 2, 3], long)
+        now[0] = 1.0
+        engine.step()  # the first handover, asked for at 0.0
+        now[0] = 1.5
+        waiting = engine.submit("tiny-opt", [4, 5, 6], long)  # waits for the batch of one, asking for its cache
+        now[0] = 2.0
+        engine.step()
+        now[0] = 2.5
+        engine.step()  # the needs fit: nothing asked
+        now[0] = 3.0
+        engine.submit("tiny-gpt2", [7, 8, 9], long)
+        now[0] = 3.5
+        engine.step()  # the request of 1.5 still waits, but only the one of 3.0 asked for more
+        moved = [h for h in link.report()["handovers"] if h["signal_s"] is not None]
+        assert [round(h["free_s"], 6) for h in moved] == [1.0, 0.5, 0.5], moved
+        assert waiting.first_token_at is None  # it waited through the last handover, which did not count it
+    finally:
+        job.close()
+        link.close()
+        engine.executor.shutdown()

@@ -24,8 +24,8 @@ grow, and mapped again before inference uses a larger share.
 Records (``report``): every handover, split into the arbiter's parts (signal, training's release,
 ack; ``ArbiterServer.demand``) and the engine's (``alloc_s``: applying the grant, i.e. mapping the
 arena's memory again; ``swap_s``: the swap-ins of the step it was asked for; ``free_s``: from the
-arrival at the engine of the oldest request waiting on the device to the memory mapped, the whole
-handover as a request sees it), the limits sent to
+arrival at the engine of the first request that asked for the memory to the memory mapped, the whole
+handover as that request sees it (``EngineLink._asked_since``)), the limits sent to
 training, the shares over time and what inference has booked over time. ``computron serve``
 serves them at ``GET /colocation`` and can switch the mode at run time (``POST
 /admin/colocation``, :class:`Colocated`).
@@ -61,6 +61,7 @@ class EngineLink:
         self._unconfirmed: set[int] = set()  # devices whose reduced share is applied but not yet fitted
         self._mail_lock = threading.Lock()
         self._polling: int | None = None  # the engine thread while it is in poll()
+        self._fit: dict[int, tuple[float, int]] = {}  # device -> (clock, core.added) of the last poll its needs fit
         self.server = ArbiterServer(Arbiter(config, self.devices), address, on_share=self._on_share)
         self.closed = False
         for d in range(self.devices):
@@ -86,11 +87,13 @@ class EngineLink:
             sched = self.core.scheduler
             for d in range(self.devices):
                 need = sched.need_bytes(d)
+                if not need or need <= sched.shares[d] or self.config.mode == "normal":
+                    self._fit[d] = (self.core.clock(), self.core.added)
                 if not need:
                     continue
                 self.server.busy(d)
                 if need > sched.shares[d] and self.config.mode != "normal":
-                    first = self._oldest_waiting(d)
+                    first = self._asked_since(d)
                     try:
                         rec = self.server.demand(d, need, self.demand_timeout)
                     except TimeoutError as e:
@@ -100,8 +103,10 @@ class EngineLink:
                             t = time.monotonic()
                             self._apply_mail()  # the grant: the arena maps the memory again
                             rec["alloc_s"] = time.monotonic() - t
-                            if first is not None:  # from the arrival of the request that waited longest
+                            if first is not None:  # from the arrival of the first request that asked
                                 rec["free_s"] = self.core.clock() - first
+                        if sched.shares[d] >= need:  # granted: later requests ask anew
+                            self._fit[d] = (self.core.clock(), self.core.added)
                             self._swap_for[d] = rec  # the swap-ins of this step
             self._apply_mail()
             self._record_used()
@@ -149,11 +154,17 @@ class EngineLink:
             self.wake(self.poll)
         return nbytes >= self.core.scheduler.shares[device]
 
-    def _oldest_waiting(self, device: int) -> float | None:
-        """Arrival (the engine's clock) of the oldest request not started yet of a model on ``device``."""
-        models = self.core.models
-        return min((r.arrival for r in self.core.requests.values()
-                    if r.first_token_at is None and device in models[r.model].placement.devices), default=None)
+    def _asked_since(self, device: int) -> float | None:
+        """When (the engine's clock) the memory about to be demanded on ``device`` was first asked for:
+        the arrival of the first request not started yet of a model on the device among those the core
+        took since the last poll that found the device's needs within its share (requests waiting since
+        before it, e.g. behind another model's swap-in, asked for nothing more); that poll's time when
+        none did (the share shrank meanwhile). Before any such poll: the oldest waiting request's arrival."""
+        models, (at, added) = self.core.models, self._fit.get(device, (None, 0))
+        first = min((r.arrival for r in self.core.requests.values()
+                     if r.added >= added and r.first_token_at is None and device in models[r.model].placement.devices),
+                    default=None)
+        return at if first is None else first
 
     def _on_swap(self, kind: str, model: str, seconds: float, nbytes: int) -> None:
         """An engine listener (engine thread): loads after a handover are its swap-in."""

@@ -55,6 +55,7 @@ class CoreRequest:
     logprobs: list = field(default_factory=list)  # per output token, when its params ask: (logprob, top)
     prompt_logprobs: list | None = None  # per prompt token, when its params ask: None, then (logprob, top)
     group: "PromptGroup | None" = None  # the choices of its prompt, when there are several
+    added: int = 0  # how many requests the core had taken before this one (set by ``add_request``)
 
     @property
     def done(self) -> bool:
@@ -90,6 +91,7 @@ class EngineCore:
         self.models: dict[str, ModelInfo] = {}
         self.requests: dict[str, CoreRequest] = {}
         self._ids = itertools.count()
+        self.added = 0  # requests taken so far (``add_request``): a request's ``added`` orders it among them
         self._to_free: list[str] = []
         self.stats = {"swap_ins": 0, "evictions": 0, "swap_in_bytes": 0, "swap_in_seconds": 0.0, "steps": 0,
                       "preemptions": 0, "pauses": 0,  # pauses: stopped with their caches kept (no recompute)
@@ -211,6 +213,7 @@ class EngineCore:
         except ValueError as e:
             raise EngineError(str(e)) from None
         self.requests[req.id] = req
+        req.added, self.added = self.added, self.added + 1
         return req
 
     def add_group(self, reqs: list[CoreRequest]) -> list[CoreRequest]:

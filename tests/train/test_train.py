@@ -174,6 +174,22 @@ def test_cuda_graphs_are_refused_where_they_cannot_run():
     for kw, why in [({}, "device cpu, pp=1"), ({"device": "cuda", "dims": {"pp": 2}}, "device cuda, pp=2")]:
         with pytest.raises(ValueError, match=f"cuda_graphs needs a CUDA device, no pipeline .*: got {why}"):
             Trainer(TrainConfig(**{**CFG, "cuda_graphs": True, **kw}))
+    from computron.train.job import graphs_refused
+
+    assert "tp=2 would capture the tensor-parallel all-reduces" in graphs_refused("cuda", 1, 2)
+    assert graphs_refused("cuda:1", 1, 1) is None
+
+
+def test_cuda_graphs_at_tp_are_opt_in(monkeypatch):
+    from computron.train.accuracy import Config, graphed
+    from computron.train.job import graphs_refused
+
+    tp2 = Config.parse("gpt2-medium:8:32:1024@tp=2")
+    monkeypatch.delenv("COMPUTRON_GRAPH_COLLECTIVES", raising=False)
+    assert not graphed(True, tp2) and graphed(True, Config.parse("gpt2-medium:8:32:1024@dp=2"))
+    monkeypatch.setenv("COMPUTRON_GRAPH_COLLECTIVES", "1")
+    assert graphed(True, tp2) and graphs_refused("cuda", 1, 2) is None
+    assert not graphed(True, Config.parse("gpt2-medium:8:32:1024@pp=2")) and not graphed(False, tp2)
 
 
 def test_the_head_over_a_padded_vocabulary_gives_the_same_logits_and_gradients():

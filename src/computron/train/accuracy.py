@@ -153,6 +153,16 @@ def predict(shape, gpu: str, cfg: Config, profile: str | None) -> tuple[float, f
     return r.iteration_s, max(r.stage_memory)
 
 
+def graphed(graphs: bool, cfg: Config) -> bool:
+    """Whether ``cfg`` trains with CUDA graphs when they are asked for (``job.graphs_refused``: not in a
+    pipeline, not at tp > 1 unless COMPUTRON_GRAPH_COLLECTIVES=1); the others run eager."""
+    if not graphs:
+        return False
+    from .job import graphs_refused
+
+    return graphs_refused("cuda", cfg.pp, cfg.tp) is None
+
+
 def measure(cfg: Config, device: str, dtype: str, warmup: int, steps: int, graphs: bool = False) -> dict:
     """Median step time, peak bytes (the largest rank's) and model TFLOP/s per GPU of ``cfg``; a
     layout of several ranks runs as that many processes here (``dist.spawn``), rank 0 reporting."""
@@ -182,7 +192,7 @@ def _measure_here(cfg: Config, device: str, dtype: str, warmup: int, steps: int,
                              steps=warmup + steps, recompute=cfg.recompute, device=device, dtype=dtype,
                              dims={"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp}, virtual_stages=cfg.v, zero1=cfg.zero1,
                              partition=None if cfg.partition is None else list(cfg.partition),
-                             cuda_graphs=graphs and cfg.pp == 1,  # a pipeline's schedule runs eager
+                             cuda_graphs=graphed(graphs, cfg),
                              synthetic_tokens=(cfg.global_batch * (warmup + steps) + 1) * cfg.seq_len + 1))
     recs = [tr.train_step() for _ in range(warmup + steps)][warmup:]
     out = {"time_s": statistics.median(r["time_s"] for r in recs), "peak_bytes": max(max(r["peak_bytes"]) for r in recs),
@@ -312,7 +322,7 @@ def run(configs: list[Config], gpu: str, device: str, dtype: str, profile: str |
             _release()
             continue
         rows.append(score(cfg, got["shape"], got, gpu, profile_of(cfg.model, cfg.seq_len), log))
-        rows[-1]["cuda_graphs"] = graphs and cfg.pp == 1
+        rows[-1]["cuda_graphs"] = graphed(graphs, cfg)
         if cfg in added:
             rows[-1]["added"] = "pick"
     if not rows:

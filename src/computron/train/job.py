@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import resource
 import time
 from dataclasses import asdict
@@ -159,6 +160,24 @@ def _fold_grad(master: torch.Tensor, work: torch.Tensor) -> None:
     work.grad = None
 
 
+GRAPH_COLLECTIVES = "COMPUTRON_GRAPH_COLLECTIVES"
+
+
+def graphs_refused(device: str, pp: int, tp: int, colocate: bool = False) -> str | None:
+    """Why a job of this layout cannot train with ``cuda_graphs`` (None: it can). A pipeline's schedule
+    runs eager, colocation resizes micro-batches at run time, and capturing the tensor-parallel
+    all-reduces in a micro-batch's graph hung on two H200s (torch 2.11, NCCL; the tp=2 test of
+    tests/gpu/test_train_gpu.py): tp > 1 is refused unless the environment sets COMPUTRON_GRAPH_COLLECTIVES=1
+    to try it. Data parallelism is fine: its all-reduce runs after the graphs, eager."""
+    if not device.startswith("cuda") or pp > 1 or colocate:
+        return ("cuda_graphs needs a CUDA device, no pipeline (pp=1) and no colocation: "
+                f"got device {device}, pp={pp}" + (", colocation" if colocate else ""))
+    if tp > 1 and os.environ.get(GRAPH_COLLECTIVES) != "1":
+        return (f"cuda_graphs at tp={tp} would capture the tensor-parallel all-reduces, which hung on two H200s "
+                f"(tests/gpu/test_train_gpu.py); set {GRAPH_COLLECTIVES}=1 to try it")
+    return None
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, log=None):
         self.cfg, self.log = cfg, log or (lambda s: None)
@@ -211,9 +230,8 @@ class Trainer:
                              "rank per key/value head")
         if dims.world_size > 1 and cfg.colocate:
             raise ValueError("colocation runs one process; it takes no dp, tp or pp")
-        if cfg.cuda_graphs and (not cfg.device.startswith("cuda") or dims.pp > 1 or cfg.colocate):
-            raise ValueError("cuda_graphs needs a CUDA device, no pipeline (pp=1) and no colocation: "
-                             f"got device {cfg.device}, pp={dims.pp}" + (", colocation" if cfg.colocate else ""))
+        if cfg.cuda_graphs and (why := graphs_refused(cfg.device, dims.pp, dims.tp, cfg.colocate)):
+            raise ValueError(why)
         if dims.world_size > 1 and cfg.checkpoint:
             raise ValueError("checkpoints are written by single-process jobs only (dp=tp=pp=1)")
         if cfg.global_batch % dims.dp:

@@ -681,6 +681,8 @@ class InProcessExecutor:
 
     # ---- status --------------------------------------------------------------------------------
     def status(self) -> ExecutorStatus:
+        if self._staging:
+            self._reap_staging()
         a = self.arena
         dev = DeviceStatus(self.index, str(self.device), a.max_bytes, a.used("weights"), a.used("kv"), a.compactions,
                            self.budget, a.nbytes)

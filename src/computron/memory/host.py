@@ -42,15 +42,22 @@ def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
     return buf
 
 
-def _pin(buf: torch.Tensor, flags: int = _HOST_REGISTER_PORTABLE) -> None:
-    """Page-lock ``buf``'s memory until its storage is collected."""
+def _pin(buf: torch.Tensor, flags: int = _HOST_REGISTER_PORTABLE, must: bool = True) -> bool:
+    """Page-lock ``buf``'s memory until its storage is collected; False (only when not ``must``) if
+    CUDA refused."""
     cudart = torch.cuda.cudart()
     # portable: page-locked for every GPU's copies, not only the current one's (a striped swap
     # pulls one image through several GPUs' links)
     err = cudart.cudaHostRegister(buf.data_ptr(), buf.numel(), flags)
     if int(err) != 0:
+        if not must:
+            clear = getattr(cudart, "cudaGetLastError", None)
+            if clear is not None:  # so that PyTorch's next launch check does not report it
+                clear()
+            return False
         raise RuntimeError(f"cudaHostRegister of {buf.numel()} bytes failed with CUDA error {int(err)}")
     weakref.finalize(buf.untyped_storage(), cudart.cudaHostUnregister, buf.data_ptr())
+    return True
 
 
 def _over(mapping, nbytes: int) -> torch.Tensor:
@@ -65,8 +72,10 @@ def map_shared(path: str, nbytes: int, pin: bool) -> torch.Tensor:
     """Another worker's host image in shared memory (``memory/shared.py``), mapped read-only in this
     process, page-locked here too when ``pin`` (so this GPU's copies from it run at the link's speed)."""
     buf = _over(shared.attach(path, nbytes), nbytes)
-    if pin and nbytes:
-        _pin(buf, _HOST_REGISTER_PORTABLE | _HOST_REGISTER_READ_ONLY)
+    if pin and nbytes and not _pin(buf, _HOST_REGISTER_PORTABLE | _HOST_REGISTER_READ_ONLY, must=False):
+        # a GPU that cannot page-lock read-only pages: map them writable (never written) and lock those
+        buf = _over(shared.attach(path, nbytes, writable=True), nbytes)
+        _pin(buf)
     return buf
 
 

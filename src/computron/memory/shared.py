@@ -46,10 +46,11 @@ def create(path: str, nbytes: int) -> mmap.mmap:
         os.close(fd)
 
 
-def attach(path: str, nbytes: int) -> mmap.mmap:
-    """The shared file another worker created, mapped read-only."""
+def attach(path: str, nbytes: int, writable: bool = False) -> mmap.mmap:
+    """The shared file another worker created, mapped read-only (``writable``: read-write, for a
+    driver that page-locks only writable pages; a helper still never writes)."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
     except FileNotFoundError:
         raise FileNotFoundError(f"no shared host image at {path}: its model's worker has not built it "
                                 f"(or dropped it)") from None
@@ -57,7 +58,8 @@ def attach(path: str, nbytes: int) -> mmap.mmap:
         size = os.fstat(fd).st_size
         if size < nbytes:
             raise ValueError(f"the shared host image at {path} holds {size} bytes, expected {nbytes}")
-        return mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED, mmap.PROT_READ)
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        return mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED, prot)
     finally:
         os.close(fd)
 

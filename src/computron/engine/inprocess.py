@@ -122,6 +122,7 @@ class InProcessExecutor:
         self._staging: list[tuple[Region, object]] = []  # staging regions of sends still in flight, their end
         self._shm: tuple[int, str] | None = None  # (engine pid, world token) naming shared images
         self._helpers = frozenset(config.stripe_devices)
+        self._relay_stream = None  # a helper's stream for its copies and sends (GPU)
         self.swapper = self._swapper(config.stripe_devices)
         self.models: dict[str, _Model] = {}
         self.resident: dict[str, _Resident] = {}
@@ -713,8 +714,10 @@ class InProcessExecutor:
         have ended): tests and operators compare a load with the host image it came from."""
         import hashlib
 
-        self.wait_loads()
-        region = self.resident[name].region
+        res = self.resident[name]
+        if res.swap is not None and res.swap.events is not None:
+            res.swap.events[-1].synchronize()  # not reported as loaded here: the engine's step does that
+        region = res.region
         return hashlib.sha256(region.tensor[: self.models[name].layout.nbytes].cpu().numpy().tobytes()).hexdigest()
 
     def image_digest(self, name: str) -> str:

@@ -12,7 +12,14 @@ around a synchronize of every GPU involved:
 The striped copy is checked byte for byte against the one-link copy, and every helper's staging
 is checked to be returned after the swap. Writes bench/results/striped_swap_<gpu>.json.
 
+``--executor workers``: the same model through the worker executor instead (one process per GPU,
+``memory/relay.py``): for each k and chunk, a load over GPU 0's link alone and one striped through
+GPUs 1 .. k-1 (helpers relaying chunks of the shared host image over NCCL sends), each timed by the
+host around the load and by the model's worker's copy events (first to last byte), the striped image
+checked against the host image by digest. Writes bench/results/striped_swap_workers_<gpu>.json.
+
     NCCL_NVLS_ENABLE=0 PYTHONPATH=src python3 bench/striped_swap.py --model opt-13b --gpus 2 4
+    NCCL_NVLS_ENABLE=0 PYTHONPATH=src python3 bench/striped_swap.py --model opt-1.3b --gpus 2 --executor workers
 """
 
 from __future__ import annotations
@@ -109,6 +116,58 @@ def measure(image: HostImage, k: int, chunks: list[int], repeats: int) -> dict:
     return out
 
 
+def measure_workers(model: str, k: int, chunk: int, repeats: int) -> dict:
+    """Loads of ``model`` onto GPU 0 under the worker executor: plain, then striped through GPUs 1 .. k-1."""
+    from computron.config import EngineConfig
+    from computron.engine.workers import WorkerExecutor
+    from computron.messages import ModelDescription, Placement, Residency
+
+    ex = WorkerExecutor(EngineConfig(device="cuda", executor="workers", devices=k, cuda_graphs=False,
+                                     stripe_devices=list(range(1, k)), stripe_chunk_bytes=chunk * 2**20))
+    try:
+        t0 = time.perf_counter()
+        ex.register(ModelDescription("m", model, placement=Placement(devices=(0,))))
+        out = {"gpus": k, "chunk_mib": chunk, "register_s": time.perf_counter() - t0}
+        for how, stripes in (("plain", {}), ("striped", {"m": tuple(range(1, k))})):
+            walls, copies = [], []
+            for i in range(repeats + 1):
+                t0 = time.perf_counter()
+                ex.apply(Residency(load=["m"], stripes=stripes))
+                copy_s = ex.wait_loads()["m"]
+                if i:  # the first is the warm-up
+                    walls.append(time.perf_counter() - t0)
+                    copies.append(copy_s)
+                if how == "striped" and i == repeats:
+                    out["bytes_equal"] = ex.weights_digest("m") == ex.image_digest("m")
+                ex.apply(Residency(evict=["m"]))
+            out[how] = {"wall_s": walls, "copy_s": copies}
+        out["staging_held_after"] = ex.status().stats.get("stripe_staging_bytes", 0)
+        return out
+    finally:
+        ex.shutdown()
+
+
+def main_workers(args) -> int:
+    med = statistics.median
+    res = {"machine": machine(), "settings": vars(args), "model": args.model, "runs": []}
+    rows = []
+    for k in [g for g in args.gpus if g > 1]:
+        for c in args.chunk:
+            r = measure_workers(args.model, k, c, args.repeats)
+            res["runs"].append(r)
+            plain, striped = med(r["plain"]["copy_s"]), med(r["striped"]["copy_s"])
+            rows.append([k, c, plain * 1e3, striped * 1e3, plain / striped, med(r["plain"]["wall_s"]) * 1e3,
+                         med(r["striped"]["wall_s"]) * 1e3, r["bytes_equal"] and r["staging_held_after"] == 0])
+    gpu = torch.cuda.get_device_name(0).lower().replace("nvidia ", "").split()[0]
+    out = args.out or f"bench/results/striped_swap_workers_{gpu}.json"
+    write_json(out, res)
+    print_table(f"striped swap-in of {args.model} onto GPU 0 under workers, medians (ms)",
+                ["GPUs", "chunk MiB", "plain copy ms", "striped copy ms", "x plain", "plain wall ms",
+                 "striped wall ms", "bytes equal, staging back"], rows)
+    print(f"wrote {out}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="opt-13b")
@@ -116,11 +175,15 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk", type=positive_int, nargs="+", default=[16, 32, 64], help="MiB a link moves at a time")
     ap.add_argument("--repeats", type=positive_int, default=5)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--executor", choices=("inprocess", "workers"), default="inprocess",
+                    help="workers: one process per GPU, chunks relayed by NCCL sends (memory/relay.py)")
     args = ap.parse_args(argv)
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if not have or max(args.gpus) > have:
         print(f"needs {max(args.gpus)} CUDA GPUs, this machine has {have}", file=sys.stderr)
         return 2
+    if args.executor == "workers":
+        return main_workers(args)
     cfg, _ = resolve_model(args.model)
     t0 = time.perf_counter()
     image = HostImage(layout_for(cfg), pin=True)

@@ -130,10 +130,12 @@ class EngineConfig:
     # $COMPUTRON_LOCAL_DEVICES, else every device is this node's.
     workers_listen: str | None = None
     local_devices: int | None = None
-    # executor "inprocess" on a GPU: other GPUs whose host links swap-ins also pull through (striped
-    # swap, memory/striped.py); each lends two 32 MiB staging slots while a swap runs. GPUs this
-    # engine does not otherwise use: their links are idle.
+    # Striped swap-in (memory/striped.py): GPUs whose host links the loads of one-device models also
+    # pull through, each lending two chunks of staging while it helps. Executor "inprocess": GPUs this
+    # engine does not otherwise use (their links are idle), every load. Executor "workers": devices of
+    # the engine, lent by the scheduler to a load only while they have no load of their own in flight.
     stripe_devices: list[int] = field(default_factory=list)
+    stripe_chunk_bytes: int | str = 32 * 2**20  # bytes a link moves at a time (32 MiB measured best)
 
     def __post_init__(self) -> None:
         if not isinstance(self.decode_steps, int) or not 1 <= self.decode_steps <= 64:
@@ -142,6 +144,9 @@ class EngineConfig:
         self.workspace_bytes = parse_bytes(self.workspace_bytes)
         self.kv_host_bytes = parse_bytes(self.kv_host_bytes)  # "8GiB" in a file as on the command line
         check_stripe_devices(self.stripe_devices)
+        self.stripe_chunk_bytes = parse_bytes(self.stripe_chunk_bytes)
+        if not isinstance(self.stripe_chunk_bytes, int) or self.stripe_chunk_bytes < 1:
+            raise ValueError(f"stripe_chunk_bytes must be a positive number of bytes, got {self.stripe_chunk_bytes!r}")
 
 
 def parse_stripe_devices(text: str) -> list[int]:

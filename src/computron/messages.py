@@ -144,16 +144,20 @@ class Residency:
     state kept: they resume by recomputing), KV caches of stopped requests moved to host memory
     (``kv_out``: their device blocks freed), evictions (nothing copied back), loads (asynchronous
     copies; compute may start while they are in flight), then KV caches brought back from host
-    memory (``kv_in``: blocks taken again, the requests decode on where they stopped)."""
+    memory (``kv_in``: blocks taken again, the requests decode on where they stopped).
+    ``stripes``: loads of one-device models that also pull through other devices' host links (the
+    worker executor's striped swap-in): model -> the helper devices, in link order; a worker that
+    is named there and does not hold the model relays its chunks of the image to the model's."""
 
     evict: list[str] = field(default_factory=list)
     load: list[str] = field(default_factory=list)
     release: list[str] = field(default_factory=list)
     kv_out: list[str] = field(default_factory=list)
     kv_in: list[str] = field(default_factory=list)
+    stripes: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
-        return bool(self.evict or self.load or self.release or self.kv_out or self.kv_in)
+        return bool(self.evict or self.load or self.release or self.kv_out or self.kv_in or self.stripes)
 
 
 @dataclass(slots=True)

@@ -64,8 +64,8 @@ def test_engine_swapping_through_stripes_gives_the_tokens_of_a_plain_one():
 def test_stripe_devices_are_checked():
     with pytest.raises(ValueError, match="distinct device indexes"):
         EngineConfig(stripe_devices=[1, 1])
-    with pytest.raises(EngineError, match="stripe_devices is for the in-process executor"):
+    with pytest.raises(EngineError, match=r"stripe_devices \[2\]: under workers a helper is one of the engine's 2"):
         Engine(EngineConfig(device="cpu", executor="workers", devices=2, gpu_memory_budget=2**24,
-                            stripe_devices=[1]))
+                            stripe_devices=[2]))
     with pytest.raises(EngineError, match="this executor copies through one link \\(the legacy executor"):
         Engine(EngineConfig(device="cpu", policy="computron", gpu_memory_budget=2**24, stripe_devices=[1]))

@@ -87,3 +87,17 @@ def test_a_striped_load_pulls_through_every_link_up_to_the_host_side(host, links
     with pytest.raises(ValueError, match="the legacy executor .* copies through one link"):
         SimExecutor(EngineConfig(gpu_memory_budget=4_000_000, workspace_bytes=0, stripe_devices=[1, 2, 3],
                                  executor="legacy"), cal)
+
+
+def test_under_workers_a_load_pulls_through_the_links_its_plan_lends():
+    # the worker executor's striping: the scheduler lends links load by load (Residency.stripes); a load it
+    # lends none goes over the model's own link alone (1e7 bytes/s a link, no host-side cap)
+    ex = SimExecutor(EngineConfig(gpu_memory_budget=4_000_000, workspace_bytes=0, stripe_devices=[1, 2, 3],
+                                  executor="workers"), CAL)
+    ex.register(ModelDescription("a", "tiny-opt"))
+    nbytes = sum(group_bytes(PRESETS["tiny-opt"]))
+    ex.apply(Residency(load=["a"]))
+    assert ex.wait_loads() == {"a": pytest.approx(nbytes / 1e7)}
+    ex.apply(Residency(evict=["a"]))
+    ex.apply(Residency(load=["a"], stripes={"a": (1, 2)}))
+    assert ex.wait_loads() == {"a": pytest.approx(nbytes / 3e7)}

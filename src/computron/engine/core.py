@@ -27,7 +27,8 @@ from typing import Callable
 from ..config import EngineConfig
 from ..messages import ExecuteBatch, ModelInfo, Residency, SamplingParams, SeqInput, StepResult
 from ..scheduler import ModelCost, SchedRequest, Scheduler, SchedulerConfig, SharedPrefix, Slo, StepPlan
-from .executor import Executor
+from ..memory.units import staging_bytes
+from .executor import Executor, executor_kind
 
 
 class EngineError(ValueError):
@@ -79,11 +80,18 @@ class EngineCore:
         cfg = config or EngineConfig()
         self.executor, self.clock = executor, clock
         st = executor.status()  # the executor's devices and KV block size are the truth
-        self.scheduler = Scheduler(SchedulerConfig(
-            budgets=tuple(d.capacity for d in st.devices), policy=cfg.policy, max_batch_size=cfg.max_batch_size,
-            max_tokens_per_step=cfg.max_tokens_per_step, max_loaded=cfg.max_loaded, prefetch=cfg.prefetch,
-            block_tokens=st.kv_block_tokens, max_wait_s=cfg.max_wait_s, preempt_keeps_kv=cfg.preempt_keeps_kv,
-            slo_scale=cfg.slo_scale, kv_host_bytes=cfg.kv_host_bytes))
+        # Under workers the scheduler lends the stripe devices' links load by load; the in-process
+        # executor stripes every load through GPUs outside the engine by itself.
+        stripe = tuple(cfg.stripe_devices) if executor_kind(cfg.executor, cfg.policy) == "workers" else ()
+        try:
+            self.scheduler = Scheduler(SchedulerConfig(
+                budgets=tuple(d.capacity for d in st.devices), policy=cfg.policy, max_batch_size=cfg.max_batch_size,
+                max_tokens_per_step=cfg.max_tokens_per_step, max_loaded=cfg.max_loaded, prefetch=cfg.prefetch,
+                block_tokens=st.kv_block_tokens, max_wait_s=cfg.max_wait_s, preempt_keeps_kv=cfg.preempt_keeps_kv,
+                slo_scale=cfg.slo_scale, kv_host_bytes=cfg.kv_host_bytes, stripe_devices=stripe,
+                stripe_staging=staging_bytes(cfg.stripe_chunk_bytes) if stripe else 0))
+        except ValueError as e:
+            raise EngineError(str(e)) from None
         self._slo_config = cfg  # slo policy: the SLOs given and the calibration of the costs
         self.slo_calibration = cfg.slo_calibration or (  # none given: the built-in one of the device kind
             "cpu" if all(d.name == "cpu" for d in st.devices) else "h200-rough")
@@ -443,7 +451,7 @@ class EngineCore:
             st["kv_moved_bytes"] = self.scheduler.kv_moved_bytes
         try:
             evicted = self.executor.apply(Residency(list(plan.evictions), loads, list(plan.preempted),
-                                                    list(plan.kv_out), list(plan.kv_in)))
+                                                    list(plan.kv_out), list(plan.kv_in), dict(plan.stripes)))
         except Exception as e:  # a swap that fails fails its requests, never the engine
             present = self.executor.status().models
             why = f"swap failed: {type(e).__name__}: {e}"
@@ -461,6 +469,8 @@ class EngineCore:
         for name in loads:
             self.stats["swap_ins"] += 1
             self.stats["swap_in_bytes"] += self.models[name].total_bytes
+            if name in plan.stripes:  # through helpers' links too (counted once it happens)
+                self.stats["striped_swap_ins"] = self.stats.get("striped_swap_ins", 0) + 1
         return sum(evicted.values())
 
     def set_budget(self, device: int, nbytes: int) -> None:

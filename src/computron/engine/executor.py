@@ -21,6 +21,19 @@ from ..messages import ExecuteBatch, ExecutorStatus, ModelDescription, ModelInfo
 EXECUTORS = ("inprocess", "legacy", "workers")
 
 
+def check_stripe(name: str, devices: tuple[int, ...], helpers: tuple[int, ...], stripe) -> None:
+    """Refuse a striped load (``Residency.stripes``) that cannot be: the model must be on one device
+    (each rank of a sharded model loads its shard over its own link) and its helpers stripe devices
+    other than it. Checked before any worker starts its part, so no helper sends what nobody receives."""
+    if len(devices) != 1:
+        raise ValueError(f"model {name!r} cannot be loaded striped through devices {list(helpers)}: only a model "
+                         f"on one device is (each rank of a sharded model loads its shard over its own link)")
+    bad = [h for h in helpers if h == devices[0] or h not in stripe]
+    if bad or len(set(helpers)) != len(helpers):
+        raise ValueError(f"model {name!r}: devices {bad or list(helpers)} are not distinct stripe devices that may "
+                         f"help device {devices[0]} (stripe_devices: {list(stripe)})")
+
+
 class Executor(Protocol):
     def register(self, desc: ModelDescription, progress: Callable[[str], None] | None = None) -> ModelInfo:
         """Build the model's host image (each rank its own shard). Slow; may run on another thread
@@ -30,7 +43,8 @@ class Executor(Protocol):
         """Forget a model (evicting it first) and release its host image."""
 
     def apply(self, change: Residency) -> dict[str, float]:
-        """Evict, then start loads; returns seconds each eviction took (it waits for copies in flight)."""
+        """Evict, then start loads (striped through the helpers ``change.stripes`` names, where the
+        executor can: ``check_stripe``); returns seconds each eviction took (it waits for copies in flight)."""
 
     def execute(self, batches: list[ExecuteBatch]) -> Future[StepResult]:
         """Run one step of each batch (batches use disjoint devices); the future holds the tokens,

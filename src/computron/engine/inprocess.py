@@ -25,13 +25,15 @@ from ..config import format_bytes
 from ..memory.arena import Arena, Region
 from ..memory.host import HostImage
 from ..memory.layout import WeightLayout, layout_for
-from ..memory.units import ALIGN, arena_capacity
+from ..memory.shared import image_path
+from ..memory.units import ALIGN, arena_capacity, staging_bytes
 from ..memory.swapper import ImageSwapper, SwapIn
 from ..messages import (DeviceStatus, ExecuteBatch, ExecutorStatus, ModelDescription, ModelInfo, Residency,
                         SamplingParams, SeqInput, StepResult)
 from ..models import load_weights, resolve_model
 from ..models.config import ModelConfig
 from ..models.kvcache import KVPool, paged_batch
+from .executor import check_stripe
 from .graphs import DecodeGraphs
 from .runner import ModelRunner
 from .sampling import History, Sampler, logprobs, process, sample
@@ -111,6 +113,16 @@ class InProcessExecutor:
         self.graph_batch = config.max_batch_size if (config.cuda_graphs and self.device.type == "cuda"
                                                      and self.fixed_weights) else 0
         self.arena = Arena(arena_bytes, self.device)
+        self.stripe_chunk = config.stripe_chunk_bytes
+        # Under workers (``world`` > 1) with stripe_devices: the process group of each pair of devices
+        # a striped swap-in may join, the images this worker may help to load, and helpers' staging.
+        self._pairs: dict[tuple[int, int], object] = {}
+        self._helpable: dict[str, tuple[WeightLayout, int]] = {}  # model -> its layout and its device
+        self._mapped: dict[str, torch.Tensor] = {}  # model -> its image as another worker holds it (shared)
+        self._staging: list[tuple[Region, object]] = []  # staging regions of sends still in flight, their end
+        self._shm: tuple[int, str] | None = None  # (engine pid, world token) naming shared images
+        self._helpers = frozenset(config.stripe_devices)
+        self._relay_stream = None  # a helper's stream for its copies and sends (GPU)
         self.swapper = self._swapper(config.stripe_devices)
         self.models: dict[str, _Model] = {}
         self.resident: dict[str, _Resident] = {}
@@ -142,6 +154,9 @@ class InProcessExecutor:
             from ..parallel.collectives import tp_group
 
             group = tp_group(pl.dims, pl.devices.index(self.index) if self.index in pl.devices else -1, list(pl.devices))
+        if self._shm is not None and not sharded and pl.devices[0] != self.index and self.index in self._helpers:
+            with self._lock:  # a model another device holds, whose loads this one may help (shared image)
+                self._helpable[desc.name] = (layout_for(cfg), pl.devices[0])
         if self.index not in pl.devices:
             return None
         rank = pl.devices.index(self.index)
@@ -165,20 +180,47 @@ class InProcessExecutor:
             return ImageSwapper(self.arena)
         if not self.stripes:
             raise ValueError("stripe_devices: this executor copies through one link (the legacy executor, as the "
-                             "original did); striped swap-ins are the in-process executor's")
+                             "original did); striped swap-ins are the in-process and worker executors'")
         from ..memory.striped import StripedSwapper
 
         if self.world > 1:
-            raise ValueError("stripe_devices is for the in-process executor: under workers, every GPU serves models "
-                             "of its own")
+            return self._linked_swapper(stripe)
         if self.device.type != "cuda":
-            return StripedSwapper(self.arena, [torch.device("cpu")] * len(stripe))
+            return StripedSwapper(self.arena, [torch.device("cpu")] * len(stripe), chunk=self.stripe_chunk)
         count, home = torch.cuda.device_count(), self.device.index or 0
         bad = [d for d in stripe if d >= count or d == home]
         if bad:
             raise ValueError(f"stripe_devices {bad}: a helper must be another of this machine's {count} GPUs "
                              f"than the serving one (cuda:{home})")
-        return StripedSwapper(self.arena, [torch.device("cuda", d) for d in stripe])
+        return StripedSwapper(self.arena, [torch.device("cuda", d) for d in stripe], chunk=self.stripe_chunk)
+
+    def _linked_swapper(self, stripe: list[int]) -> ImageSwapper:
+        """Under workers: the process group of every pair (a stripe device, another device), made by every
+        worker in the same order (making a group is collective), and a world token that names the shared
+        host images; the scheduler lends the links load by load (``Residency.stripes``)."""
+        import os
+        import secrets
+
+        import torch.distributed as dist
+
+        from ..memory.relay import LinkedSwapper
+
+        bad = [d for d in stripe if d >= self.world]
+        if bad:
+            raise ValueError(f"stripe_devices {bad}: a helper must be one of the {self.world} devices (0 to "
+                             f"{self.world - 1})")
+        for h in sorted(stripe):
+            for d in range(self.world):
+                pair = (min(d, h), max(d, h))
+                if d != h and pair not in self._pairs:
+                    self._pairs[pair] = dist.new_group(list(pair))
+        self._pairs = {p: g for p, g in self._pairs.items() if self.index in p}
+        token = [secrets.token_hex(4)]
+        dist.broadcast_object_list(token, src=0)
+        self._shm = (os.getppid(), token[0])
+        self.arena.reclaim = lambda: self._reap_staging(wait=True)
+        self._relay_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        return LinkedSwapper(self.arena, self.stripe_chunk)
 
     def _mask_unused_ids(self, model: _Model, cfg: ModelConfig) -> None:
         """A preset's random weights sample from its tokenizer's ids only: the rest of its vocabulary
@@ -210,7 +252,9 @@ class InProcessExecutor:
         self._check_fits(desc.name, layout.nbytes)
         if progress:
             progress(f"building host image of {desc.name} ({format_bytes(layout.nbytes)})")
-        image = HostImage(layout, pin=self.device.type == "cuda" and self.pin_images)
+        # Under workers with stripes the image is built in shared memory: helper workers map it.
+        shared = None if self._shm is None else image_path(*self._shm, self.index, desc.name)
+        image = HostImage(layout, pin=self.device.type == "cuda" and self.pin_images, shared_path=shared)
         if ckpt is None:
             image.fill_random(cfg, desc.seed, self.device)
         else:
@@ -249,10 +293,18 @@ class InProcessExecutor:
         if name in self.resident:
             self._evict(name)
         with self._lock:
-            self.models.pop(name, None)
+            model = self.models.pop(name, None)
+            self._helpable.pop(name, None)
+        if model is not None and model.image is not None:
+            model.image.drop_shared()
+        if name in self._mapped:
+            self._reap_staging(wait=True)  # no send may still read the mapping
+            del self._mapped[name]
 
     # ---- residency -----------------------------------------------------------------------------
     def apply(self, change: Residency) -> dict[str, float]:
+        if self._staging:
+            self._reap_staging()
         for rid in change.release:
             if rid in self.seqs:
                 self._release(self.seqs[rid])
@@ -265,7 +317,10 @@ class InProcessExecutor:
             evicted[name] = time.perf_counter() - t0
         for name in change.load:
             if name not in self.resident:
-                self._load(name)
+                self._load(name, change.stripes.get(name, ()))
+        for name, helpers in change.stripes.items():
+            if self.index in helpers and name not in self.models:
+                self._help(name, helpers)
         for rid in change.kv_in:
             if rid in self.seqs:
                 self._kv_in(rid, self.seqs[rid])
@@ -315,9 +370,64 @@ class InProcessExecutor:
             return self._host_pool.pop(i)
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
 
-    def _load(self, name: str) -> None:
-        region, swap = self.swapper.swap_in(name, self.models[name].image)
+    def _load(self, name: str, helpers: tuple[int, ...] = ()) -> None:
+        if not helpers:
+            region, swap = self.swapper.swap_in(name, self.models[name].image)
+        else:
+            region, swap = self.swapper.swap_in(name, self.models[name].image, self._links(name, helpers))
         self.resident[name] = _Resident(region, swap)
+
+    def _links(self, name: str, helpers: tuple[int, ...]) -> list[tuple[int, object]]:
+        """For a striped load of ``name`` on this device: each helper's rank and the group of the pair."""
+        if self._shm is None:
+            raise ValueError(f"model {name!r} cannot be loaded striped through devices {list(helpers)}: striped "
+                             f"loads of a plan need the worker executor with stripe_devices")
+        image = self.models[name].image
+        check_stripe(name, (self.index,) if image.shared_path else (), helpers, self._helpers)
+        return [(h, self._pairs[min(h, self.index), max(h, self.index)]) for h in helpers]
+
+    def _help(self, name: str, helpers: tuple[int, ...]) -> None:
+        """Relay this device's chunks of another device's striped load: from the model's shared image
+        (mapped the first time) through staging of this arena (booked by the scheduler on this device's
+        budget) to the model's worker. The staging goes back when the last send has ended."""
+        from ..memory.host import map_shared
+        from ..memory.relay import send_chunks
+
+        if name not in self._helpable:
+            raise ValueError(f"model {name!r} is not a model on one other device that device {self.index} may help "
+                             f"to load (stripe_devices, a model on one device)")
+        layout, home = self._helpable[name]
+        src = self._mapped.get(name)
+        if src is None:
+            src = self._mapped[name] = map_shared(image_path(*self._shm, home, name), layout.nbytes,
+                                                  pin=self.device.type == "cuda" and self.pin_images)
+        region = self.arena.allocate(staging_bytes(self.stripe_chunk), "staging", f"stripe:{name}")
+        try:
+            end = send_chunks(src, layout.groups, 1 + helpers.index(self.index), 1 + len(helpers), home,
+                              self._pairs[min(home, self.index), max(home, self.index)], region.tensor,
+                              self.stripe_chunk, self._relay_stream)
+        except BaseException:
+            self.arena.release(region)
+            raise
+        if end is None:
+            self.arena.release(region)
+        else:
+            self._staging.append((region, end))
+
+    def _reap_staging(self, wait: bool = False) -> bool:
+        """Give back the staging of helped loads whose last send has ended (waiting for them all when
+        ``wait``: the arena needs the bytes). True if any went back."""
+        keep = []
+        for region, end in self._staging:
+            if wait:
+                end.synchronize()
+            if wait or end.query():
+                self.arena.release(region)
+            else:
+                keep.append((region, end))
+        freed = len(keep) < len(self._staging)
+        self._staging = keep
+        return freed
 
     def _evict(self, name: str) -> None:
         res = self.resident.pop(name)
@@ -396,6 +506,8 @@ class InProcessExecutor:
 
     def execute(self, batches: list[ExecuteBatch]) -> Future:
         fut: Future = Future()
+        if self._staging:
+            self._reap_staging()
         try:
             result = StepResult()
             for batch in batches:
@@ -570,6 +682,8 @@ class InProcessExecutor:
 
     # ---- status --------------------------------------------------------------------------------
     def status(self) -> ExecutorStatus:
+        if self._staging:
+            self._reap_staging()
         a = self.arena
         dev = DeviceStatus(self.index, str(self.device), a.max_bytes, a.used("weights"), a.used("kv"), a.compactions,
                            self.budget, a.nbytes)
@@ -578,6 +692,8 @@ class InProcessExecutor:
         graphs = [m.graphs for m in self.models.values() if m.graphs is not None]
         stats = {"graph_captures": sum(g.captures for g in graphs), "graph_capture_s": sum(g.capture_s for g in graphs),
                  "graph_recapture_s": sum(g.recapture_s for g in graphs), "arena_backed_bytes": a.backed}
+        if self._shm is not None:  # staging this device lends to striped loads now (0 once their sends end)
+            stats["stripe_staging_bytes"] = a.used("staging")
         return ExecutorStatus([dev], models, self.block_tokens, stats)
 
     def resize(self, device: int, nbytes: int) -> int:
@@ -593,9 +709,28 @@ class InProcessExecutor:
         finally:
             self.arena.release(region)
 
+    def weights_digest(self, name: str) -> str:
+        """A digest of the model's weights as this device holds them now (its region, once its copies
+        have ended): tests and operators compare a load with the host image it came from."""
+        import hashlib
+
+        res = self.resident[name]
+        if res.swap is not None and res.swap.events is not None:
+            res.swap.events[-1].synchronize()  # not reported as loaded here: the engine's step does that
+        region = res.region
+        return hashlib.sha256(region.tensor[: self.models[name].layout.nbytes].cpu().numpy().tobytes()).hexdigest()
+
+    def image_digest(self, name: str) -> str:
+        """A digest of the model's host image on this device (what ``weights_digest`` must equal)."""
+        import hashlib
+
+        return hashlib.sha256(self.models[name].image.buffer.numpy().tobytes()).hexdigest()
+
     def shutdown(self) -> None:
         for name in list(self.resident):
             self._evict(name)
+        if self._staging:
+            self._reap_staging(wait=True)
 
 
 def hosted(p: SamplingParams) -> bool:

@@ -34,7 +34,10 @@ class LegacyExecutor(InProcessExecutor):
         super().unregister(name)
         self.host.pop(name, None)
 
-    def _load(self, name: str) -> None:
+    def _load(self, name: str, helpers: tuple[int, ...] = ()) -> None:
+        if helpers:
+            raise ValueError(f"model {name!r}: the legacy executor copies through one link; it cannot load "
+                             f"striped through devices {list(helpers)}")
         dev, swap = self.legacy.swap_in(self.host[name])
         self.on_device[name] = dev
         self.models[name].runner.bind(id(dev), dev)

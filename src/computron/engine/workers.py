@@ -46,8 +46,10 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable
 
+from ..memory.shared import remove_images
 from ..messages import (ExecuteBatch, ExecutorStatus, ModelDescription, ModelInfo, Residency, SeqInput,
                         StepResult)
+from .executor import check_stripe
 from .workers_proxy import WorkerDied, _free_port, _Worker
 from .workers_remote import NodeListener, hang_up, parse_address
 
@@ -72,6 +74,7 @@ class WorkerExecutor:
         if not self.devices:
             raise ValueError(f"devices must be at least 1, got {config.devices}")
         listen = listen or config.workers_listen or os.environ.get("COMPUTRON_WORKERS_LISTEN") or None
+        self._check_stripes(config, listen)
         local_devices = local_devices if local_devices is not None else config.local_devices
         self._nodes: NodeListener | None = None
         self._master, self.local = "127.0.0.1", len(self.devices)
@@ -111,6 +114,24 @@ class WorkerExecutor:
             raise
         for d in self.devices:
             self._ready[d].set()
+
+    def _check_stripes(self, config, listen: str | None) -> None:
+        """Striped swap-ins under workers: helpers are devices of this engine, on this node (a helper maps
+        the model's host image from this node's shared memory)."""
+        stripe = config.stripe_devices
+        if not stripe:
+            return
+        if config.policy == "computron":
+            raise ValueError("stripe_devices: this executor copies through one link (the legacy executor, as the "
+                             "original did); striped swap-ins are the in-process and worker executors'")
+        bad = [d for d in stripe if d >= len(self.devices)]
+        if bad:
+            raise ValueError(f"stripe_devices {bad}: under workers a helper is one of the engine's {len(self.devices)} "
+                             f"devices (0 to {len(self.devices) - 1})")
+        if listen:
+            raise ValueError("stripe_devices with workers of other nodes: a helper reads the model's host image "
+                             "from shared memory of the model's node, so striped swap-ins need every worker on "
+                             "one node (leave out --workers-listen or stripe_devices)")
 
     def _start_world(self) -> dict[int, _Worker]:
         """A worker per device, all started at once: with several devices each waits for the others
@@ -240,6 +261,7 @@ class WorkerExecutor:
         creation must be the same everywhere), all offloaded."""
         for w in list(self._workers.values()):
             w.kill(cause)
+        remove_images(os.getpid())  # shared host images of the killed workers (striped swap-ins)
         error: BaseException | None = None
         for _ in range(attempts):
             workers: dict[int, _Worker] = {}
@@ -347,17 +369,23 @@ class WorkerExecutor:
         return info
 
     def unregister(self, name: str) -> None:
-        devices = self._model_devices(name)
+        """The model's ranks drop it; with stripe_devices every worker does (a helper drops its mapping
+        of the model's shared image, so the memory goes back)."""
+        devices = self.devices if self.config.stripe_devices else self._model_devices(name)
         with self._lock:
             self._descs.pop(name, None)
         self._broadcast(devices, "unregister", name)
 
     def apply(self, change: Residency) -> dict[str, float]:
         """Each worker gets the changes of the models it holds a rank of (all at once); an eviction
-        takes as long as its slowest rank."""
+        takes as long as its slowest rank. A striped load (``change.stripes``) goes to its helpers too:
+        they relay their chunks while the model's worker receives them."""
+        for name, helpers in change.stripes.items():
+            check_stripe(name, self._model_devices(name), helpers, self.config.stripe_devices)
         parts = {d: Residency([n for n in change.evict if d in self._model_devices(n)],
                               [n for n in change.load if d in self._model_devices(n)], change.release,
-                              change.kv_out, change.kv_in)
+                              change.kv_out, change.kv_in,
+                              {n: hs for n, hs in change.stripes.items() if d in hs or d in self._model_devices(n)})
                  for d in self.devices}
         parts = {d: r for d, r in parts.items() if r}
         evicted: dict[str, float] = {}
@@ -519,6 +547,14 @@ class WorkerExecutor:
         parts = self._broadcast_all(self._model_devices(name), "probe_link", name, repeats)
         return [max(times) for times in zip(*parts)]
 
+    def weights_digest(self, name: str) -> list[str]:
+        """Per rank, a digest of the model's weights on its device, once its copies ended (tests, operators)."""
+        return self._broadcast_all(self._model_devices(name), "weights_digest", name)
+
+    def image_digest(self, name: str) -> list[str]:
+        """Per rank, a digest of the model's host image (what ``weights_digest`` must give after a load)."""
+        return self._broadcast_all(self._model_devices(name), "image_digest", name)
+
     def worker_pids(self) -> dict[int, int]:
         """The worker process of each device (for operators and tests)."""
         return {d: self._worker(d).pid for d in self.devices}
@@ -533,6 +569,7 @@ class WorkerExecutor:
             t.join(self.start_timeout)
         for w in list(self._workers.values()):
             w.stop()
+        remove_images(os.getpid())  # those of workers that could not remove their own
         if self._nodes is not None:
             self._nodes.close()
 

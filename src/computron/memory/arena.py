@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -35,7 +36,7 @@ class OutOfMemory(RuntimeError):
 class Region:
     offset: int
     nbytes: int
-    tag: str  # "weights" | "kv"
+    tag: str  # "weights" | "kv" | "staging"
     owner: str
     version: int = 0  # bumped each time compaction moves the region
     arena: "Arena | None" = None
@@ -66,6 +67,9 @@ class Arena:
         self._holes: list[list[int]] = []  # [offset, bytes] of each gap between regions, sorted (not the tail)
         self._used: dict[str, int] = {}  # bytes in use by tag
         self.compactions = 0
+        # Asked when bytes do not fit, before failing: its owner frees what it can without waiting on
+        # the scheduler (staging a striped swap-in still holds until its sends end), True if it did.
+        self.reclaim: Callable[[], bool] | None = None
 
     @property
     def backed(self) -> int:
@@ -108,6 +112,8 @@ class Arena:
 
     def allocate(self, nbytes: int, tag: str, owner: str) -> Region:
         size = align_up(max(nbytes, 1))
+        if size > self.free and self.reclaim is not None:
+            self.reclaim()
         if size > self.free:
             raise OutOfMemory(
                 f"{owner}: {size} bytes of {tag} do not fit: {self.free} of {self.nbytes} bytes free")

@@ -1,5 +1,8 @@
 """HostImage: one contiguous (pinned, when a GPU is present) host buffer holding a model's weights.
 
+Under the worker executor with striped swap-ins the buffer is a file of shared memory that helper
+workers map too (``memory/shared.py``, ``map_shared``): one copy of the image for every process.
+
 Built once, at registration; never written again while serving (weights are immutable), so a
 swap-out copies nothing back. Parameters are views into it. A preset's random weights are
 generated straight into the image parameter by parameter (on the GPU when there is one, which
@@ -8,10 +11,13 @@ is much faster than the CPU's generator), so no transient full copy of the model
 
 from __future__ import annotations
 
+import warnings
 import weakref
 import zlib
 
 import torch
+
+from . import shared
 
 from ..models.config import ModelConfig
 from ..models.transformer import init_std
@@ -19,6 +25,7 @@ from .layout import WeightLayout
 
 
 _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
+_HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly: the pages are mapped read-only (a helper's view)
 
 
 def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
@@ -31,13 +38,44 @@ def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
     """
     buf = torch.empty(nbytes, dtype=torch.uint8)
     if pin and nbytes:
-        cudart = torch.cuda.cudart()
-        # portable: page-locked for every GPU's copies, not only the current one's (a striped swap
-        # pulls one image through several GPUs' links)
-        err = cudart.cudaHostRegister(buf.data_ptr(), nbytes, _HOST_REGISTER_PORTABLE)
-        if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(err)}")
-        weakref.finalize(buf.untyped_storage(), cudart.cudaHostUnregister, buf.data_ptr())
+        _pin(buf)
+    return buf
+
+
+def _pin(buf: torch.Tensor, flags: int = _HOST_REGISTER_PORTABLE, must: bool = True) -> bool:
+    """Page-lock ``buf``'s memory until its storage is collected; False (only when not ``must``) if
+    CUDA refused."""
+    cudart = torch.cuda.cudart()
+    # portable: page-locked for every GPU's copies, not only the current one's (a striped swap
+    # pulls one image through several GPUs' links)
+    err = cudart.cudaHostRegister(buf.data_ptr(), buf.numel(), flags)
+    if int(err) != 0:
+        if not must:
+            clear = getattr(cudart, "cudaGetLastError", None)
+            if clear is not None:  # so that PyTorch's next launch check does not report it
+                clear()
+            return False
+        raise RuntimeError(f"cudaHostRegister of {buf.numel()} bytes failed with CUDA error {int(err)}")
+    weakref.finalize(buf.untyped_storage(), cudart.cudaHostUnregister, buf.data_ptr())
+    return True
+
+
+def _over(mapping, nbytes: int) -> torch.Tensor:
+    """A flat uint8 tensor over the first ``nbytes`` of a memory mapping (kept alive by the tensor)."""
+    with warnings.catch_warnings():  # a read-only mapping: PyTorch warns that it cannot forbid writes
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes) if nbytes else \
+            torch.empty(0, dtype=torch.uint8)
+
+
+def map_shared(path: str, nbytes: int, pin: bool) -> torch.Tensor:
+    """Another worker's host image in shared memory (``memory/shared.py``), mapped read-only in this
+    process, page-locked here too when ``pin`` (so this GPU's copies from it run at the link's speed)."""
+    buf = _over(shared.attach(path, nbytes), nbytes)
+    if pin and nbytes and not _pin(buf, _HOST_REGISTER_PORTABLE | _HOST_REGISTER_READ_ONLY, must=False):
+        # a GPU that cannot page-lock read-only pages: map them writable (never written) and lock those
+        buf = _over(shared.attach(path, nbytes, writable=True), nbytes)
+        _pin(buf)
     return buf
 
 
@@ -47,11 +85,26 @@ def param_seed(seed: int, name: str) -> int:
 
 
 class HostImage:
-    def __init__(self, layout: WeightLayout, pin: bool):
+    def __init__(self, layout: WeightLayout, pin: bool, shared_path: str | None = None):
+        """``shared_path``: build the image in that new file of shared memory, so other workers can
+        map it (``map_shared``: a striped swap-in's helpers); the file goes when the image does."""
         self.layout = layout
         self.pinned = pin
-        self.buffer = host_buffer(layout.nbytes, pin)
+        self.shared_path = shared_path
+        if shared_path is None:
+            self.buffer = host_buffer(layout.nbytes, pin)
+        else:
+            self.buffer = _over(shared.create(shared_path, layout.nbytes), layout.nbytes)
+            self._unlink = weakref.finalize(self, shared.remove, shared_path)
+            if pin and layout.nbytes:
+                _pin(self.buffer)
         self.views = layout.views(self.buffer)
+
+    def drop_shared(self) -> None:
+        """Remove the shared file now (the model is unregistered: its name may be taken again at once);
+        the pages live on while this process or a helper still maps them."""
+        if self.shared_path is not None:
+            self._unlink()
 
     @property
     def nbytes(self) -> int:

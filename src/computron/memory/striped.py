@@ -25,8 +25,7 @@ import torch
 from .arena import Arena, Region
 from .host import HostImage
 from .swapper import ImageSwapper, SwapIn
-
-CHUNK = 32 * 2**20  # bytes a link moves at a time
+from .units import STRIPE_CHUNK as CHUNK
 
 
 def deal(groups: tuple[tuple[int, int], ...] | list[tuple[int, int]], links: int,

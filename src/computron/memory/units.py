@@ -7,6 +7,8 @@ hands out exactly these sizes, so the two never disagree about a byte.
 from __future__ import annotations
 
 ALIGN = 512  # every region and every parameter inside a weight image starts at a multiple of this
+STRIPE_CHUNK = 32 * 2**20  # bytes a link moves at a time in a striped swap-in (memory/striped.py)
+STRIPE_SLOTS = 2  # staging slots of a helper: one lands from the host while the other is passed on
 
 
 def align_up(n: int, a: int = ALIGN) -> int:
@@ -30,3 +32,9 @@ def arena_capacity(budget: int, workspace: int | None) -> int:
         raise ValueError(f"a memory budget of {budget} bytes leaves no room for weights and KV cache once "
                          f"{workspace} bytes of workspace are set aside; give at least {workspace + 2 * ALIGN} bytes")
     return arena
+
+
+def staging_bytes(chunk: int, slots: int = STRIPE_SLOTS) -> int:
+    """Device bytes a helper lends to a striped swap-in while it runs: its staging slots, one
+    region (the scheduler books this on the helper's budget, the helper's arena hands it out)."""
+    return align_up(slots * chunk)

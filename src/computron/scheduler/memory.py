@@ -16,7 +16,7 @@ class Memory:
 
     def _count_free(self, device: int) -> None:
         """``free[device]``: its share less what is booked (weights, when they count, and KV cache)."""
-        used = self.kv_used[device] + (self.weights_used[device] if self.counts_bytes else 0)
+        used = self.kv_used[device] + self.staging_used[device] + (self.weights_used[device] if self.counts_bytes else 0)
         self.free[device] = self.shares[device] - used
 
     def set_budget(self, device: int, nbytes: int) -> StepPlan:
@@ -72,8 +72,44 @@ class Memory:
             self.on_device[d][m.name] = m
             self._count_free(d)
 
+    def _lend(self, m: ModelState, plan: StepPlan, now: float) -> None:
+        """Striped swap-in: lend the load of ``m`` (on one device) the host links of the stripe devices
+        that are idle (no load in flight there, not lent to another load) and have room for the
+        staging they lend, which is booked on their budgets until the load ends (``_return_links``).
+        Idle links only: a device's own load is never slowed by another's, and a device helps one
+        load at a time, so helpers never wait on each other in a cycle."""
+        cfg = self.config
+        if not cfg.stripe_devices or len(m.devices) != 1:
+            return
+        home = m.devices[0]
+        helpers = tuple(d for d in cfg.stripe_devices if d != home and d not in self.lent
+                        and self.free[d] >= cfg.stripe_staging
+                        and not any(c.state == LOADING for c in self.on_device[d].values()))
+        if not helpers:
+            return
+        m.helpers = helpers
+        for d in helpers:
+            self.lent[d] = m.name
+            self.staging_used[d] += cfg.stripe_staging
+            self._count_free(d)
+        plan.stripes[m.name] = helpers
+        bw = cfg.load_bandwidth
+        if bw and self.slo is None:
+            m.ready_at = now + max(m.weights) / (bw * (1 + len(helpers)))
+
+    def _return_links(self, m: ModelState) -> None:
+        """The load of ``m`` ended (or was undone): its helpers' links and staging are free again."""
+        for d in m.helpers:
+            del self.lent[d]
+            self.staging_used[d] -= self.config.stripe_staging
+            self._count_free(d)
+        m.helpers = ()
+        self._epoch += 1
+
     def _set_offloaded(self, m: ModelState) -> None:
         self._epoch += 1
+        if m.helpers:
+            self._return_links(m)
         m.state, m.ready_at = OFFLOADED, None
         for d, w in zip(m.devices, m.weights):
             self.weights_used[d] -= w
@@ -225,6 +261,7 @@ class Memory:
             if self.host_used:
                 self._restore(m, plan)
             self._set_on_device(m, now)
+            self._lend(m, plan, now)
             self._fresh.add(m.name)
             into.append(m.name)
         return ok

@@ -9,6 +9,11 @@ on the device (resident or loading) plus the KV cache reserved by running reques
 are kept incrementally, and models with work sit in a heap keyed by their oldest request, so a
 step costs about the same with 8 models or 512 and with 10 queued requests or 10,000.
 
+Striped swap-in (``stripe_devices``, the worker executor's): a load of a model on one device borrows
+the host links of the stripe devices that have no load in flight (none loading there, none lent to
+another load) and room for the staging they lend; the plan names them (``plan.stripes``) and the
+staging is booked on each helper's budget until the executor reports the load done.
+
 Policies:
 - ``default``: models run in the order of their oldest outstanding request; one batch per model
   per step, batches of one step on disjoint devices. A model not on its devices is loaded,
@@ -75,11 +80,22 @@ class SchedulerConfig:
     # policies that keep stopped requests' caches (preempt with preempt_keeps_kv, slo): host bytes those
     # caches may take when their device memory is needed (0: none; they recompute instead)
     kv_host_bytes: int = 0
+    # Striped swap-in (the worker executor's): devices whose host links a load of a one-device model
+    # may borrow while they have no load in flight, and the staging bytes each lends meanwhile.
+    stripe_devices: tuple[int, ...] = ()
+    stripe_staging: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.budgets, int):
             self.budgets = (self.budgets,)
         self.budgets = tuple(self.budgets)
+        self.stripe_devices = tuple(self.stripe_devices)
+        bad = [d for d in self.stripe_devices if not 0 <= d < len(self.budgets)]
+        if bad:
+            raise ValueError(f"stripe_devices {bad}: a helper must be one of the {len(self.budgets)} devices "
+                             f"(0 to {len(self.budgets) - 1})")
+        if self.stripe_devices and self.stripe_staging < 1:
+            raise ValueError(f"stripe_staging must be at least 1 byte with stripe_devices, got {self.stripe_staging}")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if not self.budgets:
@@ -114,6 +130,8 @@ class Scheduler(Memory):
         n = len(config.budgets)
         self.weights_used = [0] * n
         self.kv_used = [0] * n
+        self.staging_used = [0] * n  # striped swap-ins: staging booked on helpers while their links are lent
+        self.lent: dict[int, str] = {}  # helper device -> the model whose load borrows its link now
         self.on_device: list[dict[str, ModelState]] = [{} for _ in range(n)]
         self.models: dict[str, ModelState] = {}
         self.requests: dict[str, SchedRequest] = {}
@@ -254,6 +272,8 @@ class Scheduler(Memory):
         m = self.models.get(name)
         if m is not None and m.state == LOADING:
             m.state, m.ready_at = RESIDENT, None
+            if m.helpers:
+                self._return_links(m)
 
     def offloaded(self, name: str) -> None:
         """The model is not on its devices (admin offload, or a load that failed)."""

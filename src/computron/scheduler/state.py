@@ -65,6 +65,7 @@ class ModelState:
     # stays until memory or what may be evicted changes
     stuck_start: int = -1
     stuck_prefetch: int = -1
+    helpers: tuple[int, ...] = ()  # devices whose host links its load in flight borrows (striped swap-in)
 
     @property
     def on_device(self) -> bool:
@@ -108,7 +109,8 @@ class StepPlan:
     model's eviction whose caches stay on the devices (they resume as decodes). ``kv_out``: paused requests
     whose blocks go to host memory (their device memory is needed; moving them out and back is the
     cheaper move than recomputing); ``kv_in``: such requests whose blocks come back before their model
-    resumes them. ``failed``: requests that can never run, with the
+    resumes them. ``stripes``: loads of this plan that also pull through other devices' host links
+    (model -> the helper devices, in link order; their staging is booked until the load ends). ``failed``: requests that can never run, with the
     reason (the scheduler has already dropped them). ``steps``: decode steps the (single, decode-only)
     batch runs back to back; more than one only when ``schedule`` was allowed several. ``repeats``:
     the next plan is expected to be this same decode batch, one step on (a steady batch of single
@@ -127,6 +129,7 @@ class StepPlan:
     kv_out: list[str] = field(default_factory=list)  # paused requests whose blocks move to host memory now
     kv_in: list[str] = field(default_factory=list)  # offloaded requests whose blocks come back (their model loads)
     failed: list[tuple[str, str]] = field(default_factory=list)
+    stripes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     steps: int = 1
     repeats: bool = False
 

@@ -66,8 +66,9 @@ def add_parsers(subparsers) -> None:
     p.add_argument("--local-devices", type=int, metavar="N",
                    help="with --workers-listen: devices 0..N-1 are this node's (default $COMPUTRON_LOCAL_DEVICES)")
     p.add_argument("--stripe-devices", metavar="I,J,...",
-                   help="executor inprocess on a GPU: other GPUs whose host links swap-ins pull through too "
-                        "(striped swap; GPUs this server does not otherwise use)")
+                   help="GPUs whose host links swap-ins of one-device models pull through too (striped swap): "
+                        "with executor inprocess, GPUs this server does not otherwise use; with workers, its own "
+                        "devices, lent to a load while they have none in flight")
     p.add_argument("--executor", choices=("inprocess", "legacy", "workers"),
                    help="inprocess (default), legacy (the computron policy's) or workers (a process per device)")
     p.add_argument("--host", help="address to bind (default 127.0.0.1; 0.0.0.0 exposes the server)")

@@ -105,6 +105,8 @@ class SimExecutor:
             raise ValueError("stripe_devices: the legacy executor (the computron policy's) copies through one link, "
                              "as the original did; striped swap-ins are the in-process executor's")
         self.stripe = tuple(cfg.stripe_devices)
+        # under workers the scheduler lends the links load by load (Residency.stripes); in process, every load
+        self.lent = (cfg.executor or "inprocess") == "workers"
         self.n_devices = devices
         self.token = token
         # decode graphs: the batch sizes that have one (none without graphs, with no capture cost, or
@@ -172,7 +174,7 @@ class SimExecutor:
         for name in change.load:
             m = self.models[name]
             if m.ready is None:
-                self._load(m)
+                self._load(m, change.stripes.get(name, ()) if self.lent else self.stripe)
                 if not self.overlap:  # the legacy executor waits for its load stream: the engine stands still
                     self.clock.advance_to(m.load_end)
         for rid in change.kv_in:
@@ -231,7 +233,7 @@ class SimExecutor:
         seq[1] = blocks
         m.kv_ready = max(m.kv_ready, self._copy(d, n))
 
-    def _load(self, m: _Model) -> None:
+    def _load(self, m: _Model, helpers: tuple[int, ...] = ()) -> None:
         d = m.device
         if self.weights_in_arena and self.weights[d] + self.kv[d] + m.nbytes > self.capacity:
             raise MemoryError(f"loading {m.info.name!r} ({m.nbytes} bytes) exceeds the arena of device {d}: "
@@ -239,7 +241,7 @@ class SimExecutor:
                               f"{self.capacity}")
         self.weights[d] += m.nbytes
         start = max(self.clock.t, self.link_free[d])
-        bw = self.cal.striped_bandwidth((d, *self.stripe)) if self.stripe else self.cal.bandwidth(d)
+        bw = self.cal.striped_bandwidth((d, *helpers)) if helpers else self.cal.bandwidth(d)
         if self.legacy and not m.pinned and self.cal.pageable_swap_bandwidth:
             bw = self.cal.pageable_swap_bandwidth  # never evicted: its host copy is still pageable
         ready, done = [], 0

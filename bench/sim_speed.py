@@ -8,10 +8,13 @@ on the machine stretches wall time). A profiled run on a slice of the trace says
 goes. Writes bench/results/sim_speed.json. ``--reference-src`` at another checkout's ``src`` (e.g.
 ``git worktree add --detach /tmp/ref main``) measures that version too, in the same run: each run
 is a fresh process of each version in turn, on the same workload, and the two must simulate the same
-(steps, end time, latencies) or the script fails.
+(steps, end time, latencies) or the script fails. ``--compare-compiled`` does the same with this
+checkout's Python modules as the reference and its mypyc build (``scripts/build_fast.sh``,
+``COMPUTRON_COMPILED=1``) as the version measured; the JSON's ``path`` says which ran (``compiled``
+when this process itself runs the build: then the profile sees only the Python left around it).
 
     .venv/bin/python bench/sim_speed.py [--requests 20000] [--runs 5] [--profile-requests 4000]
-        [--reference-src /tmp/ref/src]
+        [--reference-src /tmp/ref/src | --compare-compiled]
 """
 
 from __future__ import annotations
@@ -33,6 +36,11 @@ from pathlib import Path
 from computron.config import EngineConfig
 from computron.sim import Simulation
 from computron.sim.costs import H200_ROUGH
+
+try:
+    from computron import _fast
+except ImportError:  # a --reference-src checkout from before the compiled build
+    _fast = None
 
 MODELS = ["opt-6.7b", "llama-2-7b", "opt-1.3b"]
 H200ISH = H200_ROUGH
@@ -56,16 +64,17 @@ def gamma_trace(n: int, models: list[str], rate: float, cv: float, seed: int) ->
 def run(trace, cfg):
     """The simulation's result, its core calls, and wall and CPU seconds."""
     sim = Simulation(MODELS, H200ISH, cfg)
-    calls, inner = [0], sim.core.step
-
-    def step(max_steps=1):
-        calls[0] += 1
-        return inner(max_steps)
-
-    sim.core.step = step
     t0, c0 = time.perf_counter(), time.process_time()
     res = sim.run(trace)
-    return res, calls[0], time.perf_counter() - t0, time.process_time() - c0
+    return res, sim.schedule_calls, time.perf_counter() - t0, time.process_time() - c0
+
+
+def path() -> str:
+    """Which modules ran: ``compiled`` (the mypyc build, all of it) or ``python``."""
+    got = _fast.compiled_modules() if _fast else []
+    if got and len(got) != len(_fast.MODULES):
+        raise SystemExit(f"only part of the build was loaded: {got}")
+    return "compiled" if got else "python"
 
 
 def outcome(res) -> dict:
@@ -78,11 +87,13 @@ def outcome(res) -> dict:
 def child(a, cfg) -> None:
     """One run of the checkout on PYTHONPATH; its figures as JSON on stdout."""
     res, calls, w, c = run(gamma_trace(a.requests, MODELS, a.rate, a.cv, seed=0), cfg)
-    print(json.dumps({"wall_s": w, "cpu_s": c, "core_calls": calls, "outcome": outcome(res)}))
+    print(json.dumps({"wall_s": w, "cpu_s": c, "core_calls": calls, "outcome": outcome(res), "path": path()}))
 
 
-def in_process(src: str, a) -> dict:
+def in_process(src: str, a, compiled: bool | None = None) -> dict:
     env = {**os.environ, "PYTHONPATH": src}
+    if compiled is not None:
+        env["COMPUTRON_COMPILED"] = "1" if compiled else "0"
     out = subprocess.run([sys.executable, __file__, "--child", "--requests", str(a.requests), "--rate", str(a.rate),
                           "--cv", str(a.cv)], env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.splitlines()[-1])
@@ -97,6 +108,8 @@ def main() -> None:
     ap.add_argument("--label", default="", help="what version is measured (recorded in the JSON)")
     ap.add_argument("--profile-requests", type=int, default=4000)
     ap.add_argument("--reference-src", default=None, help="another checkout's src, measured in the same run")
+    ap.add_argument("--compare-compiled", action="store_true",
+                    help="this checkout's Python modules as the reference, its compiled build measured")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "sim_speed.json"))
     a = ap.parse_args()
@@ -105,16 +118,23 @@ def main() -> None:
     cfg = EngineConfig(gpu_memory_budget=30 * 2**30)  # 27 GiB arena: two of the three models, not all
     if a.child:
         return child(a, cfg)
+    if a.compare_compiled and a.reference_src:
+        raise SystemExit("--compare-compiled and --reference-src: one reference at a time")
+    if a.compare_compiled and path() != "compiled":
+        raise SystemExit(f"--compare-compiled needs the build loaded in this process: {_fast.ENV}=1 "
+                         f"({_fast.check()[1] or 'set it'})")
     trace = gamma_trace(a.requests, MODELS, a.rate, a.cv, seed=0)
     walls, cpus, ref = [], [], {"wall_s_runs": [], "cpu_s_runs": []}
     this_src = str(Path(__file__).resolve().parent.parent / "src")
     for _ in range(a.runs):
-        if a.reference_src:  # each version in a fresh process, in turn
-            r = in_process(a.reference_src, a)
+        if a.reference_src or a.compare_compiled:  # each version in a fresh process, in turn
+            r = in_process(a.reference_src or this_src, a, False if a.compare_compiled else None)
             ref["wall_s_runs"].append(r["wall_s"])
             ref["cpu_s_runs"].append(r["cpu_s"])
-            ref["outcome"], ref["core_calls"] = r["outcome"], r["core_calls"]
-            mine = in_process(this_src, a)
+            ref["outcome"], ref["core_calls"], ref["path"] = r["outcome"], r["core_calls"], r["path"]
+            mine = in_process(this_src, a, True if a.compare_compiled else None)
+            if a.compare_compiled and (r["path"], mine["path"]) != ("python", "compiled"):
+                raise SystemExit(f"expected python against compiled, ran {r['path']} against {mine['path']}")
             walls.append(mine["wall_s"])
             cpus.append(mine["cpu_s"])
             if mine["outcome"] != r["outcome"]:
@@ -127,9 +147,9 @@ def main() -> None:
     wall, cpu = statistics.median(walls), statistics.median(cpus)
     summ = res.summary()
     tokens = summ["all"]["output_tokens"]
-    if a.reference_src:
+    if a.reference_src or a.compare_compiled:
         rw, rc = statistics.median(ref["wall_s_runs"]), statistics.median(ref["cpu_s_runs"])
-        ref.update({"src": a.reference_src, "wall_s": round(rw, 3), "cpu_s": round(rc, 3),
+        ref.update({"src": a.reference_src or f"{this_src} (Python modules)", "wall_s": round(rw, 3), "cpu_s": round(rc, 3),
                     "requests_per_s": round(len(trace) / rw, 1), "requests_per_cpu_s": round(len(trace) / rc, 1),
                     "speedup_wall": round(rw / wall, 3), "speedup_cpu": round(rc / cpu, 3)})
 
@@ -149,6 +169,7 @@ def main() -> None:
     out = {
         "what": "simulated requests per second of wall time (one core), real EngineCore+Scheduler on SimExecutor",
         "label": a.label,
+        "path": path(), "compiled_modules": _fast.compiled_modules() if _fast else [],
         "models": MODELS, "calibration": H200ISH.to_dict(), "gpu_memory_budget": cfg.gpu_memory_budget,
         "workload": {"requests": len(trace), "rate_per_model": a.rate, "cv": a.cv, "prompt_tokens": [16, 512],
                      "output_tokens": [8, 256]},
@@ -158,7 +179,7 @@ def main() -> None:
         "core_calls": calls, "steps": res.steps, "steps_per_s": round(res.steps / wall, 1), "output_tokens": tokens,
         "tokens_per_s": round(tokens / wall, 1), "simulated_s": round(res.end_time, 3),
         "core_stats": res.stats, "completed": summ["all"]["completed"], "outcome": outcome(res),
-        "reference": ref if a.reference_src else None,
+        "reference": ref if a.reference_src or a.compare_compiled else None,
         "latency_s": summ["all"]["latency"], "ttft_s": summ["all"]["ttft"],
         "profile": {"requests": len(small), "wall_s_profiled": round(pwall, 3), "top_tottime": top},
         "python": sys.version.split()[0], "machine": platform.processor() or platform.machine(),
@@ -168,8 +189,9 @@ def main() -> None:
     Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps({k: out[k] for k in ("requests_per_s", "requests_per_cpu_s", "wall_s", "cpu_s", "core_calls",
                                            "steps", "simulated_s", "completed")}, indent=1))
-    if a.reference_src:
-        print(f"reference {a.reference_src}: {ref['requests_per_s']} requests/s ({ref['requests_per_cpu_s']} per CPU s); "
+    print(f"path: {out['path']}")
+    if a.reference_src or a.compare_compiled:
+        print(f"reference {ref['src']}: {ref['requests_per_s']} requests/s ({ref['requests_per_cpu_s']} per CPU s); "
               f"speedup {ref['speedup_wall']}x wall, {ref['speedup_cpu']}x CPU; same outcome {ref['outcome']}")
     print(s.getvalue()[:4000])
 

@@ -189,8 +189,9 @@ class StepResult:
 
     tokens: dict[str, int | list[int]] = field(default_factory=dict)  # req_id -> next token (a list of
     # ``steps`` tokens for a batch of several steps)
-    # req_id -> (the token's log-probability, [(id, log-probability)] of the most likely), when asked
-    logprobs: dict[str, tuple] = field(default_factory=dict)
+    # req_id -> (the token's log-probability, [(id, log-probability)] of the most likely), when asked (a
+    # list of those for a batch of several steps)
+    logprobs: dict[str, tuple | list[tuple]] = field(default_factory=dict)
     # req_id -> per token of a prefill that asked, after the first: (log-probability, [(id, log-probability)])
     prompt_logprobs: dict[str, list] = field(default_factory=dict)
     loaded: dict[str, float] = field(default_factory=dict)  # model -> seconds its swap-in copies took

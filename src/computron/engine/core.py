@@ -22,12 +22,13 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
+from .._mypyc import mypyc_attr
 from ..config import EngineConfig
 from ..messages import ExecuteBatch, ModelInfo, Residency, SamplingParams, SeqInput, StepResult
-from ..scheduler import ModelCost, SchedRequest, Scheduler, SchedulerConfig, SharedPrefix, Slo, StepPlan
 from ..memory.units import staging_bytes
+from ..scheduler import Batch, ModelCost, SchedRequest, Scheduler, SchedulerConfig, SharedPrefix, Slo, StepPlan
 from .executor import Executor, executor_kind
 
 
@@ -37,6 +38,7 @@ class EngineError(ValueError):
 _INT = {int}
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # the text layer's Request extends it
 @dataclass(eq=False)
 class CoreRequest:
     id: str
@@ -274,7 +276,7 @@ class EngineCore:
         counts[1] += 1
         n = len(req.output_ids)
         if req.finish_reason in ("stop", "length") and req.first_token_at is not None and \
-                req.first_token_at - req.arrival <= slo.ttft_s and \
+                req.finished_at is not None and req.first_token_at - req.arrival <= slo.ttft_s and \
                 (n < 2 or (req.finished_at - req.first_token_at) / (n - 1) <= slo.tpot_s):
             counts[0] += 1
 
@@ -342,7 +344,7 @@ class EngineCore:
             self.stats["swap_in_seconds"] += s
             self._notify("load", name, s)
 
-    def _absorb(self, result: StepResult, batches, evict_s: float) -> None:
+    def _absorb(self, result: StepResult, batches: list[Batch], evict_s: float) -> None:
         self._loaded(result.loaded)
         self.last_trace = result.trace
         for rid, why in result.failed.items():  # first: the executor's own reason (e.g. which worker died)
@@ -371,11 +373,11 @@ class EngineCore:
                 if not ids:
                     r.first_token_at, r.load_s, r.evict_s = now, loaded, evict_s
                 if not plain:
-                    if type(tokens) is int:
+                    if isinstance(tokens, int):
                         self._append(r, tokens, logprobs.get(rid))
                     else:
                         self._extend(r, tokens, logprobs.get(rid))
-                elif type(tokens) is int:
+                elif isinstance(tokens, int):
                     if tokens == eos and not r.params.ignore_eos:
                         self.finish(r, "stop")
                     else:
@@ -403,7 +405,7 @@ class EngineCore:
         if not r.done and len(r.output_ids) >= r.params.max_tokens:
             self.finish(r, "length")
 
-    def _extend(self, r: CoreRequest, tokens: list[int], logprobs: list | None = None) -> None:
+    def _extend(self, r: CoreRequest, tokens: list[int], logprobs: Sequence | None = None) -> None:
         """The tokens of a run of several steps one at a time (with their log-probabilities, when
         asked, or to be seen one by one); those after the request ended are dropped."""
         for i, t in enumerate(tokens):
@@ -411,7 +413,7 @@ class EngineCore:
             if r.done:
                 return
 
-    def _lose(self, lost: list[int], reset: list[int] = ()) -> set[str]:
+    def _lose(self, lost: list[int], reset: Sequence[int] = ()) -> set[str]:
         """Devices died (``lost``) or were restarted with them (``reset``): the models on them are off
         their devices now. The requests that needed a dead worker were failed by the executor
         (``StepResult.failed``); every other running request of those models waits again and
@@ -478,7 +480,7 @@ class EngineCore:
         are evicted and the executor's arena follows (``fit_memory``)."""
         grow = nbytes > self.scheduler.shares[device]
         if grow:  # the memory is there before the scheduler books it
-            self.executor.resize(device, min(nbytes, self.scheduler.config.budgets[device]))
+            self.executor.resize(device, min(nbytes, self.scheduler.budgets[device]))
         self._apply(self.scheduler.set_budget(device, nbytes))
         if not grow:
             self.fit_memory(device)

@@ -7,10 +7,42 @@ A mixin of ``Scheduler`` (its state lives there): pure, no torch.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .state import LOADING, OFFLOADED, ModelState, SchedRequest, StepPlan
+
+if TYPE_CHECKING:
+    from .scheduler import SchedulerConfig
+    from .slo import Deadlines
 
 
 class Memory:
+    # The scheduler's state these methods use (``Scheduler.__init__`` sets it): declared here so the
+    # mixin type-checks on its own (and compiles, ``scripts/build_fast.sh``); annotations only.
+    config: SchedulerConfig
+    budgets: tuple[int, ...]
+    counts_bytes: bool
+    keeps_kv: bool
+    slo: Deadlines | None
+    kv_host: int
+    host_used: int
+    kv_offloaded: int
+    kv_restored: int
+    kv_moved_bytes: int
+    _yielded: dict[str, str]
+    switches: int
+    weights_used: list[int]
+    kv_used: list[int]
+    on_device: list[dict[str, ModelState]]
+    models: dict[str, ModelState]
+    _fresh: set[str]
+    _epoch: int
+    shares: list[int]
+    free: list[int]
+
+    def _preempt(self, m: ModelState, req: SchedRequest, plan: StepPlan) -> None:
+        raise NotImplementedError  # the scheduler's
+
     def free_bytes(self, device: int) -> int:
         return self.free[device]
 
@@ -26,7 +58,7 @@ class Memory:
         memory until they end, and nothing new is admitted meanwhile."""
         if nbytes < 0:
             raise ValueError(f"a budget must be >= 0 bytes, got {nbytes}")
-        self.shares[device] = min(nbytes, self.config.budgets[device])
+        self.shares[device] = min(nbytes, self.budgets[device])
         self._count_free(device)
         self._epoch += 1
         plan = StepPlan()
@@ -51,7 +83,7 @@ class Memory:
             reqs = [*m.running.values(), *m.paused.values(), *list(m.waiting)[:self.config.max_batch_size]]
             total += (m.weights[i] if self.counts_bytes else 0) + m.block_bytes[i] * sum(
                 self._blocks(r.prompt_len + r.max_tokens) for r in reqs)
-        return min(total, self.config.budgets[device])
+        return min(total, self.budgets[device])
 
     def _set_on_device(self, m: ModelState, now: float) -> None:
         self._epoch += 1
@@ -326,6 +358,7 @@ class Memory:
         the host budget allows and the move is the cheaper one."""
         if not self.kv_host:
             return set()
+        assert self.slo is not None  # the slo policy's
         cost = self.slo.costs[c.name]
         reqs = sorted((r for r in c.running.values() if id(r) not in keep), reverse=True,
                       key=lambda r: cost.prefill(r.prompt_len + c.steps - r.joined) / max(r.blocks, 1))
@@ -390,7 +423,7 @@ class Memory:
         """Will memory that ``m`` lacks come without failing anything? Running requests beside it end,
         or (colocation) a share below the budget grows: the engine's link asks training for what the
         work needs before the next step."""
-        return self._busy_near(m) or any(self.shares[d] < self.config.budgets[d] for d in m.devices)
+        return self._busy_near(m) or any(self.shares[d] < self.budgets[d] for d in m.devices)
 
     def _busy_near(self, m: ModelState) -> bool:
         """Does any other model on m's devices have running requests (memory that will be freed)?"""
@@ -399,7 +432,7 @@ class Memory:
     def _cannot_load_reason(self, m: ModelState) -> str:
         pinned = sorted({c.name for d in m.devices for c in self.on_device[d].values() if c.pinned})
         return (f"model {m.name!r} ({sum(m.weights)} bytes on devices {list(m.devices)}) cannot be loaded: "
-                f"the budget is {list(self.config.budgets[d] for d in m.devices)} bytes and pinned models "
+                f"the budget is {list(self.budgets[d] for d in m.devices)} bytes and pinned models "
                 f"({', '.join(pinned) or 'none'}) hold the rest")
 
     def _blocks(self, tokens: int) -> int:

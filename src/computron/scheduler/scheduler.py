@@ -54,7 +54,7 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator, cast
 
 from ..memory.units import kv_region_bytes
 from .memory import Memory
@@ -113,6 +113,9 @@ class SchedulerConfig:
 class Scheduler(Memory):
     def __init__(self, config: SchedulerConfig):
         self.config = config
+        budgets = config.budgets
+        assert isinstance(budgets, tuple)  # SchedulerConfig made it one
+        self.budgets = budgets  # config.budgets, as the tuple it is
         self.counts_bytes = config.policy != "computron"  # computron: weights live outside the budget
         self.preempts = config.policy in ("preempt", "slo")
         self.keeps_kv = config.policy == "preempt" and config.preempt_keeps_kv or config.policy == "slo"
@@ -127,7 +130,7 @@ class Scheduler(Memory):
         self._yielded: dict[str, str] = {}
         self.deadline: float | None = None
         self.switches = 0
-        n = len(config.budgets)
+        n = len(budgets)
         self.weights_used = [0] * n
         self.kv_used = [0] * n
         self.staging_used = [0] * n  # striped swap-ins: staging booked on helpers while their links are lent
@@ -136,15 +139,15 @@ class Scheduler(Memory):
         self.models: dict[str, ModelState] = {}
         self.requests: dict[str, SchedRequest] = {}
         self.step_count = 0
-        self._heap: list = []  # (oldest arrival, tie, model) of models with work; stale entries skipped
+        self._heap: list[tuple[float, int, ModelState]] = []  # (oldest arrival, tie, model) of models with work; stale entries skipped
         self._tie = itertools.count()
         self._fresh: set[str] = set()  # models this plan loads: never evicted by the same plan
         # Bumped whenever memory or what may be evicted changes; a model found unable to start
         # (or to be prefetched) stays so until then, so steady steps do not search again.
         self._epoch = 0
         self._changes = 0  # bumped by arrivals and model changes; with _epoch it says "nothing changed"
-        self._steady: tuple | None = None  # ((epoch, changes), model) after a step that only decoded it
-        self.shares = list(self.config.budgets)  # what inference may use now (colocation: see set_budget)
+        self._steady: tuple[tuple[int, int], ModelState] | None = None  # ((epoch, changes), model) after a step that only decoded it
+        self.shares = list(self.budgets)  # what inference may use now (colocation: see set_budget)
         self.free = list(self.shares)  # per device: the share less what is booked (kept as it changes)
 
     # ---- models --------------------------------------------------------------------------------
@@ -162,12 +165,12 @@ class Scheduler(Memory):
             raise ValueError(f"model {name!r}: {len(devices)} devices but {len(weights)} weight sizes and "
                              f"{len(kv_per_token)} KV sizes")
         for d, w in zip(devices, weights):
-            if not 0 <= d < len(self.config.budgets):
+            if not 0 <= d < len(self.budgets):
                 raise ValueError(f"model {name!r} is placed on device {d}, but there are "
-                                 f"{len(self.config.budgets)} devices")
-            if self.counts_bytes and w > self.config.budgets[d]:
+                                 f"{len(self.budgets)} devices")
+            if self.counts_bytes and w > self.budgets[d]:
                 raise ValueError(f"model {name!r} needs {w} bytes of weights on device {d}, more than its "
-                                 f"whole budget of {self.config.budgets[d]} bytes")
+                                 f"whole budget of {self.budgets[d]} bytes")
         if self.slo is not None:
             if cost is None:
                 raise ValueError(f"model {name!r}: the slo policy needs its cost (load, prefill and decode seconds)")
@@ -217,9 +220,9 @@ class Scheduler(Memory):
         for d, w, bb in zip(m.devices, m.weights, m.block_bytes):
             kv = full * bb
             need = kv + (w if self.counts_bytes else 0)
-            if need > self.config.budgets[d]:
+            if need > self.budgets[d]:
                 raise ValueError(f"request {req.id!r} needs {kv} bytes of KV cache on device {d}; with the "
-                                 f"model's {w} bytes that exceeds the budget of {self.config.budgets[d]} bytes")
+                                 f"model's {w} bytes that exceeds the budget of {self.budgets[d]} bytes")
         self.requests[req.id] = req
         if self.slo is not None:
             req.alone_s = self.slo.alone(m, req)
@@ -319,7 +322,7 @@ class Scheduler(Memory):
             if key is not None:
                 heapq.heappush(self._heap, (key, next(self._tie), m))
 
-    def _by_age(self):
+    def _by_age(self) -> Iterator[tuple[float, ModelState]]:
         """Pop models with work, oldest request first; the caller queues them again with ``_queue``."""
         heap = self._heap
         while heap:
@@ -440,21 +443,24 @@ class Scheduler(Memory):
     def _schedule(self, now: float) -> StepPlan:
         self._fresh.clear()
         plan = StepPlan()
-        free_devices = set(range(len(self.config.budgets)))
+        free_devices = set(range(len(self.budgets)))
         claimed: set[str] = set()
         seen: list[tuple[float, ModelState]] = []
         ages = self._by_age()
         # The oldest model that has nothing running: if memory held by running requests keeps it
         # from starting, every request newer than its head waits (the running models drain).
         hold_after: float | None = None
-        self.deadline = None
+        # (a cast: read after the calls below, which may set it, the deadline is not known to be None)
+        self.deadline = cast("float | None", None)
         if self.slo is not None:
             self._bound(plan, now)
         for key, m in ages:
             seen.append((key, m))
             if not m.running and m.has_work:
                 if not self._can_start(m) and self._busy_near(m):
-                    since = max(m.oldest(), m.stopped_at)  # a model stopped for another waits anew
+                    oldest = m.oldest()
+                    assert oldest is not None  # it has work
+                    since = max(oldest, m.stopped_at)  # a model stopped for another waits anew
                     due = since + self.config.max_wait_s  # when it stops the others (preempt policy)
                     order = None
                     if self.slo is not None:  # or once its slack runs out, stopping those with more
@@ -501,6 +507,7 @@ class Scheduler(Memory):
         """Slo policy: running models on ``m``'s devices that may be stopped for it, most slack first:
         those whose slack, less a reload and a recompute, still exceeds ``m``'s."""
         dl, out = self.slo, {}
+        assert dl is not None  # the slo policy's
         for d in m.devices:
             for c in self.on_device[d].values():
                 if c is not m and c.running and not c.pinned and c.name not in out:
@@ -515,6 +522,7 @@ class Scheduler(Memory):
         has waited the bound goes first from now on (its key in the heap is -inf); a full search is
         due when the next head reaches the bound."""
         dl = self.slo
+        assert dl is not None  # the slo policy's
         dl.now = now
         for m, r in dl.crowded([m for m in self.models.values() if m.has_work], now):
             plan.failed.append((r.id, dl.refusal(m, r, now)))
@@ -527,14 +535,15 @@ class Scheduler(Memory):
                     self.deadline = t if self.deadline is None else min(self.deadline, t)
 
     @staticmethod
-    def _chain(seen: list, ages):
+    def _chain(seen: list[tuple[float, ModelState]], ages: Iterator[tuple[float, ModelState]]
+               ) -> Iterator[tuple[float, ModelState]]:
         """What ``seen`` holds, then more from ``ages``, recorded in ``seen``."""
         yield from list(seen)
         for item in ages:
             seen.append(item)
             yield item
 
-    def _prefetch(self, plan: StepPlan, claimed: set[str], seen: list, now: float) -> None:
+    def _prefetch(self, plan: StepPlan, claimed: set[str], seen: list[tuple[float, ModelState]], now: float) -> None:
         """Load the next model with work that is not on its devices, if it fits beside the busy ones."""
         for key, m in self._chain(seen, self._by_age()):
             if not m.on_device and m.name not in claimed and m.has_work:
@@ -589,7 +598,7 @@ class Scheduler(Memory):
         """Note when the request's next token will not fit its blocks: at that step it needs another."""
         heapq.heappush(m.growth, self._next_growth(req))
 
-    def _next_growth(self, req: SchedRequest) -> tuple:
+    def _next_growth(self, req: SchedRequest) -> tuple[int, int, SchedRequest]:
         """The growth entry of the request's next block: (the step that needs it, tie, request)."""
         req.due = next(self._tie)  # names its live entry: entries left from before a preemption are stale
         return req.blocks * self.config.block_tokens - req.prompt_len + req.joined + 1, req.due, req

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Final
 
 from .state import OFFLOADED, ModelState, SchedRequest
 
@@ -80,7 +81,7 @@ class Deadlines:
     """Deadlines, slack and admission under the ``slo`` policy, and what a switch should keep. It holds
     each model's cost and SLO; the requests and models themselves are the ``Scheduler``'s."""
 
-    LOOK = 4  # waiting requests of a model looked at (its queue is in arrival order)
+    LOOK: Final = 4  # waiting requests of a model looked at (its queue is in arrival order)
 
     def __init__(self, max_wait_s: float):
         self.max_wait_s = max_wait_s
@@ -149,7 +150,7 @@ class Deadlines:
         beyond what its model's earlier requests already run (a step serves its whole batch);
         wherever the work so far ends past a deadline, the unstarted request on those devices that
         needs the most time goes."""
-        jobs = []
+        jobs: list[tuple[float, float, ModelState, SchedRequest | None]] = []
         for m in models:
             cost = self.costs[m.name]
             step = cost.decode(max(len(m.running) + len(m.paused), 1))
@@ -160,7 +161,10 @@ class Deadlines:
                              m, None if r.done else r))
         jobs.sort(key=lambda j: j[0])
         t: dict[int, float] = {}  # per device: when the work laid out so far ends
-        counted, started, out, kept = {}, set(), [], []
+        counted: dict[str, float] = {}
+        started: set[str] = set()
+        out: list[tuple[ModelState, SchedRequest]] = []
+        kept: list[tuple[float, ModelState, SchedRequest]] = []
         for due, need, m, r in jobs:
             extra = 0.0 if m.name in started else self._start(m, now)
             started.add(m.name)

@@ -50,17 +50,17 @@ class ModelState:
     state: str = OFFLOADED
     ready_at: float | None = None  # loading: when its copies are expected to end (None: unknown)
     last_used: int = -1  # step count of its last batch (least recently used is evicted first)
-    waiting: deque = field(default_factory=deque)
-    running: dict = field(default_factory=dict)  # req_id -> SchedRequest, in admission order
+    waiting: deque[SchedRequest] = field(default_factory=deque)
+    running: dict[str, SchedRequest] = field(default_factory=dict)  # req_id -> SchedRequest, in admission order
     # preempt policy: requests stopped with the model's eviction whose KV blocks stay booked on its
     # devices (or in host memory: state ``offloaded``); they run on as decodes once it is back (only
     # while it is offloaded; ``steps`` stands still)
-    paused: dict = field(default_factory=dict)
+    paused: dict[str, SchedRequest] = field(default_factory=dict)
     heap_key: float | None = None  # the oldest arrival this model is queued under in the scheduler's heap
     stopped_at: float = float("-inf")  # preempt policy: when it was last stopped for another model
     steps: int = 0  # batches it has run: a running request has made ``steps - joined`` tokens
-    growth: list = field(default_factory=list)  # heap of (due, tie, request): who needs a block when
-    ends: list = field(default_factory=list)  # heap of (step, tie, request): when running requests make their last token
+    growth: list[tuple[int, int, SchedRequest]] = field(default_factory=list)  # heap of (due, tie, request): who needs a block when
+    ends: list[tuple[int, int, SchedRequest]] = field(default_factory=list)  # heap of (step, tie, request): when running requests make their last token
     # the scheduler's epoch when it found this model unable to start (or to be prefetched): so it
     # stays until memory or what may be evicted changes
     stuck_start: int = -1

@@ -15,7 +15,8 @@ class VirtualClock:
     def now(self) -> float:
         return self.t
 
-    __call__ = now
+    def __call__(self) -> float:  # the same as ``now`` (a method, not an alias: compiled classes need one)
+        return self.t
 
     def advance_to(self, t: float) -> float:
         """Move to ``t`` (never backwards); returns the time now."""

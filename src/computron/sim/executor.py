@@ -296,11 +296,10 @@ class SimExecutor:
             m = self.models[batch.model]
             if m.ready is None:
                 raise RuntimeError(f"model {batch.model!r} runs a batch but is not on its device")
-            tok, d, bb, k = m.token, m.device, m.block_bytes, batch.steps
+            d, bb, k = m.device, m.block_bytes, batch.steps
             if k > steps:
                 steps = k
-            if k > 1:
-                tok = [tok] * k
+            tok: int | list[int] = [m.token] * k if k > 1 else m.token
             prefill = decode = prompts = 0
             for s in batch.seqs:
                 rid, past = s.req_id, s.past
@@ -353,7 +352,9 @@ class SimExecutor:
     def _capture(self, m: _Model, batch: int) -> float:
         """Seconds of capturing the decode graph of ``batch`` sequences' bucket, the first time it runs
         since ``m`` was loaded (eager past the largest bucket: nothing to capture)."""
-        bucket = bucket_of(batch, self.graph_sizes)
+        sizes = self.graph_sizes
+        assert sizes is not None  # called only with decode graphs
+        bucket = bucket_of(batch, sizes)
         if bucket is None or bucket in m.captured:
             return 0.0
         m.captured.add(bucket)

@@ -25,8 +25,9 @@ import gc
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable
 
+from .._mypyc import mypyc_attr
 from ..config import EngineConfig, ModelSpec
 from ..engine.core import CoreRequest, EngineCore
 from ..messages import ModelDescription, SamplingParams
@@ -50,6 +51,7 @@ class Arrival:
     output_tokens: int
 
 
+@mypyc_attr(native_class=False)  # a plain object (its __dict__ is what ``computron sim`` writes)
 @dataclass
 class RequestRecord:
     id: str
@@ -112,12 +114,12 @@ class Simulation:
         self.config = engine_config or EngineConfig()
         self.clock = VirtualClock()
         self.executor = SimExecutor(self.config, calibration, self.clock, devices)
-        self.core = EngineCore(self.executor, self.config, self.clock)
+        self.core = EngineCore(self.executor, self.config, self.clock)  # type: ignore[arg-type]  # _Done: a Future
         self.core.on_finish = self._finished
         self.records: dict[str, RequestRecord] = {}
         self._params: dict[int, SamplingParams] = {}
         self._prompts: dict[tuple[str, int], list[int]] = {}
-        self.schedule_calls = 0
+        self.schedule_calls = 0  # core steps (``EngineCore.step`` calls) that runs have made
         self.origin = 0.0  # the clock when the trace starts: times in records are relative to it
         for m in models:
             spec = ModelSpec.parse(m) if isinstance(m, str) else m
@@ -164,7 +166,9 @@ class Simulation:
                 rec = self.records.pop(rid)
                 if not rec.ok:
                     raise RuntimeError(f"the probe {rid!r} failed: {rec.error}")
-            out[name] = rec.latency
+            latency = rec.latency
+            assert latency is not None  # it ended (ok)
+            out[name] = latency
         self.origin = self.clock.t
         return out
 
@@ -191,7 +195,7 @@ class Simulation:
         except ValueError as e:  # EngineError: the request is refused, as a server would answer 4xx
             rec.finish_reason, rec.error = "error", str(e)
 
-    def _run_bound(self, arrivals: list, i: int, cap: int):
+    def _run_bound(self, arrivals: list, i: int, cap: int) -> Callable[[str, int], int]:
         """The bound of a run of decode steps, for the scheduler to ask once it knows the batch: as
         many steps as end before the first arrival from ``arrivals[i]`` on that would change a plan
         (one that only joins a queue behind others does not), and before the preempt policy's
@@ -242,11 +246,12 @@ class Simulation:
                     break
                 clock.advance_to(arrivals[i].time)
                 continue
-            k = 1
+            k: int | Callable[[str, int], int] = 1
             if self.fast_forward:
                 cap = FAST_FORWARD_MAX if max_steps is None else max(1, max_steps - steps)
                 k = self._run_bound(arrivals, i, cap)
             plan = core.step(k)
+            self.schedule_calls += 1
             if plan.batches:
                 steps, idle = steps + plan.steps, 0
             else:  # nothing ran: time must move (an arrival, or copies landing), or we are stuck

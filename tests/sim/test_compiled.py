@@ -1,0 +1,62 @@
+"""The optional mypyc build (``scripts/build_fast.sh``, ``computron._fast``): it simulates exactly as
+the Python modules do, and a build that is not of the current sources is never loaded."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from sim_golden import CASES, GOLDEN, outcome
+
+from computron import _fast
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _manifest(tmp_path: Path, **over) -> Path:
+    files = {m: f"{m}{_fast.suffix()}" for m in _fast.MODULES}
+    for f in files.values():
+        (tmp_path / f).write_bytes(b"")
+    man = {"suffix": _fast.suffix(), "sources": _fast.source_hashes(), "files": files, **over}
+    (tmp_path / "manifest.json").write_text(json.dumps(man))
+    return tmp_path
+
+
+def test_a_build_of_other_sources_or_another_python_is_refused(tmp_path):
+    assert _fast.check(tmp_path / "none")[1].startswith("no compiled build")
+    assert _fast.check(_manifest(tmp_path))[0] is not None  # this one would be loaded
+    stale = dict(_fast.source_hashes(), **{"computron.scheduler.scheduler": "0" * 64})
+    assert "other sources of computron.scheduler.scheduler" in _fast.check(_manifest(tmp_path, sources=stale))[1]
+    assert "this Python loads" in _fast.check(_manifest(tmp_path, suffix=".cpython-39-x.so"))[1]
+
+
+def test_without_the_variable_the_python_modules_run():
+    env = {k: v for k, v in os.environ.items() if k != _fast.ENV}
+    out = subprocess.run([sys.executable, "-c", "import computron.sim; from computron import _fast; "
+                          "print(_fast.compiled_modules())"], env={**env, "PYTHONPATH": str(ROOT / "src")},
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_compiled_build_simulates_exactly_as_the_python_modules():
+    files, why = _fast.check()
+    if files is None:
+        pytest.skip(f"no usable compiled build: {why}")
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); from sim_golden import CASES, outcome; "
+            "from computron import _fast; print(json.dumps({'modules': _fast.compiled_modules(), "
+            "'cases': {n: outcome(n) for n in sorted(CASES)}}))")
+    env = {**os.environ, _fast.ENV: "1", "PYTHONPATH": str(ROOT / "src")}
+    out = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-c", code, str(Path(__file__).parent)],
+                         env=env, capture_output=True, text=True, check=True)
+    got = json.loads(out.stdout.splitlines()[-1])
+    assert sorted(got["modules"]) == sorted(_fast.MODULES)  # the build ran, all of it
+    if not _fast.requested():
+        assert _fast.compiled_modules() == []  # and this process ran the Python modules
+    golden = json.loads(GOLDEN.read_text())
+    for name in sorted(CASES):
+        assert got["cases"][name] == outcome(name), name
+        assert got["cases"][name]["digest"] == golden[name]["digest"], name

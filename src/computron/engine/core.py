@@ -91,7 +91,7 @@ class EngineCore:
                 max_tokens_per_step=cfg.max_tokens_per_step, max_loaded=cfg.max_loaded, prefetch=cfg.prefetch,
                 block_tokens=st.kv_block_tokens, max_wait_s=cfg.max_wait_s, preempt_keeps_kv=cfg.preempt_keeps_kv,
                 slo_scale=cfg.slo_scale, kv_host_bytes=cfg.kv_host_bytes, stripe_devices=stripe,
-                stripe_staging=staging_bytes(cfg.stripe_chunk_bytes) if stripe else 0))
+                stripe_staging=staging_bytes(int(cfg.stripe_chunk_bytes)) if stripe else 0))
         except ValueError as e:
             raise EngineError(str(e)) from None
         self._slo_config = cfg  # slo policy: the SLOs given and the calibration of the costs

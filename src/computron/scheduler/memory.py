@@ -33,6 +33,8 @@ class Memory:
     switches: int
     weights_used: list[int]
     kv_used: list[int]
+    staging_used: list[int]
+    lent: dict[int, str]
     on_device: list[dict[str, ModelState]]
     models: dict[str, ModelState]
     _fresh: set[str]

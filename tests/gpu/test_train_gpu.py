@@ -86,9 +86,12 @@ def test_cuda_graphs_train_as_the_eager_trainer_does(recompute):
 
 
 def _tp_worker(out):
+    import faulthandler
     import json
 
     from computron.train import dist as tdist
+
+    faulthandler.dump_traceback_later(150, exit=True)  # a rank that hangs prints where, then fails the job
 
     tdist.init(tdist.local_device("cuda"), 120.0)
     losses = {}

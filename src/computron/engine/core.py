@@ -270,14 +270,13 @@ class EngineCore:
             self.on_finish(req)
 
     def _count_slo(self, req: CoreRequest, slo: Slo) -> None:
-        """Did the request end within its model's SLO (completed, its first token and each later
-        one on time on average)? An error or a refusal misses."""
+        """Did the request end within its model's SLO (completed and ``Slo.met``)? An error or a
+        refusal misses."""
         counts = self.slo_counts[req.model]
         counts[1] += 1
-        n = len(req.output_ids)
         if req.finish_reason in ("stop", "length") and req.first_token_at is not None and \
-                req.finished_at is not None and req.first_token_at - req.arrival <= slo.ttft_s and \
-                (n < 2 or (req.finished_at - req.first_token_at) / (n - 1) <= slo.tpot_s):
+                req.finished_at is not None and slo.met(req.arrival, req.first_token_at, req.finished_at,
+                                                        len(req.output_ids)):
             counts[0] += 1
 
     def _fail(self, req_ids, why: str, unavailable: bool = False) -> None:

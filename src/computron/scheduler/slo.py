@@ -69,6 +69,20 @@ class Slo:
             return arrival + self.latency_s
         return arrival + self.ttft_s + (tokens - 1) * self.tpot_s
 
+    def met(self, arrival: float, first_token_at: float, finished_at: float, tokens: int) -> bool:
+        """Did a request that completed meet this SLO: with ``latency_s``, ended within it of its
+        arrival (what ``due`` aims at); else its first token within ``ttft_s`` and the later ones within
+        ``tpot_s`` each on average."""
+        if self.latency_s is not None:
+            return finished_at - arrival <= self.latency_s
+        return first_token_at - arrival <= self.ttft_s and \
+            (tokens < 2 or (finished_at - first_token_at) / (tokens - 1) <= self.tpot_s)
+
+    def describe(self) -> str:
+        if self.latency_s is not None:
+            return f"ended within {self.latency_s:.3f} s of its arrival"
+        return f"first token within {self.ttft_s:.3f} s, then {self.tpot_s * 1e3:.2f} ms per token"
+
     @classmethod
     def solo(cls, cost: ModelCost, scale: float, prompt: int = 512) -> "Slo":
         """``scale`` times the model's solo figures on its devices, warm: a ``prompt``-token prefill for
@@ -188,8 +202,8 @@ class Deadlines:
     def refusal(self, m: ModelState, r: SchedRequest, now: float) -> str:
         slo = self.slos[m.name]
         return (f"model {m.name!r} is overloaded: request {r.id!r} (waiting {now - r.arrival:.3f} s) cannot be "
-                f"served within its SLO (first token within {slo.ttft_s:.3f} s, then {slo.tpot_s * 1e3:.2f} ms per "
-                f"token: due {self.due(r) - r.arrival:.3f} s after it arrived), or only by making requests due "
+                f"served within its SLO ({slo.describe()}: due {self.due(r) - r.arrival:.3f} s after it arrived), "
+                f"or only by making requests due "
                 f"sooner miss theirs; retry later")
 
     def move_s(self, c: ModelState, r: SchedRequest) -> float:

@@ -12,7 +12,10 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 OUT=${OUT:-bench/results}
 n=$(nvidia-smi -L | wc -l)
-[ $# -le "$n" ] || { echo "$# commands for $n GPUs" >&2; exit 2; }
+[ $# -ge 1 ] && [ $# -le "$n" ] || { echo "give 1 to $n 'NAME=COMMAND' arguments (one per GPU), got $#" >&2; exit 2; }
+for job in "$@"; do
+  case $job in [A-Za-z0-9_-]*=?*) ;; *) echo "not NAME=COMMAND (NAME of letters, digits, _ or -): $job" >&2; exit 2 ;; esac
+done
 allowed=($(python3 -c "import os; print(*sorted(os.sched_getaffinity(0)))"))  # the CPUs this run may use
 cpus=${#allowed[@]}; per=$((cpus / n))
 i=0; pids=(); names=()

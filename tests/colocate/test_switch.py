@@ -120,6 +120,8 @@ def test_a_handover_is_timed_from_the_request_that_asked_for_the_memory(tmp_path
         engine.step()  # the request of 1.5 still waits, but only the one of 3.0 asked for more
         moved = [h for h in link.report()["handovers"] if h["signal_s"] is not None]
         assert [round(h["free_s"], 6) for h in moved] == [1.0, 0.5, 0.5], moved
+        # the swap-ins of a handover's step are its own: the two models' loads, none for the cache's top-up
+        assert [h["swap_s"] is not None and h["swap_s"] >= 0 for h in moved] == [True, False, True], moved
         assert waiting.first_token_at is None  # it waited through the last handover, which did not count it
     finally:
         job.close()

@@ -85,10 +85,11 @@ class EngineLink:
         try:
             self._apply_mail()
             sched = self.core.scheduler
+            now = self.core.clock()
             for d in range(self.devices):
                 need = sched.need_bytes(d)
                 if not need or need <= sched.shares[d] or self.config.mode == "normal":
-                    self._fit[d] = (self.core.clock(), self.core.added)
+                    self._fit[d] = (now, self.core.added)
                 if not need:
                     continue
                 self.server.busy(d)
@@ -105,9 +106,9 @@ class EngineLink:
                             rec["alloc_s"] = time.monotonic() - t
                             if first is not None:  # from the arrival of the first request that asked
                                 rec["free_s"] = self.core.clock() - first
+                            self._swap_for[d] = rec  # the swap-ins of this step
                         if sched.shares[d] >= need:  # granted: later requests ask anew
                             self._fit[d] = (self.core.clock(), self.core.added)
-                            self._swap_for[d] = rec  # the swap-ins of this step
             self._apply_mail()
             self._record_used()
         finally:

@@ -60,14 +60,17 @@ class LinkedSwapper(ImageSwapper):
         for s in self._recv[:len(links)]:
             s.wait_event(start)
         events = []
+        ends = [start] * (1 + len(links))  # per link, the event after its last bytes (as in striped.py)
         for parts in plan:
             with torch.cuda.stream(self.copy_stream):
                 for link, lo, hi in parts:
                     if link == 0:
                         dst[lo:hi].copy_(src[lo:hi], non_blocking=True)
-            own = torch.cuda.Event()
+            own = torch.cuda.Event(enable_timing=True)
             own.record(self.copy_stream)
             self.join.wait_event(own)
+            if any(link == 0 for link, _, _ in parts):
+                ends[0] = own
             for i, (rank, group) in enumerate(links):
                 mine = [(lo, hi) for link, lo, hi in parts if link == i + 1]
                 if not mine:
@@ -75,17 +78,13 @@ class LinkedSwapper(ImageSwapper):
                 with torch.cuda.stream(self._recv[i]):  # NCCL waits for this stream, and it for NCCL
                     for lo, hi in mine:
                         dist.irecv(dst[lo:hi], src=rank, group=group).wait()
-                got = torch.cuda.Event()
+                got = torch.cuda.Event(enable_timing=True)
                 got.record(self._recv[i])
                 self.join.wait_event(got)
+                ends[i + 1] = got
             ev = torch.cuda.Event(enable_timing=True)
             ev.record(self.join)
             events.append(ev)
-        ends = [torch.cuda.Event(enable_timing=True)]
-        ends[0].record(self.copy_stream)
-        for s in self._recv[:len(links)]:
-            ends.append(torch.cuda.Event(enable_timing=True))
-            ends[-1].record(s)
         return SwapIn(events, start, link_ends=ends)
 
 

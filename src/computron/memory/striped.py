@@ -152,33 +152,35 @@ class StripedSwapper(ImageSwapper):
             h.recv.wait_stream(compute)
             h.h2d.wait_event(start)
         events = []
+        # per link, the event after its last bytes, recorded then: one recorded after the loop on a stream
+        # that had gone idle would carry the host's later time
+        ends = [start] * (1 + len(self.helpers))
         for parts in plan:
-            own_done = torch.cuda.Event()
+            own_done = torch.cuda.Event(enable_timing=True)
             with torch.cuda.stream(self.copy_stream):
                 for link, lo, hi in parts:
                     if link == 0:
                         dst[lo:hi].copy_(src[lo:hi], non_blocking=True)
             own_done.record(self.copy_stream)
             self.join.wait_event(own_done)
+            if any(link == 0 for link, _, _ in parts):
+                ends[0] = own_done
             for i, h in enumerate(self.helpers):
                 mine = [(lo, hi) for link, lo, hi in parts if link == i + 1]
                 for lo, hi in mine:
                     self._relay(h, staging[i], dst, src, lo, hi)
                 if mine:
-                    done = torch.cuda.Event()
-                    done.record(h.recv)  # the barrier after each push made recv wait for it
+                    done = torch.cuda.Event(enable_timing=True)
+                    done.record(h.recv)  # on the model's GPU: the barrier after each push made recv wait for it
                     self.join.wait_event(done)
+                    ends[i + 1] = done
             ev = torch.cuda.Event(enable_timing=True)
             ev.record(self.join)
             events.append(ev)
-        ends = [torch.cuda.Event(enable_timing=True)]
-        ends[0].record(self.copy_stream)
         for h in self.helpers:
             last = torch.cuda.Event()
             last.record(h.push)
             threading.Thread(target=self._give_back, args=(h, last), daemon=True).start()
-            ends.append(torch.cuda.Event(enable_timing=True))
-            ends[-1].record(h.recv)  # on the model's GPU, after the helper's last push (its fence)
         return SwapIn(events, start, link_ends=ends)
 
     @staticmethod

@@ -224,13 +224,13 @@ class Server(Proc):
         r.raise_for_status()
         return r.json()
 
-    def switch(self, mode: str) -> float:
-        """The arbiter in ``mode`` (a new one at the same address: the job reconnects); seconds taken."""
+    def switch(self, phase: str) -> float:
+        """The arbiter of ``phase`` (a new one at the same address: the job reconnects); seconds taken."""
         t = time.monotonic()
-        r = self.admin("POST", "/admin/colocation", json={"mode": mode})
+        r = self.admin("POST", "/admin/colocation", json=arbiter_settings(phase))
         if r.status_code != 200:
-            self.fail(f"switching to {mode} failed: {r.status_code} {r.text}")
-        self.mode = mode
+            self.fail(f"switching to {phase} failed: {r.status_code} {r.text}")
+        self.mode = phase
         return time.monotonic() - t
 
     @staticmethod
@@ -283,6 +283,7 @@ def run_phase(args, phase: str, trace, server: Server | None, job: Job | None) -
         rep = server.report(t0)
         rel = lambda rows: [[r[0] - t0, *r[2:]] for r in rows if r[1] == 0]  # device 0, from the run's start
         out.update(handovers=[{**h, "t": h["t"] - t0} for h in rep["handovers"]], limits=rel(rep["limits"]),
+                   yields=rel(rep.get("yields", [])),
                    timeline=[[0.0, *before["shares"][0]], *rel(rep["timeline"])],
                    used=[[0.0, before["booked"][0]], *rel(rep["used"])],
                    train_share_at_start=before["shares"][0][1], capacity=rep["capacity"])
@@ -290,6 +291,19 @@ def run_phase(args, phase: str, trace, server: Server | None, job: Job | None) -
 
 
 REFERENCES = ("inference-alone", "training-alone")
+# phases under an arbiter: each mode, and static / colocate with the training job yielding the GPU's
+# compute (``--colocate-yield``): ``+yield`` while inference has work, ``+yield-first`` while a request
+# waits for its first token
+ARBITER_PHASES = (*MODES, "static+yield", "colocate+yield", "colocate+yield-first")
+YIELD_OF = {"": "none", "yield": "work", "yield-first": "first-token"}
+
+
+def arbiter_settings(phase: str) -> dict:
+    """``POST /admin/colocation``'s body for an arbiter phase."""
+    mode, _, extra = phase.partition("+")
+    return {"mode": mode, "yield_compute": YIELD_OF[extra]}
+
+
 HANDOVER_PARTS = ("wait", "signal", "release", "ack", "alloc", "swap", "free")  # free: from the request's arrival
 
 
@@ -322,12 +336,13 @@ def phase_row(r: dict, solo: dict[str, float] | None, train_alone: float | None)
         row["train_samples_per_s"] = r["train_samples_per_s"]
         if train_alone:
             row["train_relative"] = r["train_samples_per_s"] / train_alone
-    if r["mode"] in MODES:
+    if r["mode"] in ARBITER_PHASES:
         prev, shrinks = r.get("train_share_at_start"), 0
         for _, nbytes in r["limits"]:  # limits below the last one: training told to give memory back
             shrinks += prev is not None and nbytes < prev
             prev = nbytes
-        row.update(train_limits=len(r["limits"]), train_shrinks=shrinks, handovers=len(r["handovers"]))
+        row.update(train_limits=len(r["limits"]), train_shrinks=shrinks, handovers=len(r["handovers"]),
+                   train_yields=sum(on for _, on in r.get("yields", [])))
     for part in HANDOVER_PARTS:
         vals = [h[f"{part}_s"] for h in r["handovers"] if h.get(f"{part}_s") is not None]
         if vals:
@@ -352,7 +367,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
     rates = [r["train_samples_per_s"] for r in runs.get("training-alone", [])]
     train_alone = float(np.median(rates)) if rates else None
     rows = []
-    for phase in [*REFERENCES, *MODES]:
+    for phase in [*REFERENCES, *ARBITER_PHASES]:
         if runs.get(phase):
             row = _median([phase_row(r, solo, train_alone) for r in runs[phase]])
             rows.append({"mode": phase, "repeats": len(runs[phase]), **row})
@@ -367,7 +382,7 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shown = [rs[0] for m, rs in runs.items() if m in MODES and rs and rs[0]["timeline"]]
+    shown = [rs[0] for m, rs in runs.items() if m in ARBITER_PHASES and rs and rs[0]["timeline"]]
     if not shown:
         return
     fig, axes = plt.subplots(len(shown), 1, figsize=(10, 2.2 * len(shown)), sharex=True, squeeze=False)
@@ -416,8 +431,10 @@ def main(argv=None) -> int:
     p.add_argument("--micro-batch", type=int, default=None, help="default: gpt 16, resnet 64")
     p.add_argument("--run-ahead", type=int, default=8, help="the colocated job's run-ahead bound (0: unbounded)")
     p.add_argument("--warmup-steps", type=int, default=3, help="job steps before its first measured run")
-    p.add_argument("--modes", default=",".join((*REFERENCES, *MODES)),
-                   help="phases to run now, of inference-alone, training-alone and the modes; runs are kept in "
+    p.add_argument("--modes", default=",".join((*REFERENCES, *MODES, "colocate+yield", "colocate+yield-first")),
+                   help="phases to run now, of inference-alone, training-alone, the modes, static+yield and "
+                        "colocate+yield (training yields the compute while inference has work), colocate+yield-first "
+                        "(while a request waits for its first token); runs are kept in "
                         "bench/results/hybrid_<tag>_runs.json, so a comparison can be split over several "
                         "invocations (same settings, same trace) and the summary covers every phase stored")
     p.add_argument("--job-timeout", type=float, default=300.0,
@@ -433,9 +450,9 @@ def main(argv=None) -> int:
         if getattr(args, k) is None:
             setattr(args, k, v)
     phases = args.modes.split(",")
-    unknown = [m for m in phases if m not in (*REFERENCES, *MODES)]
+    unknown = [m for m in phases if m not in (*REFERENCES, *ARBITER_PHASES)]
     if unknown or args.repeats < 1:
-        p.error(f"unknown phase(s) {unknown}; known: {', '.join((*REFERENCES, *MODES))}" if unknown
+        p.error(f"unknown phase(s) {unknown}; known: {', '.join((*REFERENCES, *ARBITER_PHASES))}" if unknown
                 else "--repeats must be at least 1")
     try:
         lengths = [tuple(int(x) for x in v.split(":")) if ":" in v else int(v) for v in (args.prompt, args.output)]
@@ -483,7 +500,7 @@ def main(argv=None) -> int:
         for _ in range(args.repeats):
             record(run_phase(args, "training-alone", trace, None, job))
         job.stop()
-    modes = [m for m in MODES if m in phases]
+    modes = [m for m in ARBITER_PHASES if m in phases]
     if "inference-alone" in phases or modes:
         addr = os.path.join(tempfile.mkdtemp(prefix="computron-hybrid-"), "arbiter.sock")
         server = timed("serve_ready_s", lambda: Server(args, addr, args.job_timeout))

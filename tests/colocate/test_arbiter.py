@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from computron.colocate.arbiter import Arbiter, ArbiterConfig, InferenceShare, TrainLimit
+from computron.colocate.arbiter import YIELD_STALE_S, Arbiter, ArbiterConfig, InferenceShare, TrainLimit, TrainYield
 
 GB = 1 << 30
 
@@ -162,3 +162,48 @@ def test_config_errors_say_what_is_wrong():
         ArbiterConfig(mode="share", capacity=1)
     with pytest.raises(ValueError, match="static_train must be within"):
         ArbiterConfig(mode="static", capacity=10, static_train=11)
+
+
+def yields(actions):
+    return [a for a in actions if isinstance(a, TrainYield)]
+
+
+def test_training_yields_the_compute_while_inference_has_work_and_only_then():
+    arb = Arbiter(ArbiterConfig(mode="colocate", capacity=40 * GB, yield_compute="work"))
+    assert arb.busy(0, 0.0) == []  # no job joined: nobody to tell
+    arb.train_joined(0, GB, 0.0)
+    assert arb.busy(0, 1.0) == [TrainYield(0, True)]
+    assert arb.busy(0, 1.01) == [] and arb.busy(0, 1.011, first_token=False) == []  # told once; any work counts
+    assert arb.quiet(0, 1.02) == [TrainYield(0, False)]
+    assert arb.quiet(0, 1.03) == []
+    # inference that stops reporting (a request cancelled between steps) does not hold training for good
+    arb.busy(0, 2.0)
+    assert yields(arb.tick(2.0 + YIELD_STALE_S / 2)) == []
+    assert yields(arb.tick(2.0 + YIELD_STALE_S)) == [TrainYield(0, False)]
+    # a job that reconnects runs until inference's next report
+    arb.busy(0, 3.0)
+    arb.train_joined(0, GB, 3.1)
+    assert arb.quiet(0, 3.15) == [] and arb.busy(0, 3.2) == [TrainYield(0, True)]
+    arb.train_left(0, 3.3)
+    assert arb.quiet(0, 3.4) == []  # nobody left to tell
+
+
+def test_first_token_yields_only_while_a_request_waits_for_its_first_token():
+    arb = Arbiter(ArbiterConfig(mode="static", capacity=40 * GB, static_train=16 * GB, yield_compute="first-token"))
+    arb.train_joined(0, GB, 0.0)
+    assert arb.busy(0, 1.0, first_token=False) == []  # decode steps share the GPU
+    assert arb.busy(0, 1.1, first_token=True) == [TrainYield(0, True)]
+    assert arb.busy(0, 1.2, first_token=True) == []
+    assert arb.busy(0, 1.3, first_token=False) == [TrainYield(0, False)]  # still busy, but only decoding
+    assert arb.busy(0, 1.4, first_token=True) == [TrainYield(0, True)]
+    assert arb.quiet(0, 1.5) == [TrainYield(0, False)]
+    with pytest.raises(ValueError, match="unknown yield_compute 'always'; known: none, first-token, work"):
+        ArbiterConfig(mode="colocate", capacity=GB, yield_compute="always")
+
+
+@pytest.mark.parametrize("mode, flag", [("colocate", "none"), ("static", "none"), ("normal", "work"),
+                                        ("task-switch", "work")])
+def test_no_yield_without_the_flag_or_in_modes_that_do_not_share_the_compute(mode, flag):
+    arb = Arbiter(ArbiterConfig(mode=mode, capacity=40 * GB, static_train=16 * GB, yield_compute=flag))
+    arb.train_joined(0, GB, 0.0)
+    assert arb.busy(0, 1.0) == [] and arb.quiet(0, 1.1) == [] and yields(arb.tick(5.0)) == []

@@ -4,6 +4,7 @@ A CPU tensor's work is done when its call returns, so these tests hand ``Colocat
 factory that stands in for CUDA events and record when the host waits on each.
 """
 
+import threading
 import time
 
 import pytest
@@ -83,6 +84,48 @@ def test_an_order_arriving_while_the_host_waits_abandons_at_that_point(at):
     assert colo.micro_batch(most=4) == 2  # redone at the size that fits
     s, grads = micro_batch(model, colo, torch.randn(2, 8))
     assert not s.abandoned and len(grads) == 10
+
+
+def run_in_thread(fn):
+    out, done = {}, threading.Event()
+
+    def body():
+        out["result"] = fn()
+        done.set()
+
+    threading.Thread(target=body, daemon=True).start()
+    return out, done
+
+
+def test_a_yield_holds_the_host_at_the_next_point_until_it_ends():
+    x = torch.randn(4, 8)
+    reference = micro_batch(net(), Colocation(run_ahead=1, fence=Fences()), x)[1]
+    fences = Fences()
+    model, colo = net(), Colocation(run_ahead=1, fence=fences)
+    colo.watch(model)
+    colo.deliver({"t": "yield", "on": True})
+    out, done = run_in_thread(lambda: micro_batch(model, colo, x))
+    assert not done.wait(0.3)  # held at the first Linear's point: nothing queued past it
+    assert fences.made == 1
+    colo.deliver({"t": "yield", "on": False})
+    assert done.wait(5.0)
+    s, grads = out["result"]
+    assert not s.abandoned and fences.made == 10 and colo.yielded_s >= 0.3
+    assert all(torch.equal(a, b) for a, b in zip(grads, reference))  # the same micro-batch, only later
+
+
+def test_an_abandon_order_ends_a_yield_and_abandons_there():
+    colo = Colocation(memory=MemoryModel(100, 10, rel_margin=0.0), run_ahead=2, fence=Fences())
+    model = net()
+    colo.watch(model)
+    assert colo.micro_batch(most=4) == 4
+    colo.deliver({"t": "yield", "on": True})
+    out, done = run_in_thread(lambda: micro_batch(model, colo, torch.randn(4, 8)))
+    assert not done.wait(0.2)
+    colo.deliver({"t": "limit", "id": 1, "bytes": 125, "immediate": True})  # 4 samples no longer fit
+    assert done.wait(5.0)
+    s, grads = out["result"]
+    assert s.abandoned and grads is None and colo.fence.made == 1
 
 
 def test_the_cuda_fence_is_none_for_cpu_tensors():

@@ -26,7 +26,8 @@ def test_one_command_runs_every_phase_against_the_real_server(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     out = json.loads((tmp_path / "hybrid_t.json").read_text())
     rows = {r["mode"]: r for r in out["rows"]}
-    assert list(rows) == ["inference-alone", "training-alone", "normal", "static", "task-switch", "colocate"]
+    assert list(rows) == ["inference-alone", "training-alone", "normal", "static", "task-switch", "colocate",
+                          "colocate+yield", "colocate+yield-first"]
     assert set(out["startup"]) == {"alone_job_warmup_s", "serve_ready_s", "serve_warmup_s",
                                    "colocated_job_warmup_s", "mode_switch_p50_s"}
     assert set(out["solo_latency_by_model_s"]) == {"a", "b"}  # the trace asks both served copies
@@ -46,7 +47,10 @@ def test_one_command_runs_every_phase_against_the_real_server(tmp_path):
     assert all(rows[m]["train_samples_per_s"] >= 0 for m in MODES)
     assert max(rows[m]["train_samples_per_s"] for m in MODES) > 0
     assert rows["normal"]["handovers"] == 0 and rows["static"]["handovers"] == 0  # nothing is handed over
-    for mode in ("task-switch", "colocate"):  # training held the memory inference asked for: handed over
+    # training was told to yield the compute while inference had work, and only in that phase
+    assert rows["colocate+yield"]["train_yields"] >= 1 and rows["colocate+yield-first"]["train_yields"] >= 1
+    assert all(rows[m]["train_yields"] == 0 for m in MODES)
+    for mode in ("task-switch", "colocate", "colocate+yield", "colocate+yield-first"):  # training held the memory inference asked for
         row = rows[mode]
         assert row["handovers"] >= 1 and row["train_shrinks"] >= 1, row
         for part in ("wait", "signal", "release", "ack", "alloc", "swap"):

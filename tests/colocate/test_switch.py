@@ -4,6 +4,7 @@
 import time
 
 import httpx
+import pytest
 
 from computron.colocate.arbiter import ArbiterConfig
 from computron.colocate.protocol import Channel, connect
@@ -123,6 +124,58 @@ def test_a_handover_is_timed_from_the_request_that_asked_for_the_memory(tmp_path
         # the swap-ins of a handover's step are its own: the two models' loads, none for the cache's top-up
         assert [h["swap_s"] is not None and h["swap_s"] >= 0 for h in moved] == [True, False, True], moved
         assert waiting.first_token_at is None  # it waited through the last handover, which did not count it
+    finally:
+        job.close()
+        link.close()
+        engine.executor.shutdown()
+
+
+@pytest.mark.parametrize("policy", ["work", "first-token"])
+def test_the_engine_has_training_yield_the_compute_while_it_has_work(tmp_path, policy):
+    # the job is told to yield at the first step with a request and to go on after the step that finished
+    # the last one (work) or that gave it its first token (first-token); a second request does the same again
+    import threading
+
+    from computron.colocate.serving import EngineLink
+    from computron.messages import SamplingParams
+
+    cfg = EngineConfig(device="cpu", gpu_memory_budget=6_000_000, workspace_bytes=100_000)
+    engine = Engine(cfg)
+    engine.register_model(ModelSpec("tiny-opt"))
+    cap = min(engine.core.scheduler.config.budgets)
+    link = EngineLink(engine.core, str(tmp_path / "arb.sock"),
+                      ArbiterConfig(mode="colocate", capacity=cap, yield_compute=policy))
+    job, _ = join(link.server.address)
+    got = []
+
+    def receive():  # acknowledges limits, keeps the yields
+        while (msg := job.recv()) is not None:
+            if msg["t"] == "yield":
+                got.append(msg["on"])
+            else:
+                job.send({"t": "ack", "id": msg["id"], "bytes": msg["bytes"], "received": time.monotonic(),
+                          "released": time.monotonic()})
+
+    def seen(n):
+        deadline = time.monotonic() + 5
+        while len(got) < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return got
+
+    threading.Thread(target=receive, daemon=True).start()
+    try:
+        for i in range(2):
+            req = engine.submit("tiny-opt", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0))
+            engine.step()  # the swap-in and the prefill: the first token
+            assert req.first_token_at is not None and not req.done
+            if policy == "first-token":  # the yield ended with the first token, while the request decodes
+                assert seen(2 * i + 2) == [True, False] * (i + 1)
+            else:
+                assert seen(2 * i + 1) == [True, False] * i + [True]
+            while not req.done:
+                engine.step()
+            assert seen(2 * i + 2) == [True, False] * (i + 1)
+        assert [on for _, _, on in link.report()["yields"]] == got
     finally:
         job.close()
         link.close()

@@ -20,6 +20,15 @@ coordinates nothing). Modes (as in Sirius' server):
   whole device; after ``idle_s`` without inference work, memory goes back and training resumes.
 - ``colocate``: training shrinks (its micro-batch) to free exactly what inference needs; a
   limit below training's minimum pauses it. Memory goes back after ``idle_s`` of inference idle.
+
+Compute is shared as memory is not: without MPS two processes on one GPU take turns in time
+slices, and inference's short kernels wait behind training's. ``yield_compute`` (``static`` and
+``colocate``) has training yield the GPU's compute to inference: ``work`` while inference has
+any work, ``first-token`` only while a request waits for its first token (its swap-in, its
+prefill; decode steps share the GPU), ``none`` never. :class:`TrainYield` ``on`` when inference
+reports such work (``busy``), ``off`` as soon as it has none (``busy`` without it, ``quiet``, or
+no ``busy`` for ``YIELD_STALE_S``: a request cancelled between steps leaves no step to report
+it); training stops queuing kernels at its next watched point until then (``client.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +36,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MODES = ("normal", "static", "task-switch", "colocate")
+YIELDS = ("none", "first-token", "work")  # when training yields the compute to inference
+YIELD_STALE_S = 0.25  # a yield with no ``busy`` this long ends (inference reports busy before every step)
 
 
 @dataclass(frozen=True)
@@ -35,6 +46,12 @@ class TrainLimit:
     bytes: int
     immediate: bool
     id: int
+
+
+@dataclass(frozen=True)
+class TrainYield:
+    device: int
+    on: bool  # True: stop queuing GPU work until told False (memory is not touched)
 
 
 @dataclass(frozen=True)
@@ -51,6 +68,7 @@ class ArbiterConfig:
     idle_s: float = 1.0  # inference idle this long before its memory goes back to training
     infer_floor: int = 0  # what inference keeps when idle (e.g. models it keeps warm)
     immediate: bool = True  # abandon the running micro-batch (else: release at the next boundary)
+    yield_compute: str = "none"  # static, colocate: when training yields the GPU's compute (YIELDS)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -63,6 +81,8 @@ class ArbiterConfig:
             raise ValueError(f"infer_floor must be within 0..capacity ({self.capacity}), got {self.infer_floor}")
         if self.idle_s < 0:
             raise ValueError(f"idle_s must be >= 0, got {self.idle_s}")
+        if self.yield_compute not in YIELDS:
+            raise ValueError(f"unknown yield_compute {self.yield_compute!r}; known: {', '.join(YIELDS)}")
 
 
 @dataclass
@@ -76,6 +96,7 @@ class _Device:
     last_busy: float = float("-inf")
     joined: bool = False
     train_min: int = 0
+    yielding: bool = False  # training was told to yield the compute
 
 
 class Arbiter:
@@ -102,6 +123,7 @@ class Arbiter:
         """Training connects (or reconnects); it runs in no less than ``min_bytes`` (0: any)."""
         c, d = self.config, self.devices[device]
         d.joined, d.train_min, d.train, d.train_sent = True, max(0, min_bytes), 0, None
+        d.yielding = False  # a new connection starts running; inference's next ``busy`` says otherwise
         if c.mode == "normal":
             return [self._send(device, c.capacity)]
         if c.mode == "static":
@@ -113,7 +135,7 @@ class Arbiter:
     def train_left(self, device: int, now: float) -> list:
         """Training disconnected (finished or died): its share is free at once."""
         d = self.devices[device]
-        d.joined, d.train, d.train_sent = False, 0, None
+        d.joined, d.train, d.train_sent, d.yielding = False, 0, None, False
         return self._grant(device)
 
     def demand(self, device: int, nbytes: int, now: float) -> list:
@@ -141,9 +163,25 @@ class Arbiter:
                 out.append(self._send(device, limit))
         return out + self._grant(device)
 
-    def busy(self, device: int, now: float) -> None:
-        """Inference had work at ``now`` (keeps its memory from going back)."""
-        self.devices[device].last_busy = now
+    def busy(self, device: int, now: float, first_token: bool = True) -> list:
+        """Inference has work at ``now`` (``first_token``: a request waits for its first token): keeps
+        its memory from going back and, as ``yield_compute`` says, has training yield the compute or not."""
+        c, d = self.config, self.devices[device]
+        d.last_busy = now
+        want = d.joined and c.mode in ("static", "colocate") and (
+            c.yield_compute == "work" or c.yield_compute == "first-token" and first_token)
+        if want == d.yielding:
+            return []
+        d.yielding = want
+        return [TrainYield(device, want)]
+
+    def quiet(self, device: int, now: float) -> list:
+        """Inference has no work on ``device`` at ``now``: training may use the compute again."""
+        d = self.devices[device]
+        if not d.yielding:
+            return []
+        d.yielding = False
+        return [TrainYield(device, False)]
 
     def train_ack(self, device: int, id: int, train_bytes: int, now: float) -> list:
         """Training fits in ``train_bytes`` now, in answer to limit ``id`` (older answers are ignored)."""
@@ -164,8 +202,12 @@ class Arbiter:
         return [self._send(device, self._fit(d, c.capacity - d.infer))]
 
     def tick(self, now: float) -> list:
-        """Memory goes back to training on devices whose inference has been idle ``idle_s``."""
+        """Memory goes back to training on devices whose inference has been idle ``idle_s``; a yield
+        that inference stopped reporting ends."""
         c, out = self.config, []
+        for i, d in enumerate(self.devices):
+            if d.yielding and now - d.last_busy >= YIELD_STALE_S:
+                out += self.quiet(i, now)
         if c.mode not in ("task-switch", "colocate"):
             return out
         for i, d in enumerate(self.devices):

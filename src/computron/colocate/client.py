@@ -27,6 +27,11 @@ everything queued. So the watched modules are also fences: each call in the forw
 gradient in the backward records a CUDA event, and the host waits for the event recorded
 ``run_ahead`` such points earlier before it queues more. An abandon order is then seen, and the
 memory freed, after at most that much queued GPU work.
+
+A ``yield`` order (the server's ``yield_compute``: inference has work) holds the host at the next
+watched point, after the work queued ``run_ahead`` points earlier is done, until the order ends (or
+an abandon order comes, or the server is gone): inference's kernels then run without training's
+between them. The time held is ``yielded_s``.
 """
 
 from __future__ import annotations
@@ -81,7 +86,8 @@ class Colocation:
         self.measure = measure  # (start, stop) -> peak bytes of the micro-batch; None: not measured
         self.reconnect_s = reconnect_s
         self.abandoned = 0
-        self.paused_s = 0.0
+        self.paused_s = self.yielded_s = 0.0
+        self._yield = False  # the server asked for the compute: hold at the next watched point
         self._cond = threading.Condition()
         self._limit: int | None = None
         self._limit_id = self._acked_id = 0
@@ -205,6 +211,8 @@ class Colocation:
 
         def point(t):
             self._bound(t)
+            if self._yield:
+                self._hold()
             check()
 
         def on_output(_mod, _inp, out):
@@ -226,8 +234,17 @@ class Colocation:
         while len(q) > self.run_ahead:
             q.popleft().synchronize()
 
+    def _hold(self) -> None:
+        """Wait while the server holds the compute (an abandon order or a lost server ends it)."""
+        t0 = time.monotonic()
+        with self._cond:
+            self._cond.wait_for(lambda: not self._yield or self._abandon or self._closed)
+        self.yielded_s += time.monotonic() - t0
+
     def close(self) -> None:
         self._closed = True
+        with self._cond:
+            self._cond.notify_all()
         if self._chan is not None:
             self._chan.close()
 
@@ -242,6 +259,11 @@ class Colocation:
 
     def deliver(self, msg: dict) -> None:
         """Handle one message from the server (the receiving thread calls this)."""
+        if msg.get("t") == "yield":
+            with self._cond:
+                self._yield = bool(msg.get("on"))
+                self._cond.notify_all()
+            return
         if msg.get("t") != "limit":
             return
         with self._cond:
@@ -267,5 +289,6 @@ class Colocation:
             while (msg := chan.recv()) is not None:
                 self.deliver(msg)
             with self._cond:
-                self._chan = None
+                self._chan, self._yield = None, False  # no server, nothing to yield to
+                self._cond.notify_all()
             chan.close()

@@ -11,7 +11,8 @@ Training side: :class:`~computron.colocate.client.Colocation` (``client.py``).
 
 Messages (one JSON object a line; times are ``time.monotonic()``, one clock for all the
 processes of a machine): training → server ``hello{device, min_bytes}``, ``ack{id, bytes,
-received, released}``; server → training ``limit{id, bytes, immediate, sent}``. A training job
+received, released}``; server → training ``limit{id, bytes, immediate, sent}`` and, with
+``yield_compute``, ``yield{on, sent}`` (stop or go on queuing GPU work; nothing to acknowledge). A training job
 that disconnects (finished or killed) gives its share back at once; a server that restarts is
 found again by the job, which keeps its last limit meanwhile.
 """
@@ -25,7 +26,7 @@ import threading
 import time
 from collections import deque
 
-from .arbiter import Arbiter, InferenceShare, TrainLimit
+from .arbiter import Arbiter, InferenceShare, TrainLimit, TrainYield
 
 RECORDS = 100_000  # records of each kind a server keeps (handovers, limits, share changes)
 
@@ -108,6 +109,7 @@ class ArbiterServer:
         self.handovers: deque[dict] = deque(maxlen=RECORDS)
         self.limits: deque[tuple[float, int, int]] = deque(maxlen=RECORDS)
         self.timeline: deque[tuple[float, int, int, int]] = deque(maxlen=RECORDS)
+        self.yields: deque[tuple[float, int, bool]] = deque(maxlen=RECORDS)  # (time, device, on) of each sent
         self._last_shares: dict[int, tuple[int, int]] = {}
         self._lock = threading.Condition()
         self._trainers: dict[int, Channel] = {}
@@ -158,13 +160,20 @@ class ArbiterServer:
         with self._lock:
             self._dispatch(self.arbiter.inference_released(device, time.monotonic()))
 
-    def busy(self, device: int) -> None:
+    def busy(self, device: int, first_token: bool = True) -> None:
+        """Inference has work on ``device`` now (``first_token``: a request waits for its first token)."""
         with self._lock:
-            self.arbiter.busy(device, time.monotonic())
+            self._dispatch(self.arbiter.busy(device, time.monotonic(), first_token))
+
+    def quiet(self, device: int) -> None:
+        """Inference has no work on ``device`` now."""
+        with self._lock:
+            self._dispatch(self.arbiter.quiet(device, time.monotonic()))
 
     def records(self, since: float | None = None) -> dict:
         """What happened since ``since`` (a ``time.monotonic()``; None: everything), as plain JSON:
-        the current shares, the handovers, the limits sent to training and the share timeline."""
+        the current shares, the handovers, the limits sent to training, the share timeline and the
+        yields (``[time, device, on]``)."""
         def kept(rows, t=lambda r: r[0]):
             return [r for r in rows if since is None or t(r) >= since]
 
@@ -172,7 +181,8 @@ class ArbiterServer:
             return {"shares": [list(self.arbiter.shares(d)) for d in range(len(self.arbiter.devices))],
                     "trainers": sorted(self._trainers), "handovers": [dict(h) for h in kept(self.handovers,
                                                                                       lambda h: h["t"])],
-                    "limits": [list(r) for r in kept(self.limits)], "timeline": [list(r) for r in kept(self.timeline)]}
+                    "limits": [list(r) for r in kept(self.limits)], "timeline": [list(r) for r in kept(self.timeline)],
+                    "yields": [list(r) for r in kept(self.yields)]}
 
     def trainer_connected(self, device: int) -> bool:
         with self._lock:
@@ -210,6 +220,10 @@ class ArbiterServer:
                 if ch is None or not ch.send({"t": "limit", "id": a.id, "bytes": a.bytes,
                                               "immediate": a.immediate, "sent": now}):
                     actions += self.arbiter.train_left(a.device, now)
+            elif isinstance(a, TrainYield):
+                ch, now = self._trainers.get(a.device), time.monotonic()
+                if ch is not None and ch.send({"t": "yield", "on": a.on, "sent": now}):
+                    self.yields.append((now, a.device, a.on))
             elif isinstance(a, InferenceShare):
                 shrink = a.bytes < self.budgets[a.device]
                 fitted = True if self.on_share is None else self.on_share(a.device, a.bytes) is not False

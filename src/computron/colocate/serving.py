@@ -13,6 +13,10 @@
    a smaller one (inference idle) evicts idle models down to it, then confirms with
    ``released`` so that training may grow into it.
 
+With ``yield_compute``, ``busy`` also says whether a request waits for its first token, and after
+every step (``after_step``) the devices are reported again: training, told to yield the compute,
+runs again once inference has no such work.
+
 The scheduler stays pure: it only gets budgets. Shares from the arbiter's threads are kept in a
 mailbox and the engine thread is woken (``wake``, e.g. ``AsyncEngine.call``) to apply them.
 In ``normal`` mode the engine keeps its whole budget and only the training job is told its limit.
@@ -38,7 +42,7 @@ import threading
 import time
 from collections import deque
 
-from .arbiter import MODES, Arbiter, ArbiterConfig
+from .arbiter import MODES, YIELDS, Arbiter, ArbiterConfig
 from .protocol import RECORDS, ArbiterServer
 
 log = logging.getLogger("computron.colocate")
@@ -92,7 +96,7 @@ class EngineLink:
                     self._fit[d] = (now, self.core.added)
                 if not need:
                     continue
-                self.server.busy(d)
+                self.server.busy(d, self._first_token(d))
                 if need > sched.shares[d] and self.config.mode != "normal":
                     first = self._asked_since(d)
                     try:
@@ -114,6 +118,26 @@ class EngineLink:
         finally:
             self._polling = None
 
+    def after_step(self) -> None:
+        """The engine thread, after a step: devices with no work (or, for ``first-token``, none waiting
+        for a first token) left give training the compute back."""
+        if self.closed or self.config.yield_compute == "none":
+            return
+        sched = self.core.scheduler
+        for d in range(self.devices):
+            if sched.need_bytes(d):
+                self.server.busy(d, self._first_token(d))
+            else:
+                self.server.quiet(d)
+
+    def _first_token(self, device: int) -> bool:
+        """A request of a model on ``device`` waits for its first token (only asked with ``first-token``)."""
+        if self.config.yield_compute != "first-token":
+            return True
+        models = self.core.models
+        return any(r.first_token_at is None and device in models[r.model].placement.devices
+                   for r in self.core.requests.values())
+
     def close(self) -> None:
         self.closed = True
         if self.core.colocation is self:
@@ -132,7 +156,8 @@ class EngineLink:
         sched = self.core.scheduler
         booked = [sched.shares[d] - sched.free_bytes(d) for d in range(self.devices)]
         return {"mode": c.mode, "capacity": c.capacity, "static_train": c.static_train, "idle_s": c.idle_s,
-                "immediate": c.immediate, "address": self.server.address, "opened": self.opened,
+                "immediate": c.immediate, "yield_compute": c.yield_compute, "address": self.server.address,
+                "opened": self.opened,
                 "now": time.monotonic(), **self.server.records(since), "budgets": budgets, "used": used,
                 "booked": booked}
 
@@ -216,6 +241,9 @@ def add_arguments(p) -> None:
     g.add_argument("--colocate-static-train", default="0", metavar="SIZE", help="static mode: training's share")
     g.add_argument("--colocate-at-boundary", action="store_true",
                    help="training releases at its next micro-batch boundary instead of abandoning it")
+    g.add_argument("--colocate-yield", choices=YIELDS, default="none",
+                   help="static and colocate modes: training yields the GPU's compute while inference has work "
+                        "(work), while a request waits for its first token (first-token), or never (none)")
 
 
 class Colocated:
@@ -228,18 +256,18 @@ class Colocated:
                                       wake=async_engine.call).result()
 
     def switch(self, mode: str | None = None, idle_s: float | None = None, static_train: int | None = None,
-               immediate: bool | None = None) -> dict:
+               immediate: bool | None = None, yield_compute: str | None = None) -> dict:
         """On the engine thread: a new link with these settings (the others kept). ValueError for a
         bad one (the old link stays)."""
         import dataclasses
 
         changes = {k: v for k, v in dict(mode=mode, idle_s=idle_s, static_train=static_train,
-                                         immediate=immediate).items() if v is not None}
+                                         immediate=immediate, yield_compute=yield_compute).items() if v is not None}
         cfg = dataclasses.replace(self.link.config, **changes)  # checked here, before anything closes
         self.link.close()
         self.link = EngineLink(self.ae.engine.core, self.address, cfg, wake=self.ae.call)
-        log.info("colocation: switched to mode %s (idle %.2f s, static training share %d bytes)", cfg.mode,
-                 cfg.idle_s, cfg.static_train)
+        log.info("colocation: switched to mode %s (idle %.2f s, static training share %d bytes, training yields "
+                 "compute: %s)", cfg.mode, cfg.idle_s, cfg.static_train, cfg.yield_compute)
         return self.link.report(self.link.opened)
 
     def close(self) -> None:
@@ -249,7 +277,7 @@ class Colocated:
 def add_routes(app, colocated: Colocated) -> None:
     """``GET /colocation[?since=T]``: the link's records (``EngineLink.report``); ``POST
     /admin/colocation`` with any of ``mode``, ``idle_s``, ``static_train`` (bytes or a size),
-    ``at_boundary``: switch the mode at run time (the admin key's)."""
+    ``at_boundary``, ``yield_compute``: switch the mode at run time (the admin key's)."""
     from fastapi import Body
 
     from ..config import parse_bytes
@@ -261,17 +289,18 @@ def add_routes(app, colocated: Colocated) -> None:
 
     @app.post("/admin/colocation")
     async def switch(body: dict = Body(...)):
-        unknown = sorted(set(body) - {"mode", "idle_s", "static_train", "at_boundary"})
+        unknown = sorted(set(body) - {"mode", "idle_s", "static_train", "at_boundary", "yield_compute"})
         if unknown:
             raise APIError(400, f"unknown field(s) {', '.join(unknown)}; known: mode, idle_s, static_train, "
-                           "at_boundary", unknown[0], "invalid_field")
+                           "at_boundary, yield_compute", unknown[0], "invalid_field")
         if body.get("at_boundary") is not None and not isinstance(body["at_boundary"], bool):
             raise APIError(400, f"at_boundary must be true or false, got {body['at_boundary']!r}", "at_boundary",
                            "invalid_value")
         try:
             kw = dict(mode=body.get("mode"), idle_s=None if body.get("idle_s") is None else float(body["idle_s"]),
                       static_train=None if body.get("static_train") is None else parse_bytes(body["static_train"]),
-                      immediate=None if body.get("at_boundary") is None else not body["at_boundary"])
+                      immediate=None if body.get("at_boundary") is None else not body["at_boundary"],
+                      yield_compute=body.get("yield_compute"))
             return await colocated.ae.run(colocated.switch, **kw)
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e), None, "invalid_value") from None
@@ -287,7 +316,8 @@ def attach(args, async_engine) -> Colocated | None:
     core = async_engine.engine.core
     cap = min(core.scheduler.config.budgets)
     cfg = ArbiterConfig(mode=args.colocate_mode, capacity=cap, idle_s=args.colocate_idle,
-                        static_train=parse_bytes(args.colocate_static_train), immediate=not args.colocate_at_boundary)
+                        static_train=parse_bytes(args.colocate_static_train), immediate=not args.colocate_at_boundary,
+                        yield_compute=getattr(args, "colocate_yield", "none"))
     colocated = Colocated(async_engine, args.colocate, cfg)
     log.info("colocation: arbiter on %s, mode %s, %d bytes per device shared", args.colocate, cfg.mode, cap)
     return colocated

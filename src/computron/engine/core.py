@@ -295,6 +295,8 @@ class EngineCore:
             return self._step(max_steps)
         finally:
             self._flush_frees()
+            if self.colocation is not None:
+                self.colocation.after_step()
 
     def _step(self, max_steps: int | Callable[[str, int], int] = 1) -> StepPlan:
         if self.colocation is not None:

@@ -116,7 +116,7 @@ def run_rank(args) -> int:
     if args.json and rank0:
         with open(args.json, "w") as f:
             json.dump({"config": vars(tr.cfg), "steps": recs, "abandoned": tr.colo.abandoned,
-                       "paused_s": tr.colo.paused_s}, f, indent=1, default=str)
+                       "paused_s": tr.colo.paused_s, "yielded_s": tr.colo.yielded_s}, f, indent=1, default=str)
     tr.colo.close()
     dist.close()
     return 0

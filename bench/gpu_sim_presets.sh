@@ -50,6 +50,9 @@ make_workload(names, rate=None, rates=[float(r) for r in '$RATES'.split(',')], d
     for _ in $(seq 300); do curl -sf http://127.0.0.1:$PORT/health > /dev/null && break; kill -0 $pid 2>/dev/null || break; sleep 1; done
     tag="${preset}_cv${CV}_$policy"
     $C loadgen --url http://127.0.0.1:$PORT --trace "$trace" --out "$R/measured_$tag.json" | tail -4
+    # the engine's own counts (swap-ins, steps, preemptions, prefill tokens) beside the simulator's
+    curl -sf http://127.0.0.1:$PORT/metrics | grep -E '^computron_(swap_ins|evictions|engine_steps|preemptions|pauses|prefill_tokens|swap_in_seconds)' \
+      > "$R/metrics_$tag.txt"
     kill -INT $pid; wait $pid
     $C sim --preset "$preset" --models "$SHAPE" --trace "$trace" --policy "$policy" --calibration "$CAL" \
         --loadgen-probes --out "$R/sim_$tag.json" | tail -4

@@ -360,6 +360,21 @@ def _median(rows: list[dict]):
     return out
 
 
+def pooled_slo(runs: list[dict], solo: dict[str, float] | None, k: int = 5) -> dict:
+    """The SLO at ``k`` x solo latency over every request of all the repeats (a failed request misses),
+    with its 95% Wilson interval: one run's requests resolve a point only when there are hundreds."""
+    if not solo:
+        return {}
+    met = [q["latency"] is not None and q["latency"] <= k * solo[q["model"]]
+           for r in runs for q in r["requests"] if q["model"] in solo]
+    if not met:
+        return {}
+    n, p, z = len(met), sum(met) / len(met), 1.96
+    mid, half = (p + z * z / (2 * n)) / (1 + z * z / n), z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return {"slo_pooled": {"k": k, "requests": n, "met": int(sum(met)), "share": p,
+                           "wilson95": [0.0 if p == 0 else float(mid - half), 1.0 if p == 1 else float(mid + half)]}}
+
+
 def summarize(runs: dict[str, list[dict]]) -> dict:
     """``runs``: phase -> its repeats. Solo latencies (per model) and the training-alone rate come from
     all their repeats; each phase's figures are the median over its repeats of each run's figures."""
@@ -370,7 +385,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
     for phase in [*REFERENCES, *ARBITER_PHASES]:
         if runs.get(phase):
             row = _median([phase_row(r, solo, train_alone) for r in runs[phase]])
-            rows.append({"mode": phase, "repeats": len(runs[phase]), **row})
+            rows.append({"mode": phase, "repeats": len(runs[phase]), **row, **pooled_slo(runs[phase], solo)})
     return {"solo_latency_s": float(np.median(list(solo.values()))) if solo else None, "solo_latency_by_model_s": solo,
             "train_alone_samples_per_s": train_alone, "rows": rows}
 

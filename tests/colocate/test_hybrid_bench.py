@@ -40,6 +40,11 @@ def test_one_command_runs_every_phase_against_the_real_server(tmp_path):
             assert len(reqs) == n and all(q["tokens"] == 4 and q["error"] is None for q in reqs), (mode, reqs)
             assert 0 < row["p50_s"] <= row["p99_s"] and set(row["slo"]) == {str(k) for k in range(1, 9)}
     assert rows["inference-alone"]["slo"]["8"] == 1.0  # within 8 x its model's median latency, alone
+    for mode, row in rows.items():  # every request of the phase's repeats pooled, at 5 x solo
+        if mode != "training-alone":
+            sp = row["slo_pooled"]
+            assert sp["requests"] == n and sp["share"] == sp["met"] / n, (mode, sp)
+            assert sp["wilson95"][0] <= sp["share"] <= sp["wilson95"][1] <= 1.0, (mode, sp)
     assert rows["training-alone"]["train_relative"] == 1.0
     # the job trains beside the server (a loaded CPU may fit no step of a shrunk or paused job into one
     # 2 s run, and task-switch pauses it whenever inference has work; the bench waits for a step

@@ -121,13 +121,16 @@ def test_colocate_command_starts_both_and_stops_both(tmp_path):
     train = " ".join(["--device", "cpu", "--steps", "100000", *[f"--{k.replace('_', '-')}={v}" for k, v in
                                                                 TRAIN.items()]])
     p = Proc(["computron.cli", "colocate", "--serve", serve, "--train", train, "--mode", "colocate",
-              "--address", str(tmp_path / "arb.sock")])
+              "--yield", "work", "--address", str(tmp_path / "arb.sock")])
     try:
         wait_health(url, p.p)
+        p.wait_line("micro-batches")  # the job runs under the arbiter
         assert all(a.finish_reason == "length" for a in burst(url, 2))
         assert memory(url)[0]["share"] > 0
-        p.wait_line("micro-batches")  # the job runs under the arbiter
         assert any("arbiter on" in l for l in p.lines)
+        rep = httpx.get(f"{url}/colocation", timeout=10).json()
+        # the job was told to yield the compute while the burst ran, and to go on after it
+        assert rep["yield_compute"] == "work" and [on for _, _, on in rep["yields"]][:2] == [True, False], rep["yields"]
     finally:
         p.p.send_signal(signal.SIGINT)
         try:

@@ -95,3 +95,30 @@ def test_sharded_models_are_not_striped_and_bad_stripe_devices_are_refused():
     plain.add_model("a", W, KVT, devices=(0,))
     _ask(plain, 0, "a")
     assert plain.schedule(0.0).stripes == {}  # no stripe devices: nothing is ever lent
+
+
+def test_the_slo_policy_times_a_load_by_the_links_it_was_lent():
+    from computron.scheduler import ModelCost
+    from computron.sim.costs import Calibration
+
+    # 1 GB/s links: a model on device 0 loads through its own link, then with one and two helpers; its own
+    # device among the stripe devices is not its helper
+    cal = Calibration(name="t", swap_bandwidth=(1e9,) * 3)
+    cost = {d: ModelCost.from_calibration(cal, (W,), (d,), stripe=(1, 2)) for d in (0, 1)}
+    assert cost[0].load_links_s == pytest.approx((W / 1e9, W / 2e9, W / 3e9), rel=1e-3)
+    assert cost[1].load_links_s == pytest.approx((W / 1e9, W / 2e9), rel=1e-3)  # device 1 is b's own
+    assert cost[0].load_s == cost[0].load_links_s[-1] == cost[0].load() == cost[0].load(5)
+    s = _sched(policy="slo")
+    for name, dev in (("a", 0), ("b", 1), ("c", 0)):
+        s.add_model(name, W, KVT, devices=(dev,), cost=cost[dev])
+    # an offloaded model's next load is priced with the links idle now: both helpers
+    assert s.slo.load_s(s.models["c"]) == cost[0].load(2)
+    _ask(s, 0, "b")
+    plan = s.schedule(0.0)
+    assert plan.stripes == {"b": (2,)}
+    assert s.models["b"].ready_at == pytest.approx(cost[1].load(1))  # its own link and device 2's
+    s.update(plan)
+    # while b loads, device 1 has a load in flight and device 2 is lent: c would load alone
+    assert s.slo.load_s(s.models["c"]) == cost[0].load(0)
+    s.loaded("b")
+    assert s.slo.load_s(s.models["c"]) == cost[0].load(2)

@@ -1,6 +1,6 @@
 """``computron colocate``: one command starts a server and a training job that share the devices.
 
-The server is ``computron serve SERVE_ARGS --colocate ADDRESS --colocate-mode MODE`` and the job
+The server is ``computron serve SERVE_ARGS --colocate ADDRESS --colocate-mode MODE ...`` and the job
 ``computron train TRAIN_ARGS --colocate ADDRESS``, each a process of its own (their output
 interleaves). When the job ends the server keeps serving; Ctrl-C (or SIGTERM) stops both; if the
 server exits, the job is stopped too and the server's exit status is returned.
@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 
-from .arbiter import MODES
+from .arbiter import MODES, YIELDS
 from .protocol import family
 
 
@@ -30,6 +30,9 @@ def add_parser(sub) -> None:
     p.add_argument("--idle", type=float, default=1.0, help="seconds inference idles before memory goes back")
     p.add_argument("--static-train", default="0", metavar="SIZE", help="static mode: training's share")
     p.add_argument("--at-boundary", action="store_true", help="training releases at its next micro-batch boundary")
+    p.add_argument("--yield", dest="yield_compute", choices=YIELDS, default="none",
+                   help="training yields the GPU's compute while inference has work (work), while a request waits "
+                        "for its first token (first-token), or never (none, the default)")
     p.add_argument("--address", default=None, help="the arbiter's socket (default: a fresh Unix socket path)")
     p.set_defaults(func=run)
 
@@ -38,7 +41,8 @@ def commands(args, address: str) -> tuple[list[str], list[str]]:
     """The two command lines ``computron colocate`` runs."""
     base = [sys.executable, "-m", "computron.cli"]
     serve = base + ["serve", *shlex.split(args.serve), "--colocate", address, "--colocate-mode", args.mode,
-                    "--colocate-idle", str(args.idle), "--colocate-static-train", str(args.static_train)]
+                    "--colocate-idle", str(args.idle), "--colocate-static-train", str(args.static_train),
+                    "--colocate-yield", getattr(args, "yield_compute", "none")]
     if args.at_boundary:
         serve.append("--colocate-at-boundary")
     train = base + ["train", *shlex.split(args.train), "--colocate", address]

@@ -99,8 +99,8 @@ class Memory:
             m.running, m.paused = m.paused, {}
         bw = self.config.load_bandwidth
         m.ready_at = now + max(m.weights) / bw if bw else None
-        if self.slo is not None:
-            m.ready_at = now + self.slo.costs[m.name].load_s
+        if self.slo is not None:  # through its own links (``_lend`` counts the helpers it gets)
+            m.ready_at = now + self.slo.costs[m.name].load(0 if self.config.stripe_devices else None)
         for d, w in zip(m.devices, m.weights):
             self.weights_used[d] += w
             self.on_device[d][m.name] = m
@@ -113,12 +113,7 @@ class Memory:
         Idle links only: a device's own load is never slowed by another's, and a device helps one
         load at a time, so helpers never wait on each other in a cycle."""
         cfg = self.config
-        if not cfg.stripe_devices or len(m.devices) != 1:
-            return
-        home = m.devices[0]
-        helpers = tuple(d for d in cfg.stripe_devices if d != home and d not in self.lent
-                        and self.free[d] >= cfg.stripe_staging
-                        and not any(c.state == LOADING for c in self.on_device[d].values()))
+        helpers = self._idle_links(m)
         if not helpers:
             return
         m.helpers = helpers
@@ -128,8 +123,20 @@ class Memory:
             self._count_free(d)
         plan.stripes[m.name] = helpers
         bw = cfg.load_bandwidth
-        if bw and self.slo is None:
+        if self.slo is not None:
+            m.ready_at = now + self.slo.costs[m.name].load(len(helpers))
+        elif bw:
             m.ready_at = now + max(m.weights) / (bw * (1 + len(helpers)))
+
+    def _idle_links(self, m: ModelState) -> tuple[int, ...]:
+        """The stripe devices whose links a load of ``m`` would be lent now (``_lend``)."""
+        cfg = self.config
+        if not cfg.stripe_devices or len(m.devices) != 1:
+            return ()
+        home = m.devices[0]
+        return tuple(d for d in cfg.stripe_devices if d != home and d not in self.lent
+                     and self.free[d] >= cfg.stripe_staging
+                     and not any(c.state == LOADING for c in self.on_device[d].values()))
 
     def _return_links(self, m: ModelState) -> None:
         """The load of ``m`` ended (or was undone): its helpers' links and staging are free again."""

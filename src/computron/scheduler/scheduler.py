@@ -120,6 +120,8 @@ class Scheduler(Memory):
         self.preempts = config.policy in ("preempt", "slo")
         self.keeps_kv = config.policy == "preempt" and config.preempt_keeps_kv or config.policy == "slo"
         self.slo = Deadlines(config.max_wait_s) if config.policy == "slo" else None
+        if self.slo is not None and config.stripe_devices:  # loads get the links idle when they start
+            self.slo.links = lambda m: len(self._idle_links(m))
         # host memory for the KV blocks of stopped requests (state ``offloaded``): its bytes, and counters
         self.kv_host = config.kv_host_bytes if self.keeps_kv else 0
         self.host_used = 0

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Final
+from typing import Callable, Final
 
 from .state import OFFLOADED, ModelState, SchedRequest
 
@@ -23,11 +23,18 @@ from .state import OFFLOADED, ModelState, SchedRequest
 class ModelCost:
     """Seconds one model's work takes on its devices (affine in tokens and batch size)."""
 
-    load_s: float  # weights host -> device (bytes / measured bandwidth)
+    load_s: float  # weights host -> device (bytes / measured bandwidth), through every stripe link
     prefill_fixed_s: float
     prefill_token_s: float
     decode_fixed_s: float
     decode_seq_s: float
+    load_links_s: tuple[float, ...] = ()  # striped loads: the load with 0, 1, ... helpers' links lent
+
+    def load(self, links: int | None = None) -> float:
+        """Seconds to load with ``links`` helpers' host links lent (None: as ``load_s``)."""
+        if links is None or not self.load_links_s:
+            return self.load_s
+        return self.load_links_s[min(links, len(self.load_links_s) - 1)]
 
     @classmethod
     def from_calibration(cls, cal, weight_bytes: tuple[int, ...], devices: tuple[int, ...],
@@ -39,9 +46,10 @@ class ModelCost:
         b = max(weight_bytes)
         p1, p2 = cal.prefill_time(b, 1), cal.prefill_time(b, 2)
         d1, d2 = cal.decode_time(b, 1), cal.decode_time(b, 2)
-        helpers = tuple(stripe) if len(devices) == 1 else ()
-        return cls(max(cal.load_time(w, d, False, helpers) for w, d in zip(weight_bytes, devices)),
-                   2 * p1 - p2, p2 - p1, 2 * d1 - d2, d2 - d1)
+        helpers = tuple(h for h in stripe if h != devices[0]) if len(devices) == 1 else ()
+        links = tuple(max(cal.load_time(w, d, False, helpers[:k]) for w, d in zip(weight_bytes, devices))
+                      for k in range(len(helpers) + 1))
+        return cls(links[-1], 2 * p1 - p2, p2 - p1, 2 * d1 - d2, d2 - d1, links if helpers else ())
 
     def prefill(self, tokens: int) -> float:
         return self.prefill_fixed_s + tokens * self.prefill_token_s
@@ -102,6 +110,13 @@ class Deadlines:
         self.now = 0.0  # the time of the last step planned
         self.costs: dict[str, ModelCost] = {}
         self.slos: dict[str, Slo] = {}
+        # the helpers' links a load of the model would be lent now (the scheduler's, when it lends
+        # them load by load); None: every load goes through all of them (``load_s``)
+        self.links: Callable[[ModelState], int] | None = None
+
+    def load_s(self, m: ModelState) -> float:
+        """Seconds a load of ``m`` starting now would take."""
+        return self.costs[m.name].load(None if self.links is None else self.links(m))
 
     def earliest(self, m: ModelState) -> float | None:
         """The earliest deadline among the model's running, paused and first waiting requests (None
@@ -119,8 +134,8 @@ class Deadlines:
 
     def restart(self, c: ModelState) -> float:
         """Seconds stopping ``c`` now costs it: a reload and a prefill of what its requests hold."""
-        cost = self.costs[c.name]
-        return cost.load_s + cost.prefill(sum(r.prompt_len + c.steps - r.joined for r in c.running.values()))
+        return self.load_s(c) + self.costs[c.name].prefill(sum(r.prompt_len + c.steps - r.joined
+                                                               for r in c.running.values()))
 
     def due(self, req: SchedRequest) -> float:
         """Its SLO's deadline, but never before it could end alone (``alone``): a request its SLO
@@ -137,7 +152,7 @@ class Deadlines:
     def _start(self, m: ModelState, now: float) -> float:
         """Seconds before ``m`` can compute: its load (what is left of it), or nothing."""
         if m.state == OFFLOADED:
-            return self.costs[m.name].load_s
+            return self.load_s(m)
         return max(0.0, m.ready_at - now) if m.ready_at is not None else 0.0
 
     def slack(self, m: ModelState, now: float) -> float:
@@ -209,7 +224,7 @@ class Deadlines:
     def move_s(self, c: ModelState, r: SchedRequest) -> float:
         """Seconds to move a request's KV blocks to host memory and back over its model's link: twice
         its bytes at the bandwidth its load measures (weights per rank / load seconds), slowest rank."""
-        load_s = self.costs[c.name].load_s
+        load_s = self.costs[c.name].load(0)  # caches move over the model's own links only
         return 2 * max(r.blocks * bb * load_s / w if w else 0.0 for w, bb in zip(c.weights, c.block_bytes))
 
     def moves(self, c: ModelState, r: SchedRequest) -> bool:

@@ -249,3 +249,40 @@ def test_fp8_first_stage_memory_of_the_published_run_by_hand():
     assert ctx.memory(0, 10) == pytest.approx(states + acts)
     assert ctx.memory(0, 10) / 2**30 == pytest.approx(65.0, abs=0.05)
     assert ctx.stages[0].usable / 2**30 == pytest.approx(71.0)
+
+
+def test_tp_collective_cost_is_paid_by_every_tp_all_reduce_of_the_step():
+    """Each TP all-reduce a step issues (4 a layer, the embedding's and 3 for the loss, per
+    micro-batch) pays ``tp_collective_s`` on top of its ring time; tp=1 issues none."""
+    node = parse_compact("a100-80gb:2x1").node_types[0]
+
+    def run(tp, c):
+        a = Assumptions(tp_collective_s=c)
+        cfg = PlanConfig(ParallelDims(dp=2 // tp, tp=tp, pp=1), mbs=1)
+        ctx = PlanContext(CostModel(M, a), stage_envs((node,), cfg.dims, a), cfg)
+        return ctx.result((4,), "given", (node,))
+
+    base, more = run(2, 0.0), run(2, 1e-4)
+    per_step = base.micro_batches * (4 * M.layers + 1 + 3)
+    assert more.iteration_s - base.iteration_s == pytest.approx(per_step * 1e-4, rel=1e-9)
+    assert more.breakdown["tp"] - base.breakdown["tp"] == pytest.approx(per_step * 1e-4, rel=1e-9)
+    assert run(1, 1e-4).iteration_s == run(1, 0.0).iteration_s
+
+
+def test_pipeline_chunk_overhead_by_hand():
+    """pp=2 1F1B over m micro-batches: every path through the schedule runs 2(m + p - 1) chunk ops
+    (m forwards and backwards on one stage, p - 1 of each on the others), so an overhead of c on
+    every op makes the iteration exactly 2(m + p - 1) c longer; with pp=1 it costs nothing."""
+    node = parse_compact("a100-80gb:2x1").node_types[0]
+    m8 = replace(M, global_batch=8)
+
+    def run(ov, pp=2):
+        a = Assumptions(chunk_overhead_s=ov)
+        cfg = PlanConfig(ParallelDims(dp=2 // pp, tp=1, pp=pp), mbs=1)
+        ctx = PlanContext(CostModel(m8, a), stage_envs((node,), cfg.dims, a), cfg)
+        return ctx.result((2, 2) if pp == 2 else (4,), "given", (node,))
+
+    r0, r1 = run(0.0), run(1e-3)
+    assert r0.micro_batches == 8
+    assert r1.iteration_s - r0.iteration_s == pytest.approx(2 * (8 + 2 - 1) * 1e-3, rel=1e-9)
+    assert run(1e-3, pp=1).iteration_s == run(0.0, pp=1).iteration_s

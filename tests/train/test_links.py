@@ -20,7 +20,7 @@ def test_links_are_measured_over_two_gloo_ranks():
     assert (got["ranks"], got["backend"]) == (2, "gloo")
     assert [r["bytes"] for r in got["sizes"]] == [4096, 65536]
     for r in got["sizes"]:
-        assert set(r) == {"bytes", "allreduce_s", "allreduce_bus_bw", "p2p_s", "p2p_bw"}
+        assert set(r) == {"bytes", "allreduce_s", "allreduce_bus_bw", "allreduce_issue_s", "p2p_s", "p2p_bw"}
         assert all(math.isfinite(r[k]) and r[k] > 0 for k in r)
         assert r["allreduce_bus_bw"] == pytest.approx(r["bytes"] / r["allreduce_s"])  # 2(n-1)/n = 1 on two ranks
         assert r["p2p_bw"] == pytest.approx(r["bytes"] / r["p2p_s"])

@@ -33,6 +33,9 @@ class Assumptions:
     intra_latency_s: float = 2e-6  # per ring step inside a node
     inter_latency_s: float = 6e-6  # per ring step across nodes
     p2p_latency_s: float = 20e-6  # one pipeline send/recv handshake (blocking batched isend/irecv)
+    tp_collective_s: float = 0.0  # per tensor-parallel all-reduce inside a step, beyond its ring time:
+    # the host's issue of the collective (autograd function, c10d call, NCCL launch) and the wait for
+    # the slowest rank of the group to arrive; the profile times a layer's shard without either
     bytes_per_param: int = 16  # 16: fp16 w+g, fp32 master+m+v; 18: fp32 grads; 20: both grads
     optimizer_traffic_bytes: float = 40.0  # HBM bytes moved per parameter by unscale+norm+Adam
     memory_margin: float = 0.10  # fraction of GPU memory kept free (fragmentation, workspaces)
@@ -264,7 +267,15 @@ def ring_allreduce(nbytes: float, n: int, bw: float, latency: float) -> float:
 def tp_allreduce(m: TransformerShape, t: int, b: int, intra_bw: float, a: Assumptions = DEFAULT) -> float:
     """One Megatron TP all-reduce of the layer output (e*b*s*h bytes) over NVLink/PCIe inside a node."""
     nbytes = m.bytes_per_elem * b * m.seq_len * m.hidden
-    return ring_allreduce(nbytes, t, intra_bw * a.intra_eff, a.intra_latency_s)
+    return tp_collective(nbytes, t, intra_bw, a)
+
+
+def tp_collective(nbytes: float, t: int, intra_bw: float, a: Assumptions = DEFAULT) -> float:
+    """One all-reduce of ``nbytes`` over the ``t`` ranks of a TP group inside a node, as a step pays it:
+    the ring (:func:`ring_allreduce` at ``intra_bw * intra_eff``) plus ``a.tp_collective_s``."""
+    if t <= 1:
+        return 0.0
+    return ring_allreduce(nbytes, t, intra_bw * a.intra_eff, a.intra_latency_s) + a.tp_collective_s
 
 
 def layer_tp_comm(m: TransformerShape, t: int, b: int, intra_bw: float, a: Assumptions = DEFAULT,

@@ -403,7 +403,7 @@ class PlanContext:
             fixed += m.embedding_params(t)
         if s == p - 1:
             x, y = self.cm.head(gpu, t, b, cp)
-            ce = 3 * costs.ring_allreduce(4.0 * b * ml.seq_len, t, node.intra_bw * a.intra_eff, a.intra_latency_s)
+            ce = 3 * costs.tp_collective(4.0 * b * ml.seq_len, t, node.intra_bw, a)
             ef, eb, e_tp = ef + x + ce, eb + y, e_tp + ce
             fixed += m.head_params(t, p)
         if fixed and cfg.zero >= 2:  # the embedding's and head's ZeRO traffic, under their compute

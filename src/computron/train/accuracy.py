@@ -118,10 +118,19 @@ def shape_of(c, seq_len: int, global_batch: int):
 
 def assumptions():
     """The cost model's assumptions for this trainer: bf16 weight copies, float32 gradients, masters
-    and AdamW moments, 18 bytes a parameter."""
+    and AdamW moments, 18 bytes a parameter; and its own host-bound step, fitted on the two-GPU H200
+    run alone (bench/results/plan_accuracy_h200_x4_two.json; the four-GPU run is held out, docs/training.md):
+
+    - ``tp_collective_s`` 220 us: each tensor-parallel all-reduce (4 a layer, eager ``_SumBothWays``
+      autograd calls) costs its host's issue and the wait for the other ranks' hosts beyond the ring
+      time; the profile times a layer's shard in one process, without either;
+    - ``chunk_overhead_s`` 0: torch.distributed.pipelining posts its sends and receives as NCCL work
+      on the stream and does not synchronise the host after them, so no chunk op idles the GPU the
+      way Megatron's blocking batched p2p does (the 1.5 ms default is fitted on Megatron runs).
+    """
     from ..planner.costs import Assumptions
 
-    return Assumptions(bytes_per_param=18)
+    return Assumptions(bytes_per_param=18, tp_collective_s=220e-6, chunk_overhead_s=0.0)
 
 
 def cost_model(shape, gpu: str, profile: str | None):

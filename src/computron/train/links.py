@@ -5,8 +5,10 @@ that many processes here (``dist.spawn``, one GPU each over NCCL, or gloo on the
 per size, an all-reduce (a maximum: the bytes and steps of a sum, while repeated runs stay
 finite) of a random float32 buffer over all of them and a ping-pong of send/recv between
 neighbouring pairs (0-1, 2-3, ... at once, as pipeline stages send): after a warm-up, the median
-over repeats of a few back-to-back operations each. Out come the all-reduce's time and bus
-bandwidth (algorithm bandwidth ``size / time`` times ``2(n-1)/n``, as nccl-tests reports it) and
+over repeats of a few back-to-back operations each; and the host seconds one all-reduce call takes
+to return (NCCL: its issue alone, the device still running it), the host's share of the
+per-collective cost a host-bound step pays (``Assumptions.tp_collective_s``). Out come the
+all-reduce's time and bus bandwidth (algorithm bandwidth ``size / time`` times ``2(n-1)/n``, as nccl-tests reports it) and
 the one-way send's time and bandwidth (half a round trip). :func:`assumed` reads what the cost
 model uses for the same ranks on one node of the planner's GPU type, from the same place it does
 (``layout.stage_envs``: the data-parallel ring's and the pipeline link's bandwidth and latency),
@@ -65,7 +67,8 @@ def compare(measured: dict, assume: dict, a) -> dict:
 
 def measure(ranks: int, device: str, sizes=None, warmup: int = 3, repeats: int = 10, inner: int = 5) -> dict:
     """All-reduce and send/recv over ``ranks`` processes on this machine (see the module docstring):
-    {"ranks", "backend", "sizes": [{"bytes", "allreduce_s", "allreduce_bus_bw", "p2p_s", "p2p_bw"}]}."""
+    {"ranks", "backend", "sizes": [{"bytes", "allreduce_s", "allreduce_bus_bw", "allreduce_issue_s", "p2p_s",
+    "p2p_bw"}]}."""
     import tempfile
 
     from .dist import spawn
@@ -111,6 +114,19 @@ def _rank(device: str, sizes, warmup: int, repeats: int, inner: int, path: str) 
                 out.append((time.perf_counter() - t0) / inner)
         return statistics.median(out)
 
+    def issued(op) -> float:
+        """Median host seconds one ``op`` call takes to return, all ranks starting together."""
+        out = []
+        for i in range(warmup + repeats):
+            sync()
+            tdist.barrier()
+            t0 = time.perf_counter()
+            op()
+            if i >= warmup:
+                out.append(time.perf_counter() - t0)
+        sync()
+        return statistics.median(out)
+
     def ping_pong(x):
         if peer >= n:
             return
@@ -126,10 +142,11 @@ def _rank(device: str, sizes, warmup: int, repeats: int, inner: int, path: str) 
         x = torch.rand(size // 4, dtype=torch.float32, device=dev)  # random: never time zeros
         # MAX moves the bytes a sum does, and repeated reductions of it stay finite
         ar = timed(lambda: tdist.all_reduce(x, op=tdist.ReduceOp.MAX))
+        issue = issued(lambda: tdist.all_reduce(x, op=tdist.ReduceOp.MAX))
         p2p = timed(lambda: ping_pong(x)) / 2  # one way: half a round trip
         nbytes = x.numel() * 4
         rows.append({"bytes": nbytes, "allreduce_s": ar, "allreduce_bus_bw": bus_factor(n) * nbytes / ar,
-                     "p2p_s": p2p, "p2p_bw": nbytes / p2p})
+                     "allreduce_issue_s": issue, "p2p_s": p2p, "p2p_bw": nbytes / p2p})
         del x
     if rank == 0:
         with open(path, "w") as f:

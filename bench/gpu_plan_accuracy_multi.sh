@@ -7,7 +7,9 @@
 #    configurations training the same model, batch and sequence on as many GPUs, measures the picks
 #    no configuration covers, and reports each pick against its group's fastest (within 5%?);
 #  - measures NCCL all-reduce bus bandwidth and send/recv bandwidth over 2 (and 4) ranks, 1 to 256
-#    MiB, beside the bandwidths the planner assumes for this GPU type.
+#    MiB, beside the bandwidths the planner assumes for this GPU type;
+#  - measures what each tensor-parallel all-reduce costs the trainer's layer over 2 (and 4) ranks
+#    (train/tpcoll.py) and predicts the tp layouts with it (the result's tp_collective).
 # On 4 GPUs one run holds both sets: a 2-rank configuration runs on GPUs 0 and 1 and is grouped,
 # summarised (summary.by_gpus) and compared with links over 2 ranks apart from the 4-rank ones, so
 # the 2- and 4-GPU results come from the same machine without running the 2-GPU set twice.

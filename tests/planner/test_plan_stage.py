@@ -269,6 +269,24 @@ def test_tp_collective_cost_is_paid_by_every_tp_all_reduce_of_the_step():
     assert run(1, 1e-4).iteration_s == run(1, 0.0).iteration_s
 
 
+def test_a_measured_tp_collective_cost_replaces_the_constant_at_its_tp_only():
+    """``tp_collective_by_tp`` (a run's measurement per tp size) is what a layout of that tp pays per
+    all-reduce; a tp size it does not hold pays ``tp_collective_s``."""
+    def run(tp, a):
+        node = parse_compact(f"a100-80gb:{tp}x1").node_types[0]
+        cfg = PlanConfig(ParallelDims(dp=1, tp=tp, pp=1), mbs=1)
+        ctx = PlanContext(CostModel(M, a), stage_envs((node,), cfg.dims, a), cfg)
+        return ctx.result((4,), "given", (node,))
+
+    fitted = Assumptions(tp_collective_s=1e-4)
+    measured = Assumptions(tp_collective_s=1e-4, tp_collective_by_tp=((2, 3e-4),))
+    assert (measured.tp_collective_at(2), measured.tp_collective_at(4)) == (3e-4, 1e-4)
+    base, more = run(2, fitted), run(2, measured)
+    per_step = base.micro_batches * (4 * M.layers + 1 + 3)
+    assert more.iteration_s - base.iteration_s == pytest.approx(per_step * 2e-4, rel=1e-9)
+    assert run(4, measured).iteration_s == run(4, fitted).iteration_s
+
+
 def test_pipeline_chunk_overhead_by_hand():
     """pp=2 1F1B over m micro-batches: every path through the schedule runs 2(m + p - 1) chunk ops
     (m forwards and backwards on one stage, p - 1 of each on the others), so an overhead of c on

@@ -1,7 +1,7 @@
 """``computron bench plan-accuracy`` machinery on the CPU: measured rows, the planner's predictions,
 errors and summary consistent with them, the planner's pick against the fastest measured layout,
 links measured against the planner's assumption, JSON and PNG written (the numbers mean something
-on a GPU only)."""
+on a GPU only), the tensor-parallel per-collective cost measured and used."""
 
 import json
 import math
@@ -10,7 +10,7 @@ import pytest
 
 from computron.cli import main
 from computron.train import links
-from computron.train.accuracy import Config, assumptions, spearman
+from computron.train.accuracy import FITTED_TP_COLLECTIVE_S, Config, assumptions, spearman
 
 
 def test_plan_accuracy_writes_rows_summary_and_png(tmp_path, capsys):
@@ -93,12 +93,28 @@ def test_plan_accuracy_on_two_ranks_reports_the_pick_and_the_links(tmp_path, cap
     printed = capsys.readouterr().out
     assert "planner's pick against the fastest measured" in printed and f"ratio {g['ratio']:.3f}" in printed
     assert "links over 2 ranks (gloo) against the planner's a100-80gb node" in printed
-    # predicted again without a device: the same measurements, the pick searched again, the links kept
+    # the search may take tp=2 on 2 GPUs: the per-collective cost measured over 2 ranks at the given
+    # shape, and used by every prediction of this run (the search's included)
+    tp = data["tp_collective"]
+    (group,) = tp["groups"]
+    assert (group["ranks"], group["backend"], [(e["model"], e["mbs"]) for e in group["entries"]]) == \
+        (2, "gloo", [("tiny-gpt2", 2)])
+    assert tp["used"] == "measured" and tp["measured_by_tp"] == {"2": group["tp_collective_s"]}
+    assert group["tp_collective_s"] >= 0 and tp["fallback_s"] == FITTED_TP_COLLECTIVE_S
+    assert f"tp collective cost used: tp=2 {group['tp_collective_s'] * 1e6:.0f} us" in printed
+    # predicted again without a device: the same measurements, the pick searched again, the links kept,
+    # the per-collective cost derived again from the stored measurement
     assert main(["bench", "plan-accuracy", "--rescore", str(tmp_path / "acc.json"), "--out", str(tmp_path / "again")]) == 0
     again = json.loads((tmp_path / "again.json").read_text())
     assert again["pick"]["groups"][0]["pick"] == g["pick"] and again["pick"]["groups"][0]["ratio"] == g["ratio"]
     assert [r.get("added") for r in again["rows"]] == [r.get("added") for r in rows]
-    assert again["links"] == data["links"]
+    assert again["links"] == data["links"] and again["tp_collective"] == tp
+    # a result from before the measurement is predicted with the fitted constant, and says so
+    del data["tp_collective"]
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    assert main(["bench", "plan-accuracy", "--rescore", str(tmp_path / "old.json"), "--out", str(tmp_path / "old2")]) == 0
+    old = json.loads((tmp_path / "old2.json").read_text())["tp_collective"]
+    assert (old["used"], old["measured_by_tp"], old["groups"]) == ("fitted", {}, [])
 
 
 def test_plan_accuracy_profiles_the_trainers_layer_first(tmp_path):

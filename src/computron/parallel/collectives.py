@@ -84,6 +84,12 @@ class _SumBothWays(torch.autograd.Function):
         return grad, None
 
 
+def tp_reduce(group):
+    """The training reduce over ``group``: an all-reduce of its input forward and of its gradient
+    backward (:class:`_SumBothWays`), what the trainer sets on every layer's ``attn`` and ``mlp``."""
+    return lambda x: _SumBothWays.apply(x, group)
+
+
 def install_tp_hooks(model: DecoderLM, shard: Shard, group, grads: bool = False) -> None:
     """Set the model's reduce/gather hooks to collectives over ``group`` (nothing when tp = 1);
     ``grads``: collectives that carry gradients (training)."""
@@ -91,10 +97,10 @@ def install_tp_hooks(model: DecoderLM, shard: Shard, group, grads: bool = False)
     if tp == 1:
         return
     if grads:
-        model.reduce = (lambda x: _SumBothWays.apply(x, group)) if shard.first else None
+        model.reduce = tp_reduce(group) if shard.first else None
         model.gather = None  # the loss is taken on each rank's vocabulary range (train/job.py SoftmaxCrossEntropy)
         for layer in model.layers:
-            layer.attn.reduce = layer.mlp.reduce = lambda x: _SumBothWays.apply(x, group)
+            layer.attn.reduce = layer.mlp.reduce = tp_reduce(group)
         return
 
     def reduce(x: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,8 @@ class Assumptions:
     tp_collective_s: float = 0.0  # per tensor-parallel all-reduce inside a step, beyond its ring time:
     # the host's issue of the collective (autograd function, c10d call, NCCL launch) and the wait for
     # the slowest rank of the group to arrive; the profile times a layer's shard without either
+    tp_collective_by_tp: tuple[tuple[int, float], ...] = ()  # (tp, seconds) pairs measured for this run's
+    # tensor-parallel sizes (``train/tpcoll.py``), each in place of ``tp_collective_s`` at its tp
     bytes_per_param: int = 16  # 16: fp16 w+g, fp32 master+m+v; 18: fp32 grads; 20: both grads
     optimizer_traffic_bytes: float = 40.0  # HBM bytes moved per parameter by unscale+norm+Adam
     memory_margin: float = 0.10  # fraction of GPU memory kept free (fragmentation, workspaces)
@@ -61,6 +63,11 @@ class Assumptions:
     def __post_init__(self) -> None:
         if self.bytes_per_param not in (16, 18, 20):
             raise ValueError(f"bytes_per_param must be 16, 18 or 20, got {self.bytes_per_param}")
+
+    def tp_collective_at(self, t: int) -> float:
+        """The per-collective cost of a tensor-parallel group of ``t`` ranks: the measured one for ``t``
+        when there is one, else ``tp_collective_s``."""
+        return dict(self.tp_collective_by_tp).get(t, self.tp_collective_s)
 
     @property
     def grad_bytes(self) -> int:
@@ -272,10 +279,10 @@ def tp_allreduce(m: TransformerShape, t: int, b: int, intra_bw: float, a: Assump
 
 def tp_collective(nbytes: float, t: int, intra_bw: float, a: Assumptions = DEFAULT) -> float:
     """One all-reduce of ``nbytes`` over the ``t`` ranks of a TP group inside a node, as a step pays it:
-    the ring (:func:`ring_allreduce` at ``intra_bw * intra_eff``) plus ``a.tp_collective_s``."""
+    the ring (:func:`ring_allreduce` at ``intra_bw * intra_eff``) plus ``a.tp_collective_at(t)``."""
     if t <= 1:
         return 0.0
-    return ring_allreduce(nbytes, t, intra_bw * a.intra_eff, a.intra_latency_s) + a.tp_collective_s
+    return ring_allreduce(nbytes, t, intra_bw * a.intra_eff, a.intra_latency_s) + a.tp_collective_at(t)
 
 
 def layer_tp_comm(m: TransformerShape, t: int, b: int, intra_bw: float, a: Assumptions = DEFAULT,

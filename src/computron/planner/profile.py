@@ -211,6 +211,13 @@ def build_layer(m: TransformerShape, tp: int, device, dtype):
     return Layer().to(device=device, dtype=dtype)
 
 
+def chain_depth(layer) -> int:
+    """How many copies of ``layer`` :func:`measure` chains by default: 8, fewer for layers of over
+    256 MiB of weights."""
+    size = sum(p.numel() * p.element_size() for p in layer.parameters())
+    return 8 if size <= 2**28 else 4 if size <= 2**30 else 2 if size <= 4 * 2**30 else 1
+
+
 def measure(layer, mbs: int, m: TransformerShape, device, dtype, warmup: int = 3, repeats: int = 10,
             accumulate: bool = False, depth: int | None = None, recompute: bool = False) -> dict:
     """Median forward and backward seconds of ``layer`` on a (mbs, seq, hidden) input, and the bytes
@@ -218,7 +225,7 @@ def measure(layer, mbs: int, m: TransformerShape, device, dtype, warmup: int = 3
     run in a chain, timed as a whole and divided by ``depth``: as in a model, the host queues a
     layer's kernels while the GPU runs the previous one (one layer between two synchronisations
     measures the host's launch time and the GPU's time added up, which small layers are dominated
-    by). Default: 8 copies, fewer for layers of over 256 MiB of weights. ``accumulate``: the backward
+    by). Default: :func:`chain_depth`. ``accumulate``: the backward
     also adds each parameter's gradient into a float32 accumulator (the trainer's micro-batch loop).
     ``recompute``: each layer runs under activation checkpointing, as the trainer's ``recompute``
     wraps its layers."""
@@ -227,9 +234,7 @@ def measure(layer, mbs: int, m: TransformerShape, device, dtype, warmup: int = 3
     import torch
 
     cuda = device.type == "cuda"
-    if depth is None:
-        size = sum(p.numel() * p.element_size() for p in layer.parameters())
-        depth = 8 if size <= 2**28 else 4 if size <= 2**30 else 2 if size <= 4 * 2**30 else 1
+    depth = chain_depth(layer) if depth is None else depth
     layers = [layer] + [copy.deepcopy(layer) for _ in range(depth - 1)]
     x = torch.randn(mbs, m.seq_len, m.hidden, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn_like(x)

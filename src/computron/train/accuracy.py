@@ -13,7 +13,8 @@ this device's measured matrix rate; per GPU count too), and a PNG of predicted a
 The same run asks the planner's search for its layout of every group of configurations that train
 the same thing on as many GPUs and measures it against the group's fastest (``pick.py``), and
 measures all-reduce and send/recv bandwidth between the ranks beside the planner's assumption
-(``links.py``).
+(``links.py``) and what each tensor-parallel all-reduce costs the trainer's layer over 2 (and 4)
+ranks (``tpcoll.py``), which the predictions of that run then use.
 """
 
 from __future__ import annotations
@@ -116,41 +117,59 @@ def shape_of(c, seq_len: int, global_batch: int):
                             dtype="bfloat16", tie_embeddings=c.tie_embeddings, flash_attention=True, dropout=False)
 
 
-def assumptions():
-    """The cost model's assumptions for this trainer: bf16 weight copies, float32 gradients, masters
-    and AdamW moments, 18 bytes a parameter; and its own host-bound step, fitted on the two-GPU H200
-    run alone (bench/results/plan_accuracy_h200_x4_two.json; the four-GPU run is held out, docs/training.md):
+FITTED_TP_COLLECTIVE_S = 220e-6  # the fallback when a run measured no tp collective (assumptions)
 
-    - ``tp_collective_s`` 220 us: each tensor-parallel all-reduce (4 a layer, eager ``_SumBothWays``
-      autograd calls) costs its host's issue and the wait for the other ranks' hosts beyond the ring
-      time; the profile times a layer's shard in one process, without either;
+
+def assumptions(measured: dict[int, float] | None = None):
+    """The cost model's assumptions for this trainer: bf16 weight copies, float32 gradients, masters
+    and AdamW moments, 18 bytes a parameter; and its own host-bound step:
+
+    - the tensor-parallel per-collective cost: ``measured`` ({tp: seconds}, ``tpcoll.py``, this run's
+      own) for each tp it holds; for any other, ``tp_collective_s`` 220 us, fitted on the two-GPU H200
+      run alone (bench/results/plan_accuracy_h200_x4_two.json; the four-GPU run held out,
+      docs/training.md): each all-reduce (4 a layer, eager ``_SumBothWays`` autograd calls) costs its
+      host's issue and the wait for the other ranks' hosts beyond the ring time; the profile times a
+      layer's shard in one process, without either;
     - ``chunk_overhead_s`` 0: torch.distributed.pipelining posts its sends and receives as NCCL work
       on the stream and does not synchronise the host after them, so no chunk op idles the GPU the
       way Megatron's blocking batched p2p does (the 1.5 ms default is fitted on Megatron runs).
     """
     from ..planner.costs import Assumptions
 
-    return Assumptions(bytes_per_param=18, tp_collective_s=220e-6, chunk_overhead_s=0.0)
+    return Assumptions(bytes_per_param=18, tp_collective_s=FITTED_TP_COLLECTIVE_S, chunk_overhead_s=0.0,
+                       tp_collective_by_tp=tuple(sorted((measured or {}).items())))
 
 
-def cost_model(shape, gpu: str, profile: str | None):
-    """The planner's cost model of ``shape`` for this trainer, from the profile ``profile`` (a file)
-    or the roofline."""
+def tp_collective_used(groups: list[dict]) -> dict:
+    """The result's ``tp_collective``: the measurements ``groups`` (``tpcoll.run``; none when the run
+    measured nothing, or a stored result predates them), the value each tp size took from them, the
+    fallback, and which of the two the predictions used."""
+    from .tpcoll import by_tp
+
+    got = by_tp(groups)
+    return {"used": "measured" if got else "fitted", "measured_by_tp": {str(t): s for t, s in sorted(got.items())},
+            "fallback_s": FITTED_TP_COLLECTIVE_S, "groups": groups}
+
+
+def cost_model(shape, gpu: str, profile: str | None, a=None):
+    """The planner's cost model of ``shape`` for this trainer under assumptions ``a`` (default:
+    :func:`assumptions`), from the profile ``profile`` (a file) or the roofline."""
     from ..planner.estimate import CostModel
     from ..planner.measured import load_profile
 
-    return CostModel(shape, assumptions(), load_profile(profile, gpu) if profile else None)
+    return CostModel(shape, a or assumptions(), load_profile(profile, gpu) if profile else None)
 
 
-def predict(shape, gpu: str, cfg: Config, profile: str | None) -> tuple[float, float]:
-    """(iteration seconds, peak bytes) the planner gives for one GPU of type ``gpu``."""
+def predict(shape, gpu: str, cfg: Config, profile: str | None, a=None) -> tuple[float, float]:
+    """(iteration seconds, peak bytes) the planner gives for one GPU of type ``gpu`` under assumptions
+    ``a`` (default: :func:`assumptions`)."""
     from ..parallel.dims import ParallelDims
     from ..parallel.sharding import stage_layers
     from ..planner.estimate import PlanConfig, PlanContext
     from ..planner.hardware import load_cluster
     from ..planner.layout import stage_envs
 
-    cm = cost_model(shape, gpu, profile)
+    cm = cost_model(shape, gpu, profile, a)
     dims = ParallelDims(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp)
     placement = (load_cluster(f"{gpu}:{cfg.world}x1").node_types[0],)
     ctx = PlanContext(cm, stage_envs(placement, dims, cm.a),
@@ -292,7 +311,7 @@ def profile_layers(configs: list[Config], gpu: str, device: str, dtype: str, out
 
 def run(configs: list[Config], gpu: str, device: str, dtype: str, profile: str | None, warmup: int, steps: int,
         log=print, out: str | None = None, pick: bool = True, links: bool = True, link_sizes=None,
-        graphs: bool = False) -> dict:
+        graphs: bool = False, tp_collective: bool = True) -> dict:
     """Measure and predict every configuration. ``profile``: a ``plan profile`` file, ``auto`` (profile
     this device first, one file per model and sequence length, beside ``out``), or None (the roofline).
     With a profile each row also carries the roofline's prediction. ``pick``: the planner's search picks
@@ -302,10 +321,14 @@ def run(configs: list[Config], gpu: str, device: str, dtype: str, profile: str |
     ``links``: all-reduce and send/recv measured over every number of ranks (> 1) the configurations
     use, beside the bandwidths the planner assumes (``links.py``; ``link_sizes`` in bytes). ``graphs``:
     layouts without a pipeline train with CUDA graphs (``computron train --cuda-graphs``); each row
-    says whether it did."""
+    says whether it did. ``tp_collective``: the per-collective cost of tensor parallelism measured
+    first over every tp size the configurations (and the search) use (``tpcoll.py``); every
+    prediction and the search take it, the fitted constant for a size not measured; the result's
+    ``tp_collective`` says which (:func:`tp_collective_used`)."""
     from ..models import resolve_model
     from . import links as comm
     from . import pick as picking
+    from . import tpcoll
 
     models = {c.model: resolve_model(c.model, dtype="float32")[0] for c in configs}
     configs = [c.canonical(models[c.model].num_layers) for c in configs]
@@ -316,7 +339,10 @@ def run(configs: list[Config], gpu: str, device: str, dtype: str, profile: str |
 
     measured_links = [comm.run(n, gpu, device, assumptions(), link_sizes, log)
                       for n in sorted({c.world for c in configs} - {1})] if links else []
-    picks = picking.search_picks(configs, models, gpu, profile_of, log) if pick else {}
+    tp = tp_collective_used(tpcoll.run(configs, models, gpu, device, dtype, assumptions(), pick, log)
+                            if tp_collective else [])
+    a = assumptions(tpcoll.by_tp(tp["groups"]))
+    picks = picking.search_picks(configs, models, gpu, profile_of, log, a) if pick else {}
     added = picking.to_measure(configs, picks)
     rows, failed = [], {}
     for cfg in configs + added:
@@ -330,14 +356,14 @@ def run(configs: list[Config], gpu: str, device: str, dtype: str, profile: str |
             log(f"{cfg.label}: {failed[cfg.label]}")
             _release()
             continue
-        rows.append(score(cfg, got["shape"], got, gpu, profile_of(cfg.model, cfg.seq_len), log))
+        rows.append(score(cfg, got["shape"], got, gpu, profile_of(cfg.model, cfg.seq_len), log, a))
         rows[-1]["cuda_graphs"] = graphed(graphs, cfg)
         if cfg in added:
             rows[-1]["added"] = "pick"
     if not rows:
         raise RuntimeError("no configuration ran: " + "; ".join(f"{k}: {v}" for k, v in failed.items()))
     result = {"gpu": gpu, "device": device, "dtype": dtype, "profile": profile, "rows": rows,
-              "summary": summarize(rows, matmul_tflops(device, dtype)), "failed": failed}
+              "summary": summarize(rows, matmul_tflops(device, dtype)), "failed": failed, "tp_collective": tp}
     if pick:
         picked = {label for label in failed if label in {c.label for c in added}}
         result["pick"] = {**picking.compare(rows, picks, failed), "failed": {k: failed[k] for k in picked}}
@@ -357,17 +383,23 @@ def _release() -> None:
         torch.cuda.empty_cache()
 
 
-def score(cfg: Config, model_cfg, got: dict, gpu: str, prof: str | None, log=print) -> dict:
+def score(cfg: Config, model_cfg, got: dict, gpu: str, prof: str | None, log=print, a=None) -> dict:
     """One result row: the measurement ``got`` (time_s, peak_bytes, tflops_per_gpu) against the
-    planner's prediction from the profile ``prof`` (and the roofline's, when a profile is used)."""
+    planner's prediction under assumptions ``a`` (default: :func:`assumptions`) from the profile
+    ``prof`` (and the roofline's, when a profile is used); a tp layout's row also says which
+    per-collective cost it was predicted with."""
+    a = a or assumptions()
     shape = shape_of(model_cfg, cfg.seq_len, cfg.global_batch)
-    pred_s, pred_mem = predict(shape, gpu, cfg, prof)
+    pred_s, pred_mem = predict(shape, gpu, cfg, prof, a)
     row = {"config": cfg.label, **cfg.as_row(), "measured_s": got["time_s"], "predicted_s": pred_s,
            "time_error": pred_s / got["time_s"] - 1, "measured_bytes": got["peak_bytes"],
            "predicted_bytes": pred_mem, "memory_error": pred_mem / got["peak_bytes"] - 1,
            "tflops_per_gpu": got["tflops_per_gpu"], "profile": prof}
+    if cfg.tp > 1:
+        row["tp_collective_s"] = a.tp_collective_at(cfg.tp)
+        row["tp_collective_source"] = "measured" if cfg.tp in dict(a.tp_collective_by_tp) else "fitted"
     if prof:
-        row["roofline_s"], row["roofline_bytes"] = predict(shape, gpu, cfg, None)
+        row["roofline_s"], row["roofline_bytes"] = predict(shape, gpu, cfg, None, a)
     log(f"{cfg.label:40s} measured {row['measured_s']:.4f} s predicted {pred_s:.4f} s "
         f"({row['time_error']:+.1%}); memory {row['measured_bytes'] / 2**30:.2f} GiB predicted "
         f"{pred_mem / 2**30:.2f} GiB ({row['memory_error']:+.1%}); {row['tflops_per_gpu']:.1f} TFLOP/s")
@@ -393,14 +425,20 @@ def summarize(rows: list[dict], rate: float) -> dict:
 def rescore(result: dict, profiles: str | None, log=print) -> dict:
     """A stored result's measurements predicted again by the planner as it is now (no device needed),
     each row from its own profile file, looked up by name in the directory ``profiles``; its picks
-    searched again (a pick the stored run did not measure is said to be so) and its links' assumed
-    bandwidths read again."""
+    searched again (a pick the stored run did not measure is said to be so), its links' assumed
+    bandwidths read again, and its tensor-parallel per-collective cost derived again from its
+    measurement (a result without one takes the fitted constant, as when it was made)."""
     import os
 
     from ..models import resolve_model
     from . import links as comm
     from . import pick as picking
+    from . import tpcoll
 
+    groups = [g if "error" in g else tpcoll.derive(g, result["gpu"], assumptions())
+              for g in result.get("tp_collective", {}).get("groups", [])]
+    tp = tp_collective_used(groups)
+    a = assumptions(tpcoll.by_tp(groups))
     rows, where = [], {}
     for r in result["rows"]:
         cfg = Config.from_row(r)
@@ -409,15 +447,16 @@ def rescore(result: dict, profiles: str | None, log=print) -> dict:
             prof = os.path.join(profiles, os.path.basename(prof))
         where[cfg.model, cfg.seq_len] = prof
         got = {"time_s": r["measured_s"], "peak_bytes": r["measured_bytes"], "tflops_per_gpu": r["tflops_per_gpu"]}
-        rows.append(score(cfg, resolve_model(cfg.model, dtype="float32")[0], got, result["gpu"], prof, log))
+        rows.append(score(cfg, resolve_model(cfg.model, dtype="float32")[0], got, result["gpu"], prof, log, a))
         rows[-1]["cuda_graphs"] = r.get("cuda_graphs", False)
         if r.get("added"):
             rows[-1]["added"] = r["added"]
-    out = {**result, "rows": rows, "summary": summarize(rows, result["summary"]["matmul_tflops"]), "rescored": True}
+    out = {**result, "rows": rows, "summary": summarize(rows, result["summary"]["matmul_tflops"]), "rescored": True,
+           "tp_collective": tp}
     if "pick" in result:
         configs = [Config.from_row(r) for r in rows]
         models = {c.model: resolve_model(c.model, dtype="float32")[0] for c in configs}
-        picks = picking.search_picks(configs, models, result["gpu"], lambda m, s: where.get((m, s)), log)
+        picks = picking.search_picks(configs, models, result["gpu"], lambda m, s: where.get((m, s)), log, a)
         failed = result["pick"].get("failed", {})
         out["pick"] = {**picking.compare(rows, picks, failed), "failed": failed}
     if "links" in result:

@@ -5,7 +5,8 @@ the models and partitions they name, the planner's GPU type, the profile, the ra
 GPUs here), then ``accuracy.run`` (or ``accuracy.rescore`` of a stored result) gives the result
 dict, written as OUT.json, drawn as OUT.png (predicted against measured) and summarised on stdout:
 the errors (per GPU count too), the planner's pick against each group's fastest (``pick.py``) and
-the links against the planner's assumption (``links.py``).
+the links against the planner's assumption (``links.py``) and the tensor-parallel per-collective
+cost measured and used (``tpcoll.py``).
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ def add_bench_parser(bsub) -> None:
     p.add_argument("--link-sizes", type=_mib_list, default=None, metavar="MIB,MIB,...",
                    help="message sizes of the link measurement in MiB (default: 1,4,16,64,256 on a GPU, "
                         "0.0625,0.25,1 on the CPU)")
+    p.add_argument("--no-tp-collective", dest="tp_collective", action="store_false",
+                   help="skip measuring the per-collective cost of tensor parallelism over 2 (and 4) ranks; the "
+                        "predictions take the fitted 220 us instead")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="train the layouts without a pipeline with CUDA graphs (computron train --cuda-graphs)")
     p.set_defaults(func=cmd)
@@ -161,7 +165,7 @@ def cmd(args) -> int:
     try:
         result = run(configs, gpu, args.device, dtype, None if profile == "roofline" else profile, args.warmup,
                      args.steps, out=args.out, pick=args.pick, links=args.links, link_sizes=args.link_sizes,
-                     graphs=args.cuda_graphs)
+                     graphs=args.cuda_graphs, tp_collective=args.tp_collective)
     except RuntimeError as e:  # not one configuration ran
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -191,6 +195,10 @@ def _write(result: dict, out: str) -> int:
         from .links import print_report
 
         print_report(result["links"])
+    if "tp_collective" in result:
+        from .tpcoll import print_report
+
+        print_report(result["tp_collective"])
     for label, why in result.get("failed", {}).items():
         print(f"error: {label}: {why}", file=sys.stderr)
     return 1 if result.get("failed") else 0

@@ -131,9 +131,10 @@ def search_pick(model: str, shape, gpus: int, gpu: str, cm) -> dict:
     return {"config": cfg, "predicted_s": r.iteration_s}
 
 
-def search_picks(configs: list, models: dict, gpu: str, profile_of, log=print) -> dict:
+def search_picks(configs: list, models: dict, gpu: str, profile_of, log=print, a=None) -> dict:
     """{group: :func:`search_pick`} for every group of ``configs``; ``models``: preset -> its engine
-    ``ModelConfig``; ``profile_of(model, seq_len)``: the profile file to plan from (None: roofline)."""
+    ``ModelConfig``; ``profile_of(model, seq_len)``: the profile file to plan from (None: roofline);
+    ``a``: the cost model's assumptions (default: ``accuracy.assumptions``)."""
     from .accuracy import cost_model, shape_of
 
     out: dict[tuple, dict] = {}
@@ -143,7 +144,7 @@ def search_picks(configs: list, models: dict, gpu: str, profile_of, log=print) -
             continue
         model, gb, seq, gpus = key
         shape = shape_of(models[model], seq, gb)
-        out[key] = pick = search_pick(model, shape, gpus, gpu, cost_model(shape, gpu, profile_of(model, seq)))
+        out[key] = pick = search_pick(model, shape, gpus, gpu, cost_model(shape, gpu, profile_of(model, seq), a))
         got = f"{pick['config'].label} (predicted {pick['predicted_s']:.4f} s)" if "config" in pick else pick["error"]
         log(f"plan search pick for {group_label(key)}: {got}")
     return out

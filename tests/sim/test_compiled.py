@@ -60,3 +60,22 @@ def test_the_compiled_build_simulates_exactly_as_the_python_modules():
     for name in sorted(CASES):
         assert got["cases"][name] == outcome(name), name
         assert got["cases"][name]["digest"] == golden[name]["digest"], name
+
+
+def test_the_compiled_core_takes_a_colocation_link_and_calls_it_around_each_step():
+    # the compiled EngineCore types its attributes: a link must be accepted (an attribute once inferred
+    # as None refused every EngineLink) and called before and after each step
+    files, why = _fast.check()
+    if files is None:
+        pytest.skip(f"no usable compiled build: {why}")
+    code = ("from computron import _fast; from computron.config import EngineConfig, ModelSpec; "
+            "from computron.engine import Engine; from computron.messages import SamplingParams\n"
+            "class Link:\n    calls = []\n    def poll(self): self.calls.append('poll')\n"
+            "    def after_step(self): self.calls.append('after')\n"
+            "e = Engine(EngineConfig(device='cpu')); e.register_model(ModelSpec('tiny-opt'))\n"
+            "e.core.colocation = link = Link()\n"
+            "r = e.submit('tiny-opt', [1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0))\n"
+            "e.step(); print('computron.engine.core' in _fast.compiled_modules(), link.calls)")
+    env = {**os.environ, _fast.ENV: "1", "PYTHONPATH": str(ROOT / "src")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split("\n")[-2] == "True ['poll', 'after']"

@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 from .._mypyc import mypyc_attr
 from ..config import EngineConfig
@@ -76,6 +76,16 @@ class PromptGroup:
     holders: dict[str, None] = field(default_factory=dict)  # choices whose cache holds those blocks now
 
 
+
+class ColocationLink(Protocol):
+    """What the core calls of a colocation link (``colocate.serving.EngineLink``)."""
+
+    def poll(self) -> None:
+        """Before a step: ask for the memory its work needs, apply budgets sent meanwhile."""
+
+    def after_step(self) -> None:
+        """After a step: report the devices' work (training may yield or take the compute)."""
+
 class EngineCore:
     def __init__(self, executor: Executor, config: EngineConfig | None = None,
                  clock: Callable[[], float] = time.perf_counter):
@@ -114,7 +124,7 @@ class EngineCore:
         self.last_trace: dict[str, dict] = {}
         # An optional arbiter link (computron.colocate.serving.EngineLink): its poll() runs before each
         # step; it asks for the memory the work needs and sets budgets through set_budget.
-        self.colocation = None
+        self.colocation: ColocationLink | None = None
 
     # ---- models --------------------------------------------------------------------------------
     def add_model(self, info: ModelInfo, pinned: bool = False, cost: ModelCost | None = None) -> None:

@@ -42,17 +42,22 @@ def test_without_the_variable_the_python_modules_run():
     assert out.stdout.strip() == "[]"
 
 
-def test_the_compiled_build_simulates_exactly_as_the_python_modules():
+def _with_build(code: str, *args: str) -> str:
+    """The last line ``code`` prints, run with the compiled build (skips without a usable one)."""
     files, why = _fast.check()
     if files is None:
         pytest.skip(f"no usable compiled build: {why}")
+    env = {**os.environ, _fast.ENV: "1", "PYTHONPATH": str(ROOT / "src")}
+    out = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-c", code, *args],
+                         env=env, capture_output=True, text=True, check=True)
+    return out.stdout.splitlines()[-1]
+
+
+def test_the_compiled_build_simulates_exactly_as_the_python_modules():
     code = ("import json, sys; sys.path.insert(0, sys.argv[1]); from sim_golden import CASES, outcome; "
             "from computron import _fast; print(json.dumps({'modules': _fast.compiled_modules(), "
             "'cases': {n: outcome(n) for n in sorted(CASES)}}))")
-    env = {**os.environ, _fast.ENV: "1", "PYTHONPATH": str(ROOT / "src")}
-    out = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-c", code, str(Path(__file__).parent)],
-                         env=env, capture_output=True, text=True, check=True)
-    got = json.loads(out.stdout.splitlines()[-1])
+    got = json.loads(_with_build(code, str(Path(__file__).parent)))
     assert sorted(got["modules"]) == sorted(_fast.MODULES)  # the build ran, all of it
     if not _fast.requested():
         assert _fast.compiled_modules() == []  # and this process ran the Python modules
@@ -65,9 +70,6 @@ def test_the_compiled_build_simulates_exactly_as_the_python_modules():
 def test_the_compiled_core_takes_a_colocation_link_and_calls_it_around_each_step():
     # the compiled EngineCore types its attributes: a link must be accepted (an attribute once inferred
     # as None refused every EngineLink) and called before and after each step
-    files, why = _fast.check()
-    if files is None:
-        pytest.skip(f"no usable compiled build: {why}")
     code = ("from computron import _fast; from computron.config import EngineConfig, ModelSpec; "
             "from computron.engine import Engine; from computron.messages import SamplingParams\n"
             "class Link:\n    calls = []\n    def poll(self): self.calls.append('poll')\n"
@@ -76,6 +78,4 @@ def test_the_compiled_core_takes_a_colocation_link_and_calls_it_around_each_step
             "e.core.colocation = link = Link()\n"
             "r = e.submit('tiny-opt', [1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0))\n"
             "e.step(); print('computron.engine.core' in _fast.compiled_modules(), link.calls)")
-    env = {**os.environ, _fast.ENV: "1", "PYTHONPATH": str(ROOT / "src")}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.split("\n")[-2] == "True ['poll', 'after']"
+    assert _with_build(code) == "True ['poll', 'after']"

@@ -40,6 +40,17 @@ class Assumptions:
     # tensor-parallel sizes (``train/tpcoll.py``), each in place of ``tp_collective_s`` at its tp
     bytes_per_param: int = 16  # 16: fp16 w+g, fp32 master+m+v; 18: fp32 grads; 20: both grads
     optimizer_traffic_bytes: float = 40.0  # HBM bytes moved per parameter by unscale+norm+Adam
+    # How the training runtime holds its memory; the defaults are Megatron-LM's, the alternatives
+    # what ``computron train`` does (``train/accuracy.py assumptions``, docs/planner.md):
+    zero_shards_master: bool = True  # ZeRO-1 shards the fp32 master with the Adam moments (Megatron's
+    # distributed optimizer); False: only the moments (8 bytes), every rank keeping every master
+    # (torch's ZeroRedundancyOptimizer over fp32 parameters)
+    keep_pipeline_outputs: bool = False  # the last pipeline stage keeps every micro-batch's logits
+    # until the step ends and concatenates them there (torch.distributed.pipelining's return_outputs)
+    step_transients: bool = False  # the peaks outside the activations' of a runtime that frees the
+    # gradients between steps (none while the first micro-batch runs), takes each micro-batch's whole
+    # 16-bit gradient at once without a pipeline (autograd.grad) and all-reduces the data-parallel
+    # gradients through one flat copy of them (:func:`estimate.stage_memory`)
     memory_margin: float = 0.10  # fraction of GPU memory kept free (fragmentation, workspaces)
     memory_reserve_gib: float = 1.0  # CUDA context + NCCL buffers
     scatter_gather: bool = True  # Megatron's p2p scatter/gather over TP ranks
@@ -513,7 +524,8 @@ def head_activation_bytes(m: TransformerShape, t: int, b: int) -> float:
 def state_bytes(params_rank: float, dp: int, zero: int, a: Assumptions = DEFAULT, fp8: bool = False) -> float:
     """Weights, gradients and Adam state per rank: ``P * bytes_per_param`` = 2 (16-bit weights) +
     gradient bytes (2, 4 or 6) + 12 (fp32 master, m, v). ZeRO shards over the dp ranks the
-    optimizer state (stage >= 1), then the gradients (>= 2), then the weights (3).
+    optimizer state (stage >= 1), then the gradients (>= 2), then the weights (3); the optimizer
+    state's fp32 master too unless not ``a.zero_shards_master`` (then only the 8 moment bytes).
 
     ``fp8`` (only for the layers' weight-GEMM parameters; the embedding and head stay 16-bit):
     Transformer Engine's fp8 GEMMs on Hopper read the weight and its transpose in fp8, 1 byte
@@ -525,7 +537,9 @@ def state_bytes(params_rank: float, dp: int, zero: int, a: Assumptions = DEFAULT
     if fp8 and a.fp8_params and zero >= 3:
         w = 1.0
     g = a.bytes_per_param - opt - 2.0
-    per = (w / dp if zero >= 3 else w) + (g / dp if zero >= 2 else g) + (opt / dp if zero >= 1 else opt)
+    master = 0.0 if a.zero_shards_master else 4.0  # unsharded fp32 master (not a.zero_shards_master)
+    per = (w / dp if zero >= 3 else w) + (g / dp if zero >= 2 else g) + \
+        (master + (opt - master) / dp if zero >= 1 else opt)
     return params_rank * (per + (2.0 if fp8 and not a.fp8_params and zero < 3 else 0.0))
 
 

@@ -188,6 +188,8 @@ class MemoryTerms:
     act_work: float  # one layer's full activations while it is recomputed
     act_fixed_mb: float  # per micro-batch in flight in the first chunk (token ids, embedding dropout mask)
     act_fixed: float  # once (logits)
+    out_mb: float = 0.0  # last stage of a pipeline: one micro-batch's output (its logits, e*M*V/t)
+    pipelined: bool = False  # pp > 1 (the pipeline schedule's backward, not one autograd.grad per micro-batch)
 
 
 def memory_terms(m: TransformerShape, tp: int, mbs: int, s: int, p: int, recompute: bool, act: float,
@@ -200,11 +202,13 @@ def memory_terms(m: TransformerShape, tp: int, mbs: int, s: int, p: int, recompu
     if s == 0:
         fixed += m.embedding_params(tp)
         act_mb = costs.embedding_activation_bytes(ml, mbs, tp, sp and tp > 1)
+    out_mb = 0.0
     if s == p - 1:
         fixed += m.head_params(tp, p)
         act_fixed = costs.head_activation_bytes(ml, tp, mbs)
+        out_mb = ml.bytes_per_elem * mbs * ml.seq_len * ml.vocab / tp if p > 1 else 0.0
     keep = costs.layer_input_bytes(ml, mbs, tp, sp and tp > 1) if recompute else act
-    return MemoryTerms(m.layer_params(tp), fixed, keep, act if recompute else 0.0, act_mb, act_fixed)
+    return MemoryTerms(m.layer_params(tp), fixed, keep, act if recompute else 0.0, act_mb, act_fixed, out_mb, p > 1)
 
 
 def stage_memory(t: MemoryTerms, n: int, inflight: int, mb: int, v: int, dp: int, zero: int,
@@ -213,12 +217,34 @@ def stage_memory(t: MemoryTerms, n: int, inflight: int, mb: int, v: int, dp: int
     ``state_bytes(n*P_layer) + state_bytes(P_fixed) + ZeRO working set + inflight*ceil(n/v)*A_kept
     + A_work + first*A_first + A_fixed`` (``dp``: the ranks ZeRO shards over; ``first``: micro-batches
     in flight in the first chunk, :func:`schedule.first_chunk_inflight`, default ``min(inflight, mb)``;
-    fp8 concerns the layers' weights only)."""
+    fp8 concerns the layers' weights only).
+
+    The runtime's other peaks (the largest is the stage's), off by default (Megatron-LM's runtime):
+
+    - ``a.keep_pipeline_outputs``: the last stage of a pipeline holds all ``mb`` micro-batches'
+      logits ``O`` by its last backward (``+ mb*O`` above) and concatenates them after it, when no
+      activations are left: ``states + 2*mb*O``;
+    - ``a.step_transients`` (P the stage's parameters, G = P*grad_bytes its gradients): without a
+      pipeline, the end of each micro-batch's backward holds its whole 16-bit gradient, ``states +
+      2P``, and with one micro-batch no gradient is held while it runs (``- G`` above, the gradients
+      being freed between steps); with dp > 1 the all-reduce copies every gradient into one flat
+      buffer, ``states + G + mb*O``."""
+    params = n * t.layer_params + t.fixed_params
     states = costs.state_bytes(n * t.layer_params, dp, zero, a, fp8) + costs.state_bytes(t.fixed_params, dp, zero, a)
     states += costs.zero_working_bytes(t.layer_params, t.fixed_params, zero, a, fp8)
     first = min(inflight, mb) if first is None else first
     act = inflight * math.ceil(n / v) * t.act_layer + t.act_work + first * t.act_fixed_mb + t.act_fixed
-    return states + act
+    kept = mb * t.out_mb if a.keep_pipeline_outputs else 0.0
+    peaks = [states + act + kept, states + 2 * kept]
+    if a.step_transients:
+        grads = params * a.grad_bytes if zero < 2 else 0.0
+        if not t.pipelined:
+            peaks += [states + 2.0 * params]
+            if mb == 1:
+                peaks[0] -= grads
+        if dp > 1:
+            peaks += [states + grads + kept]
+    return max(peaks)
 
 
 def max_layers(t: MemoryTerms, usable: float, L: int, inflight: int, mb: int, v: int, dp: int, zero: int,

@@ -132,12 +132,19 @@ def assumptions(measured: dict[int, float] | None = None):
       layer's shard in one process, without either;
     - ``chunk_overhead_s`` 0: torch.distributed.pipelining posts its sends and receives as NCCL work
       on the stream and does not synchronise the host after them, so no chunk op idles the GPU the
-      way Megatron's blocking batched p2p does (the 1.5 ms default is fitted on Megatron runs).
+      way Megatron's blocking batched p2p does (the 1.5 ms default is fitted on Megatron runs);
+    - its memory, read off ``job.py`` (no constant fitted): ZeRO-1 is torch's ZeroRedundancyOptimizer
+      over the fp32 masters, which shards the AdamW moments only; the pipeline schedule is stepped
+      with ``return_outputs`` left on, so the last stage keeps every micro-batch's logits and
+      concatenates them at the step's end; the gradients are freed between steps, each micro-batch
+      without a pipeline takes its whole bf16 gradient from ``autograd.grad``, and the data-parallel
+      all-reduce goes through one flat copy of all gradients (``planner/estimate.py stage_memory``).
     """
     from ..planner.costs import Assumptions
 
     return Assumptions(bytes_per_param=18, tp_collective_s=FITTED_TP_COLLECTIVE_S, chunk_overhead_s=0.0,
-                       tp_collective_by_tp=tuple(sorted((measured or {}).items())))
+                       tp_collective_by_tp=tuple(sorted((measured or {}).items())), zero_shards_master=False,
+                       keep_pipeline_outputs=True, step_transients=True)
 
 
 def tp_collective_used(groups: list[dict]) -> dict:

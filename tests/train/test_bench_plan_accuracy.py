@@ -109,12 +109,22 @@ def test_plan_accuracy_on_two_ranks_reports_the_pick_and_the_links(tmp_path, cap
     assert again["pick"]["groups"][0]["pick"] == g["pick"] and again["pick"]["groups"][0]["ratio"] == g["ratio"]
     assert [r.get("added") for r in again["rows"]] == [r.get("added") for r in rows]
     assert again["links"] == data["links"] and again["tp_collective"] == tp
-    # a result from before the measurement is predicted with the fitted constant, and says so
-    del data["tp_collective"]
+    # the pipeline's last stage keeps no outputs where torch lets the trainer say so, and the memory
+    # model was told as much
+    from computron.train.job import pipeline_keeps_outputs
+
+    assert data["pipeline_keeps_outputs"] is pipeline_keeps_outputs() is False
+    # a result from before the measurement is predicted with the fitted constant, and says so; one from
+    # before the trainer turned the pipeline's outputs off is predicted as keeping them: its last
+    # stage's peak is the larger
+    del data["tp_collective"], data["pipeline_keeps_outputs"]
     (tmp_path / "old.json").write_text(json.dumps(data))
     assert main(["bench", "plan-accuracy", "--rescore", str(tmp_path / "old.json"), "--out", str(tmp_path / "old2")]) == 0
-    old = json.loads((tmp_path / "old2.json").read_text())["tp_collective"]
-    assert (old["used"], old["measured_by_tp"], old["groups"]) == ("fitted", {}, [])
+    old = json.loads((tmp_path / "old2.json").read_text())
+    assert (old["tp_collective"]["used"], old["tp_collective"]["measured_by_tp"], old["tp_collective"]["groups"]) == \
+        ("fitted", {}, [])
+    pp = [(a, b) for a, b in zip(again["rows"], old["rows"]) if a["config"] == Config.parse(given[0]).label]
+    assert pp and all(b["predicted_bytes"] > a["predicted_bytes"] for a, b in pp) and old["pipeline_keeps_outputs"]
 
 
 def test_plan_accuracy_profiles_the_trainers_layer_first(tmp_path):

@@ -120,7 +120,7 @@ def shape_of(c, seq_len: int, global_batch: int):
 FITTED_TP_COLLECTIVE_S = 220e-6  # the fallback when a run measured no tp collective (assumptions)
 
 
-def assumptions(measured: dict[int, float] | None = None):
+def assumptions(measured: dict[int, float] | None = None, keeps_outputs: bool | None = None):
     """The cost model's assumptions for this trainer: bf16 weight copies, float32 gradients, masters
     and AdamW moments, 18 bytes a parameter; and its own host-bound step:
 
@@ -134,17 +134,20 @@ def assumptions(measured: dict[int, float] | None = None):
       on the stream and does not synchronise the host after them, so no chunk op idles the GPU the
       way Megatron's blocking batched p2p does (the 1.5 ms default is fitted on Megatron runs);
     - its memory, read off ``job.py`` (no constant fitted): ZeRO-1 is torch's ZeroRedundancyOptimizer
-      over the fp32 masters, which shards the AdamW moments only; the pipeline schedule is stepped
-      with ``return_outputs`` left on, so the last stage keeps every micro-batch's logits and
-      concatenates them at the step's end; the gradients are freed between steps, each micro-batch
+      over the fp32 masters, which shards the AdamW moments only; where the pipeline schedule keeps
+      the outputs (``keeps_outputs``; default: as ``job.pipeline_keeps_outputs`` says of this torch,
+      True for the runs made before the trainer turned ``return_outputs`` off), the last stage keeps
+      every micro-batch's logits and concatenates them at the step's end; the gradients are freed between steps, each micro-batch
       without a pipeline takes its whole bf16 gradient from ``autograd.grad``, and the data-parallel
       all-reduce goes through one flat copy of all gradients (``planner/estimate.py stage_memory``).
     """
     from ..planner.costs import Assumptions
+    from .job import pipeline_keeps_outputs
 
     return Assumptions(bytes_per_param=18, tp_collective_s=FITTED_TP_COLLECTIVE_S, chunk_overhead_s=0.0,
                        tp_collective_by_tp=tuple(sorted((measured or {}).items())), zero_shards_master=False,
-                       keep_pipeline_outputs=True, step_transients=True)
+                       keep_pipeline_outputs=pipeline_keeps_outputs() if keeps_outputs is None else keeps_outputs,
+                       step_transients=True)
 
 
 def tp_collective_used(groups: list[dict]) -> dict:
@@ -370,7 +373,8 @@ def run(configs: list[Config], gpu: str, device: str, dtype: str, profile: str |
     if not rows:
         raise RuntimeError("no configuration ran: " + "; ".join(f"{k}: {v}" for k, v in failed.items()))
     result = {"gpu": gpu, "device": device, "dtype": dtype, "profile": profile, "rows": rows,
-              "summary": summarize(rows, matmul_tflops(device, dtype)), "failed": failed, "tp_collective": tp}
+              "summary": summarize(rows, matmul_tflops(device, dtype)), "failed": failed, "tp_collective": tp,
+              "pipeline_keeps_outputs": a.keep_pipeline_outputs}
     if pick:
         picked = {label for label in failed if label in {c.label for c in added}}
         result["pick"] = {**picking.compare(rows, picks, failed), "failed": {k: failed[k] for k in picked}}
@@ -445,7 +449,8 @@ def rescore(result: dict, profiles: str | None, log=print) -> dict:
     groups = [g if "error" in g else tpcoll.derive(g, result["gpu"], assumptions())
               for g in result.get("tp_collective", {}).get("groups", [])]
     tp = tp_collective_used(groups)
-    a = assumptions(tpcoll.by_tp(groups))
+    keeps = result.get("pipeline_keeps_outputs", True)  # the trainer kept them before it recorded so
+    a = assumptions(tpcoll.by_tp(groups), keeps)
     rows, where = [], {}
     for r in result["rows"]:
         cfg = Config.from_row(r)
@@ -459,7 +464,7 @@ def rescore(result: dict, profiles: str | None, log=print) -> dict:
         if r.get("added"):
             rows[-1]["added"] = r["added"]
     out = {**result, "rows": rows, "summary": summarize(rows, result["summary"]["matmul_tflops"]), "rescored": True,
-           "tp_collective": tp}
+           "tp_collective": tp, "pipeline_keeps_outputs": keeps}
     if "pick" in result:
         configs = [Config.from_row(r) for r in rows]
         models = {c.model: resolve_model(c.model, dtype="float32")[0] for c in configs}

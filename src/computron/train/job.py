@@ -163,6 +163,19 @@ def _fold_grad(master: torch.Tensor, work: torch.Tensor) -> None:
 GRAPH_COLLECTIVES = "COMPUTRON_GRAPH_COLLECTIVES"
 
 
+@functools.cache
+def pipeline_keeps_outputs() -> bool:
+    """Does a pipeline step keep every micro-batch's output on the last stage (and concatenate them
+    at its end)? Not where ``torch.distributed.pipelining``'s ``step`` takes ``return_outputs`` (the
+    trainer turns it off: only the losses are used); the planner's memory model asks
+    (``Assumptions.keep_pipeline_outputs``, ``train/accuracy.py``)."""
+    import inspect
+
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+    return "return_outputs" not in inspect.signature(PipelineScheduleSingle.step).parameters
+
+
 def graphs_refused(device: str, pp: int, tp: int, colocate: bool = False) -> str | None:
     """Why a job of this layout cannot train with ``cuda_graphs`` (None: it can). A pipeline's schedule
     runs eager, colocation resizes micro-batches at run time, and capturing the tensor-parallel
@@ -436,8 +449,9 @@ class Trainer:
         inputs, targets = self.data.batch(ids)
         first, last = self.mesh.stage == 0, self.mesh.stage == self.dims.pp - 1
         losses: list[torch.Tensor] = []
+        kw = {} if pipeline_keeps_outputs() else {"return_outputs": False}  # the last stage's logits, unused
         self.schedule.step(*((inputs.to(self.device),) if first else ()),
-                           target=targets.to(self.device) if last else None, losses=losses)
+                           target=targets.to(self.device) if last else None, losses=losses, **kw)
         return float(sum(x.detach() for x in losses)) if last else 0.0, [self.cfg.micro_batch] * self.micro_batches
 
     def _sync_grads(self) -> None:

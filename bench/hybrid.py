@@ -410,6 +410,15 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
         ax.step(u[:, 0], u[:, 1] / GB, "k", where="post", lw=0.8, label="inference booked")
         for h in r["handovers"]:
             ax.axvline(h["t"], color="r", lw=0.4, alpha=0.5)
+        on, label = None, "training yields compute"  # the spans it did, a band along the bottom
+        for t, flag in [*r.get("yields", []), [end, False]]:
+            if flag and on is None:
+                on = t
+            elif not flag and on is not None:
+                ax.axvspan(on, t, ymax=0.06, color="k", alpha=0.7, lw=0, label=label)
+                on, label = None, None
+        if r.get("yields"):
+            ax.legend(loc="upper right", fontsize=7)
         ax.set_ylabel("GiB")
         ax.set_title(f"{r['mode']} ({len(r['handovers'])} handovers, red)", fontsize=9)
     axes[0, 0].legend(loc="upper right", fontsize=7)

@@ -72,6 +72,21 @@ def test_activation_memory_llama_gqa_flash():
     assert costs.layer_input_bytes(m, 2) == 2 * 2 * s * h
 
 
+@pytest.mark.parametrize("t", [1, 2, 4])
+def test_relu_mlp_keeps_one_ffn_tensor(t):
+    """ReLU's backward reads its output, which the down projection keeps anyway: one e*M*f/t fewer
+    bytes than GeLU's; the GeLU and gated shapes keep Megatron's counts."""
+    b, M = 2, 2 * GPT.seq_len
+    relu = replace(GPT, activation="relu")
+    assert GPT.activation == "gelu_new" and costs.mlp_kept(GPT) == 2 and costs.mlp_kept(preset("llama-2-7b")) == 3
+    assert costs.activation_bytes(GPT, t, b) - costs.activation_bytes(relu, t, b) == pytest.approx(2 * M * GPT.ffn / t)
+
+
+def test_unknown_activation_is_refused():
+    with pytest.raises(ValueError, match="unknown activation"):
+        replace(GPT, activation="swish")
+
+
 def test_ring_allreduce_by_hand():
     assert costs.ring_allreduce(1e9, 1, 1e9, 1e-5) == 0.0
     assert costs.ring_allreduce(1e9, 4, 1e11, 1e-5) == pytest.approx(2 * 3 / 4 * 1e9 / 1e11 + 6 * 1e-5)

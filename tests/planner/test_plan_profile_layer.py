@@ -1,17 +1,50 @@
 """``plan profile`` measures the training runtime's own layer where the runtime can run the shape."""
 
+import pytest
 import torch
 
-from computron.models.presets import get_preset
+from computron.models.presets import PRESETS, get_preset
+from computron.models.transformer import DenseBatch, bind_weights, rope_tables
 from computron.parallel.dims import ParallelDims
 from computron.parallel.shard_model import build_rank
+from computron.planner import costs
 from computron.planner.model import TransformerShape
-from computron.planner.profile import run_profile, runtime_layer
+from computron.planner.profile import _runtime_config, measure, run_profile, runtime_layer
 from computron.train.accuracy import shape_of
 
+# what a decoder layer is made of (the embeddings and head aside); rope_theta and norm_eps change
+# values, not a layer's work or what it keeps
+LAYER_FIELDS = ("hidden_size", "num_heads", "kv_heads", "head_dim", "ffn_size", "norm", "position", "activation",
+                "gated_mlp", "attn_bias", "mlp_bias", "norm_bias", "pre_norm")
 
-def test_the_runtime_layer_is_the_trainers_shard_of_the_same_model():
-    cfg = get_preset("tiny-llama")  # GQA: 4 query heads, 2 key/value heads
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_every_preset_is_profiled_with_the_trainers_layer(name):
+    """OPT's layer was profiled as the gpt family's GeLU layer; now each preset's own."""
+    cfg = PRESETS[name]
+    got = _runtime_config(shape_of(cfg, 128, 1), 1, 1)
+    assert {f: getattr(got, f) for f in LAYER_FIELDS} == {f: getattr(cfg, f) for f in LAYER_FIELDS}
+
+
+@pytest.mark.parametrize("name", ["tiny-opt", "tiny-gpt2", "tiny-llama"])
+def test_the_profiled_layer_computes_what_the_trainers_does(name):
+    """The profile's layer, given the trainer's layer-0 weights, gives the trainer's output."""
+    cfg = get_preset(name).with_(dtype="float32")
+    _, model, _ = build_rank(cfg, ParallelDims(), 0)
+    trainer = model.layers[0]
+    layer = runtime_layer(shape_of(cfg, 16, 8), 1, torch.device("cpu"), torch.float32)
+    bind_weights(layer.layer, {n: p.detach().clone() for n, p in trainer.named_parameters()})
+    x = torch.randn(2, 16, cfg.hidden_size)
+    batch = DenseBatch(2)
+    if cfg.position == "rope":
+        batch.rope = rope_tables(cfg, torch.arange(16).repeat(2), torch.float32)
+    want = trainer(x.reshape(32, -1), batch).view_as(x)
+    torch.testing.assert_close(layer(x), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["tiny-opt", "tiny-gpt2", "tiny-llama"])
+def test_the_runtime_layer_is_the_trainers_shard_of_the_same_model(name):
+    cfg = get_preset(name)  # tiny-llama: GQA, 4 query heads, 2 key/value heads
     shape = shape_of(cfg, 16, 8)
     for tp in (1, 2):
         _, model, _ = build_rank(cfg.with_(dtype="float32"), ParallelDims(tp=tp), 0)
@@ -75,3 +108,20 @@ def test_saved_activations_are_counted_whole():
     (e,) = [e for e in got["entries"] if e.get("part", "layer") == "layer"]
     tokens = 2 * 16
     assert e["act_bytes"] >= 4 * tokens * (6 * m.hidden + 2 * m.ffn)
+
+
+def test_relu_keeps_one_ffn_tensor_where_gelu_keeps_two():
+    """OPT's ReLU keeps only its output (the down projection's input too); GeLU keeps its input as
+    well: the bytes autograd saves differ by one ffn-sized tensor, as costs.activation_bytes says."""
+    dev, b = torch.device("cpu"), 2
+    got, want = {}, {}
+    for act in ("relu", "gelu_new"):
+        m = TransformerShape("g", "gpt", 2, 64, 4, 256, 256, 16, 8, flash_attention=True, dropout=False, activation=act)
+        torch.manual_seed(0)
+        got[act] = measure(runtime_layer(m, 1, dev, torch.float32), b, m, dev, torch.float32, 0, 1, depth=2)["act_bytes"]
+        want[act] = costs.activation_bytes(m, 1, b)
+    tokens = b * 16
+    assert got["gelu_new"] - got["relu"] == 4 * tokens * 256  # float32 on the CPU
+    assert want["gelu_new"] - want["relu"] == 2 * tokens * 256  # the shape's 16-bit elements
+    # the whole count: the formula in float32 (twice its 16-bit bytes), to the attention's row statistics
+    assert got["relu"] == pytest.approx(2 * want["relu"], rel=0.01)

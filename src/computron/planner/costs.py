@@ -460,13 +460,23 @@ def optimizer_step(params_rank: float, gpu: GpuType, dp: int, zero: int, a: Assu
 
 
 # ---------------------------------------------------------------- memory
+def mlp_kept(m: TransformerShape) -> int:
+    """How many ffn-sized tensors one layer's MLP keeps for backward: 2 for GeLU or SiLU (its input,
+    and its output as the down projection's input), 1 for ReLU (its backward needs only its output,
+    the same tensor the down projection keeps), 3 gated (Megatron's fused SwiGLU keeps the gate and
+    up halves and the product)."""
+    if m.gated:
+        return 3
+    return 1 if m.activation == "relu" else 2
+
+
 def activation_bytes(m: TransformerShape, t: int, b: int, sp: bool = False, selective: bool = False,
                      fp8: bool = False) -> float:
     """Activations one layer keeps for backward, per micro-batch, per TP rank (Korthikanti et al. 2022).
 
     GPT with dropout and standard attention gives ``s*b*h*(10 + 24/t + 5*a*s/(h*t))``. In general:
     replicated ``e*M*4h`` (norm, QKV and MLP inputs) + ``2*M*h`` masks (dropout); sharded
-    ``e*M*(2h/t + 2kd)`` (Q, K, V, attention output) + ``e*M*f/t`` x 2 (GeLU in/out) or x 3 (gated);
+    ``e*M*(2h/t + 2kd)`` (Q, K, V, attention output) + ``e*M*f/t`` x :func:`mlp_kept`;
     scores ``b*(a/t)*s^2*(2e+1)`` with dropout, ``e`` without, none with fused attention (it keeps
     a 4-byte log-sum-exp per row instead).
 
@@ -484,7 +494,7 @@ def activation_bytes(m: TransformerShape, t: int, b: int, sp: bool = False, sele
     e, s, h = m.bytes_per_elem, m.seq_len, m.hidden
     M = b * s
     rep = (e * M * 4 * h + (2 * M * h if m.dropout else 0)) / (t if sp else 1)
-    sh = e * M * (2 * h / t + 2 * m.kv_heads_per_rank(t) * m.head_dim) + e * M * m.ffn / t * (3 if m.gated else 2)
+    sh = e * M * (2 * h / t + 2 * m.kv_heads_per_rank(t) * m.head_dim) + e * M * m.ffn / t * mlp_kept(m)
     heads = b * m.heads / t
     if m.flash_attention:
         sc = 4 * heads * s

@@ -20,13 +20,16 @@ from .errors import PlannerError
 from .model import TransformerShape
 
 FORMAT = "computron-plan-profile/1"
-SHAPE_KEYS = ("family", "hidden", "heads", "kv_heads", "ffn", "seq_len", "flash_attention")
+SHAPE_KEYS = ("family", "hidden", "heads", "kv_heads", "ffn", "seq_len", "flash_attention", "activation", "pre_norm")
 
 
 def model_shape(m: TransformerShape) -> dict:
-    """The fields of a model a layer profile depends on."""
+    """The fields of a model a layer profile depends on. A stored profile lacks the ones added
+    since (``activation``, ``pre_norm``), and is not checked on them: it was measured with the
+    family's default layer (gelu_new or silu, pre-norm) and is used as it is."""
     return {"family": m.family, "hidden": m.hidden, "heads": m.heads, "kv_heads": m.kv, "ffn": m.ffn,
-            "seq_len": m.seq_len, "flash_attention": bool(m.flash_attention)}
+            "seq_len": m.seq_len, "flash_attention": bool(m.flash_attention), "activation": m.activation,
+            "pre_norm": m.pre_norm}
 
 
 def _interpolate(rows: list[tuple], mbs: int) -> tuple:

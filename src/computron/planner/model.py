@@ -20,6 +20,7 @@ from ..models.presets import ALIASES as ENGINE_ALIASES, canonical_name
 from .errors import PlannerError
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2}
+ACTIVATIONS = ("relu", "gelu", "gelu_new", "silu")  # computron.models' names (gelu_new: tanh approximation)
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,10 @@ class TransformerShape:
     ``family`` "gpt": LayerNorm, GeLU MLP, biases, learned positions, dropout, tied embeddings.
     ``family`` "llama": RMSNorm, gated SiLU MLP (3 matrices), no biases, RoPE, untied, no dropout.
     ``flash_attention``: fused attention (no s*s score tensor in memory, causal blocks skipped).
+    ``activation``: the MLP's (None: the family's, gelu_new or silu); OPT is the gpt family with
+    ``relu``, which keeps less for backward (costs.activation_bytes) and is what ``plan profile``
+    must build to measure OPT's layer. ``pre_norm`` False: the norms after the residual adds
+    (OPT-350m).
     """
 
     name: str
@@ -45,6 +50,8 @@ class TransformerShape:
     tie_embeddings: bool | None = None  # None: family default
     flash_attention: bool | None = None  # None: family default
     dropout: bool | None = None  # None: family default
+    activation: str | None = None  # None: family default
+    pre_norm: bool = True
 
     def __post_init__(self) -> None:
         if self.family not in ("gpt", "llama"):
@@ -61,7 +68,11 @@ class TransformerShape:
             raise PlannerError(f"model {self.name}: heads {self.heads} is not a multiple of kv_heads {self.kv}")
         if self.dtype not in DTYPE_BYTES:
             raise PlannerError(f"model {self.name}: dtype {self.dtype!r} not supported (float16 or bfloat16)")
+        if self.activation is not None and self.activation not in ACTIVATIONS:
+            raise PlannerError(f"model {self.name}: unknown activation {self.activation!r} ({', '.join(ACTIVATIONS)})")
         llama = self.family == "llama"
+        if self.activation is None:
+            object.__setattr__(self, "activation", "silu" if llama else "gelu_new")
         if self.tie_embeddings is None:
             object.__setattr__(self, "tie_embeddings", not llama)
         if self.flash_attention is None:

@@ -46,7 +46,9 @@ def planner_gpu_name(device_name: str, memory_bytes: float = 0.0) -> str:
 
 def _runtime_config(m: TransformerShape, tp: int, layers: int):
     """The runtime's ``ModelConfig`` of ``layers`` layers of one TP shard of ``m``, or None when the
-    runtime cannot run the shape (dropout, or attention that is not fused)."""
+    runtime cannot run the shape (dropout, or attention that is not fused). Its layer is the one
+    ``computron train`` runs for the model ``m`` stands for (``train.accuracy.shape_of``): norm,
+    positions, gating and biases by family, the activation and norm placement from ``m``."""
     if m.dropout or not m.flash_attention:
         return None
     from ..models.config import ModelConfig
@@ -55,8 +57,8 @@ def _runtime_config(m: TransformerShape, tp: int, layers: int):
     return ModelConfig(m.name, "llama" if llama else "gpt2", m.vocab, m.hidden, layers, m.heads // tp, m.ffn // tp,
                        m.seq_len, num_kv_heads=m.kv_heads_per_rank(tp), head_size=m.head_dim,
                        norm="rmsnorm" if llama else "layernorm", position="rope" if llama else "learned",
-                       activation="silu" if llama else "gelu_new", gated_mlp=m.gated, attn_bias=m.biases,
-                       mlp_bias=m.biases, norm_bias=m.biases, tie_embeddings=m.tie_embeddings, dtype="bfloat16")
+                       activation=m.activation, gated_mlp=m.gated, attn_bias=m.biases, mlp_bias=m.biases,
+                       norm_bias=m.biases, pre_norm=m.pre_norm, tie_embeddings=m.tie_embeddings, dtype="bfloat16")
 
 
 def _bind_random(module, cfg, device, dtype) -> None:
@@ -160,7 +162,8 @@ def measure_head(head, mbs: int, m: TransformerShape, device, dtype, warmup: int
 
 
 def build_layer(m: TransformerShape, tp: int, device, dtype):
-    """One decoder layer's TP shard as a torch.nn.Module (pre-norm, causal self-attention, MLP)."""
+    """One decoder layer's TP shard as a torch.nn.Module (causal self-attention and the MLP with
+    ``m``'s activation, norms before or after the residual adds as ``m.pre_norm`` says)."""
     import torch
     from torch import nn
 
@@ -168,6 +171,8 @@ def build_layer(m: TransformerShape, tp: int, device, dtype):
     nq, nkv = m.heads // tp, m.kv_heads_per_rank(tp)
     f = m.ffn // tp
     norm = (lambda: nn.LayerNorm(h)) if m.family == "gpt" else (lambda: nn.RMSNorm(h))
+    F = torch.nn.functional
+    act = {"relu": F.relu, "gelu": F.gelu, "gelu_new": lambda y: F.gelu(y, approximate="tanh"), "silu": F.silu}[m.activation]
     p_drop = 0.1 if m.dropout else 0.0
 
     class Layer(nn.Module):
@@ -199,12 +204,15 @@ def build_layer(m: TransformerShape, tp: int, device, dtype):
             y = self.up(x)
             if m.gated:
                 g, u = y.chunk(2, dim=-1)
-                y = torch.nn.functional.silu(g) * u
+                y = act(g) * u
             else:
-                y = torch.nn.functional.gelu(y, approximate="tanh")
+                y = act(y)
             return self.down(y)
 
         def forward(self, x):
+            if not m.pre_norm:
+                x = self.norm1(x + self.drop(self.attention(x)))
+                return self.norm2(x + self.drop(self.mlp(x)))
             x = x + self.drop(self.attention(self.norm1(x)))
             return x + self.drop(self.mlp(self.norm2(x)))
 

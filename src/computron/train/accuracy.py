@@ -109,12 +109,15 @@ class Config:
 
 
 def shape_of(c, seq_len: int, global_batch: int):
-    """The planner's shape of an engine ``ModelConfig`` as this trainer runs it (fused attention, no dropout)."""
+    """The planner's shape of an engine ``ModelConfig`` as this trainer runs it (fused attention, no
+    dropout), with the model's activation and norm placement, so that ``plan profile`` measures the
+    trainer's layer (OPT: ReLU, not the gpt family's GeLU)."""
     from ..planner.model import TransformerShape
 
     return TransformerShape(c.name, "llama" if c.family == "llama" else "gpt", c.num_layers, c.hidden_size,
                             c.num_heads, c.ffn_size, c.vocab_size, seq_len, global_batch, kv_heads=c.kv_heads,
-                            dtype="bfloat16", tie_embeddings=c.tie_embeddings, flash_attention=True, dropout=False)
+                            dtype="bfloat16", tie_embeddings=c.tie_embeddings, flash_attention=True, dropout=False,
+                            activation=c.activation, pre_norm=c.pre_norm)
 
 
 FITTED_TP_COLLECTIVE_S = 220e-6  # the fallback when a run measured no tp collective (assumptions)

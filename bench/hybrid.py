@@ -7,7 +7,9 @@ a preset (``--preset``, default OPT-1.3B: ``opt-1.3b=a``, ``opt-1.3b=b``, ...), 
 ``--rate`` with ``--cv``, ``--duration`` seconds, uniformly over the models, ``--prompt`` and
 ``--output`` tokens) is replayed identically, open loop and streamed (``computron loadgen``'s
 ``replay``), for inference alone, training alone and the trainer colocated in each of the arbiter's
-modes (normal, static, task-switch, colocate), each ``--repeats`` times. The training job runs in
+modes (normal, static, task-switch, colocate) and in colocate with the job yielding the GPU's compute
+(``colocate+yield``: while inference has work; ``colocate+yield-first``: while a request waits for its
+first token; ``static+yield`` on request), each ``--repeats`` times. The training job runs in
 its own process: ``--job gpt`` is ``computron train`` (a GPT-2-medium shape by default, or
 ``--train-model``), ``--job resnet`` is ``examples/resnet_colocated.py`` (ResNet-50, SGD).
 
@@ -20,11 +22,12 @@ what it may) and the job made a step. Each start-up part is timed and reported, 
 warm-up (the trace replayed once, unrecorded) included.
 
 Reports per phase (medians over repeats): SLO attainment at k x solo latency (k = 1..8; solo: each
-model's median latency in inference alone), p50/p99 latency and time to first token, training
+model's median latency in inference alone), and at 5x over all the repeats' requests with its 95%
+interval (``slo_pooled``), p50/p99 latency and time to first token, training
 samples/s relative to training alone, the handovers (``GET /colocation`` of the server: each
 demand that took training's memory) split into signal, training release, ack, inference
 allocation (the arena mapping the memory again) and swap-in, how often training was told to
-shrink, and a PNG timeline of memory by owner. Writes bench/results/hybrid_<tag>.json (and .png).
+shrink and to yield, and a PNG timeline of memory by owner (with the yields). Writes bench/results/hybrid_<tag>.json (and .png).
 
     PYTHONPATH=src python bench/hybrid.py --duration 10 --repeats 2 --job-timeout 120 --fresh --tag h100_engine
     PYTHONPATH=src python bench/hybrid.py --job resnet --duration 10 --repeats 2 --fresh --tag h100_engine_resnet

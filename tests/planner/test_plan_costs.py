@@ -82,6 +82,29 @@ def test_relu_mlp_keeps_one_ffn_tensor(t):
     assert costs.activation_bytes(GPT, t, b) - costs.activation_bytes(relu, t, b) == pytest.approx(2 * M * GPT.ffn / t)
 
 
+@pytest.mark.parametrize("t", [1, 2, 4])
+def test_unfused_llama_by_hand(t):
+    """Llama-2-7B (one K/V head per query head) as the trainer keeps it: norms' inputs and outputs
+    and their float32 1/rms, replicated; the QKV output (3h), the rotated Q and K (2h), the attention
+    output (h), the up projection's output (2f), the SiLU output and the product, sharded; the
+    log-sum-exp. Off (the default), Megatron's count; GPT's layer is the same either way."""
+    m, on = preset("llama-2-7b"), Assumptions(unfused_llama=True)
+    s, h, f, a, b = m.seq_len, m.hidden, m.ffn, m.heads, 2
+    M = b * s
+    expect = 2 * M * 4 * h + 4 * 2 * M + 2 * M * (6 * h + 4 * f) / t + 4 * b * a / t * s
+    assert costs.activation_bytes(m, t, b, a=on) == pytest.approx(expect)
+    megatron = 2 * M * 4 * h + 2 * M * (4 * h + 3 * f) / t + 4 * b * a / t * s
+    assert costs.activation_bytes(m, t, b) == costs.activation_bytes(m, t, b, a=Assumptions()) == pytest.approx(megatron)
+    assert costs.mlp_kept(m) == 3 and costs.mlp_kept(m, on) == 4
+    assert costs.activation_bytes(GPT, t, b, a=on) == costs.activation_bytes(GPT, t, b)
+
+
+def test_trainer_assumptions_count_its_llama_layer():
+    from computron.train.accuracy import assumptions
+
+    assert assumptions().unfused_llama and not Assumptions().unfused_llama
+
+
 def test_unknown_activation_is_refused():
     with pytest.raises(ValueError, match="unknown activation"):
         replace(GPT, activation="swish")

@@ -125,3 +125,45 @@ def test_relu_keeps_one_ffn_tensor_where_gelu_keeps_two():
     assert want["gelu_new"] - want["relu"] == 2 * tokens * 256  # the shape's 16-bit elements
     # the whole count: the formula in float32 (twice its 16-bit bytes), to the attention's row statistics
     assert got["relu"] == pytest.approx(2 * want["relu"], rel=0.01)
+
+
+def _saved_storages(layer, x) -> list[int]:
+    """Elements of each distinct storage autograd saves in ``layer(x)``, parameters excluded."""
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t), lambda _: None):
+        layer(x)
+    seen = {t.untyped_storage().data_ptr(): t for t in kept if t.untyped_storage().data_ptr() not in params}
+    return sorted(t.untyped_storage().nbytes() // t.element_size() for t in seen.values())
+
+
+@pytest.mark.parametrize("kv", [2, 4])  # tiny-llama's grouped K/V heads, and one per query head
+@pytest.mark.parametrize("tp", [1, 2])
+def test_unfused_llama_counts_what_the_trainers_layer_keeps(tp, kv):
+    """The trainer's Llama layer (runtime_layer's shard), tensor by tensor: each norm's input, float32
+    1/rms and output; the QKV output whole (V is a view of it), RoPE's rotated Q and K and its cos
+    and sin tables; the fused attention's output and log-sum-exp; the up projection's output (the
+    gate and up halves), the SiLU output and the product. On the CPU two more: the composite RMSNorm
+    keeps x/rms for its weight's gradient (CUDA's fused kernel keeps only x and 1/rms), and the
+    tables, which the trainer makes once per micro-batch for all the stage's layers, count whole
+    for this one layer. The formula with ``unfused_llama`` is the rest to the byte: float32 here,
+    so twice its 16-bit tensors and its float32 statistics as they are."""
+    m = TransformerShape("l", "llama", 2, 64, 4, 172, 256, 16, 8, kv_heads=kv, flash_attention=True)
+    dev, b, s = torch.device("cpu"), 2, 16
+    M, h, d, f = b * s, m.hidden, m.head_dim, m.ffn // tp
+    hq, hk = m.heads // tp, m.kv_heads_per_rank(tp)
+    torch.manual_seed(0)
+    layer = runtime_layer(m, tp, dev, torch.float32)
+    norm = [M * h, M, M * h]  # input, 1/rms, output (the next product's input)
+    attn = [M * (hq + 2 * hk) * d, M * (hq + hk) * d, M * d, M * d, M * hq * d, b * hq * s]
+    mlp = [M * 2 * f, M * f, M * f]
+    cpu = [M * h, M * h]  # the composite RMSNorm's x/rms
+    want = sorted(norm + attn + norm + mlp + cpu)
+    assert _saved_storages(layer, torch.randn(b, s, h, requires_grad=True)) == want
+    got = measure(layer, b, m, dev, torch.float32, 0, 1, depth=1)["act_bytes"]
+    assert got == 4 * sum(want)
+    stats = 4 * (2 * M + b * hq * s)  # 1/rms and log-sum-exp: float32 on any device
+    formula = costs.activation_bytes(m, tp, b, a=costs.Assumptions(unfused_llama=True))
+    assert got == 2 * (formula - stats) + stats + 4 * (2 * M * d + sum(cpu))
+    # Megatron's count, the default, leaves out the SiLU output, the unrotated Q and K and the 1/rms
+    assert formula - costs.activation_bytes(m, tp, b) == 2 * M * (f + (hq + hk) * d) + 4 * 2 * M

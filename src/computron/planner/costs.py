@@ -51,6 +51,9 @@ class Assumptions:
     # gradients between steps (none while the first micro-batch runs), takes each micro-batch's whole
     # 16-bit gradient at once without a pipeline (autograd.grad) and all-reduces the data-parallel
     # gradients through one flat copy of them (:func:`estimate.stage_memory`)
+    unfused_llama: bool = False  # the Llama layer as plain torch ops keep it (``models/transformer.py``):
+    # the SwiGLU's SiLU output, the QKV output whole under RoPE's rotated Q and K, RMSNorm's fp32
+    # 1/rms (:func:`activation_bytes`); False: Megatron's fused SwiGLU and RoPE
     memory_margin: float = 0.10  # fraction of GPU memory kept free (fragmentation, workspaces)
     memory_reserve_gib: float = 1.0  # CUDA context + NCCL buffers
     scatter_gather: bool = True  # Megatron's p2p scatter/gather over TP ranks
@@ -460,18 +463,19 @@ def optimizer_step(params_rank: float, gpu: GpuType, dp: int, zero: int, a: Assu
 
 
 # ---------------------------------------------------------------- memory
-def mlp_kept(m: TransformerShape) -> int:
+def mlp_kept(m: TransformerShape, a: Assumptions = DEFAULT) -> int:
     """How many ffn-sized tensors one layer's MLP keeps for backward: 2 for GeLU or SiLU (its input,
     and its output as the down projection's input), 1 for ReLU (its backward needs only its output,
     the same tensor the down projection keeps), 3 gated (Megatron's fused SwiGLU keeps the gate and
-    up halves and the product)."""
+    up halves and the product), 4 gated with ``a.unfused_llama`` (``silu(gate) * up`` as two ops:
+    the product's backward keeps the SiLU output too, for the up half's gradient)."""
     if m.gated:
-        return 3
+        return 4 if a.unfused_llama else 3
     return 1 if m.activation == "relu" else 2
 
 
 def activation_bytes(m: TransformerShape, t: int, b: int, sp: bool = False, selective: bool = False,
-                     fp8: bool = False) -> float:
+                     fp8: bool = False, a: Assumptions = DEFAULT) -> float:
     """Activations one layer keeps for backward, per micro-batch, per TP rank (Korthikanti et al. 2022).
 
     GPT with dropout and standard attention gives ``s*b*h*(10 + 24/t + 5*a*s/(h*t))``. In general:
@@ -479,6 +483,13 @@ def activation_bytes(m: TransformerShape, t: int, b: int, sp: bool = False, sele
     ``e*M*(2h/t + 2kd)`` (Q, K, V, attention output) + ``e*M*f/t`` x :func:`mlp_kept`;
     scores ``b*(a/t)*s^2*(2e+1)`` with dropout, ``e`` without, none with fused attention (it keeps
     a 4-byte log-sum-exp per row instead).
+
+    ``a.unfused_llama`` (Llama as ``computron train`` runs it, each tensor read off what autograd
+    saves in its layer, docs/planner.md): RoPE rotates Q and K out of place, so the fused attention
+    keeps the rotated Q and K while its V, a view of the QKV projection's output, keeps that whole
+    output alive, the unrotated Q and K included: ``e*M*(h/t + kd)`` more; the unfused SwiGLU keeps
+    one ffn-sized tensor more (:func:`mlp_kept`); each RMSNorm keeps its float32 ``1/rms``, 4 bytes
+    a token (replicated).
 
     Sequence parallelism (``sp``) shards the replicated part over the t ranks along the sequence;
     selective recomputation drops the scores (recomputed, :func:`attention_core_forward`). For GPT
@@ -493,8 +504,12 @@ def activation_bytes(m: TransformerShape, t: int, b: int, sp: bool = False, sele
     """
     e, s, h = m.bytes_per_elem, m.seq_len, m.hidden
     M = b * s
-    rep = (e * M * 4 * h + (2 * M * h if m.dropout else 0)) / (t if sp else 1)
-    sh = e * M * (2 * h / t + 2 * m.kv_heads_per_rank(t) * m.head_dim) + e * M * m.ffn / t * mlp_kept(m)
+    kd = m.kv_heads_per_rank(t) * m.head_dim
+    llama = a.unfused_llama and m.family == "llama"
+    rep = (e * M * 4 * h + (2 * M * h if m.dropout else 0) + (2 * 4 * M if llama else 0)) / (t if sp else 1)
+    sh = e * M * (2 * h / t + 2 * kd) + e * M * m.ffn / t * mlp_kept(m, a)
+    if llama:
+        sh += e * M * (h / t + kd)  # the unrotated Q and K, kept by V's view of the QKV output
     heads = b * m.heads / t
     if m.flash_attention:
         sc = 4 * heads * s

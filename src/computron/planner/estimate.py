@@ -105,14 +105,14 @@ class CostModel:
         hit = self._cache.get(key)
         if hit is None:
             m = self.model.context_shard(cp)
-            act = costs.activation_bytes(m, tp, mbs, sp, selective, fp8)
+            act = costs.activation_bytes(m, tp, mbs, sp, selective, fp8, self.a)
             got = self.profile.lookup(gpu.name, tp, mbs) if self.profile and cp == 1 and not fp8 else None
             if got is not None:
                 saved = 0.0
                 if sp:
                     saved = (costs.elementwise_bytes(m, tp, mbs) - costs.elementwise_bytes(m, tp, mbs, True)) / (
                         gpu.hbm_bw * self.a.hbm_eff)
-                kept = act if got[2] is None else got[2] - (costs.activation_bytes(m, tp, mbs) - act)
+                kept = act if got[2] is None else got[2] - (costs.activation_bytes(m, tp, mbs, a=self.a) - act)
                 hit = (got[0] - saved, got[1] - 2 * saved, kept)
             else:
                 hit = (*costs.compute_from_parts(self.parts(gpu, tp, mbs, sp, cp, fp8)), act)

@@ -142,7 +142,10 @@ def assumptions(measured: dict[int, float] | None = None, keeps_outputs: bool | 
       True for the runs made before the trainer turned ``return_outputs`` off), the last stage keeps
       every micro-batch's logits and concatenates them at the step's end; the gradients are freed between steps, each micro-batch
       without a pipeline takes its whole bf16 gradient from ``autograd.grad``, and the data-parallel
-      all-reduce goes through one flat copy of all gradients (``planner/estimate.py stage_memory``).
+      all-reduce goes through one flat copy of all gradients (``planner/estimate.py stage_memory``);
+      its Llama layer is plain torch ops (``models/transformer.py``): the unfused SwiGLU keeps the SiLU
+      output, RoPE's rotated Q and K are kept beside the whole QKV output, and each RMSNorm keeps its
+      1/rms (``unfused_llama``, ``planner/costs.py activation_bytes``).
     """
     from ..planner.costs import Assumptions
     from .job import pipeline_keeps_outputs
@@ -150,7 +153,7 @@ def assumptions(measured: dict[int, float] | None = None, keeps_outputs: bool | 
     return Assumptions(bytes_per_param=18, tp_collective_s=FITTED_TP_COLLECTIVE_S, chunk_overhead_s=0.0,
                        tp_collective_by_tp=tuple(sorted((measured or {}).items())), zero_shards_master=False,
                        keep_pipeline_outputs=pipeline_keeps_outputs() if keeps_outputs is None else keeps_outputs,
-                       step_transients=True)
+                       step_transients=True, unfused_llama=True)
 
 
 def tp_collective_used(groups: list[dict]) -> dict:

@@ -81,7 +81,10 @@ class Assumptions:
     def tp_collective_at(self, t: int) -> float:
         """The per-collective cost of a tensor-parallel group of ``t`` ranks: the measured one for ``t``
         when there is one, else ``tp_collective_s``."""
-        return dict(self.tp_collective_by_tp).get(t, self.tp_collective_s)
+        for size, seconds in self.tp_collective_by_tp:
+            if size == t:
+                return seconds
+        return self.tp_collective_s
 
     @property
     def grad_bytes(self) -> int:

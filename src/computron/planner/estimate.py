@@ -234,6 +234,8 @@ def stage_memory(t: MemoryTerms, n: int, inflight: int, mb: int, v: int, dp: int
     states += costs.zero_working_bytes(t.layer_params, t.fixed_params, zero, a, fp8)
     first = min(inflight, mb) if first is None else first
     act = inflight * math.ceil(n / v) * t.act_layer + t.act_work + first * t.act_fixed_mb + t.act_fixed
+    if not (a.keep_pipeline_outputs or a.step_transients):  # Megatron-LM's runtime: the search's hot path
+        return states + act
     kept = mb * t.out_mb if a.keep_pipeline_outputs else 0.0
     peaks = [states + act + kept, states + 2 * kept]
     if a.step_transients:

@@ -435,8 +435,6 @@ def test_steady_steps_plan_exactly_what_the_full_search_plans(seed, rate):
     for shortcut in (True, False):
         rng = random.Random(seed)
         s = _sched(400_000, max_batch_size=rng.randint(2, 8), block_tokens=4)
-        if not shortcut:
-            s._steady_step = lambda m, max_steps=1: None
         for i in range(3):
             s.add_model(f"m{i}", 512 * rng.randint(100, 300), KVT)
         lengths, out, n = {}, [], 0
@@ -449,6 +447,8 @@ def test_steady_steps_plan_exactly_what_the_full_search_plans(seed, rate):
                 s.add_request(r)
                 lengths[r.id] = rng.randint(1, r.max_tokens)
                 n += 1
+            if not shortcut:
+                s._steady = None  # no steady batch to go on with: the full search, every step
             p = _run_step(s, lengths, now=float(step))
             out.append((p.evictions, p.loads, p.prefetch, p.preempted, p.failed,
                         [(b.model, b.prefill, b.decode) for b in p.batches]))

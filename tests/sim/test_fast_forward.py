@@ -34,7 +34,7 @@ def test_same_outcome_as_single_steps(seed, budget, batch, cal):
     slow = slow_sim.run(trace)
     fast_sim = Simulation(models, cal, cfg)
     calls, spans = [], []
-    inner = fast_sim.core.step
+    inner = fast_sim.step
 
     def step(k=1):
         t0 = fast_sim.clock.t
@@ -44,7 +44,7 @@ def test_same_outcome_as_single_steps(seed, budget, batch, cal):
             spans.append(plan.steps)  # requests arrived during this run: they queued behind others
         return plan
 
-    fast_sim.core.step = step
+    fast_sim.step = step
     fast = fast_sim.run(trace)
     assert [(r.id, r.finish_reason, r.error) for r in fast.records] == \
            [(r.id, r.finish_reason, r.error) for r in slow.records]

@@ -58,7 +58,7 @@ def test_a_run_gives_the_collector_back_as_it_found_it(enabled):
         def broken(max_steps=1):
             raise RuntimeError("broken step")
 
-        sim.core.step = broken
+        sim.step = broken
         with pytest.raises(RuntimeError, match="broken step"):  # a run that fails gives it back too
             sim.run([(0.0, "tiny-opt", 8, 3)])
         assert gc.isenabled() == enabled

@@ -33,18 +33,20 @@ CONFIGS = {
 TRACES = {"kv-tight": [(0.0, "tiny-opt", 15, 20)] * 4 + [(0.001, "tiny-llama", 9, 4), (0.002, "tiny-opt", 30, 2)]}
 
 
-def _record(core) -> list:
+def _record(stepper) -> list:
+    """Every plan the scheduler makes, from the step of ``stepper`` (the simulation's or the engine's:
+    each core step plans once and returns that plan), one entry per step it runs."""
     plans = []
-    inner = core.scheduler.schedule
+    inner = stepper.step
 
-    def schedule(now=0.0, max_steps=1):
-        p = inner(now, max_steps)
+    def step(*args):
+        p = inner(*args)
         plans.extend([(tuple(p.evictions), tuple(p.loads), tuple(p.prefetch),
                        tuple((b.model, tuple(b.prefill), tuple(b.decode)) for b in p.batches),
                        tuple(p.preempted), tuple(rid for rid, _ in p.failed))] * p.steps)  # a run: its steps
         return p
 
-    core.scheduler.schedule = schedule
+    stepper.step = step
     return plans
 
 
@@ -52,7 +54,7 @@ def _record(core) -> list:
 def test_same_plans_as_the_real_engine(name):
     cfg = dict(device="cpu", cuda_graphs=False, **CONFIGS[name])
     sim = Simulation(MODELS, engine_config=EngineConfig(**cfg))
-    sim_plans = _record(sim.core)
+    sim_plans = _record(sim)
     res = sim.run(TRACES.get(name, TRACE))
     assert all(r.finish_reason == "length" for r in res.records), [(r.id, r.error) for r in res.records]
 
@@ -61,7 +63,7 @@ def test_same_plans_as_the_real_engine(name):
     for m in MODELS:
         eng.register_model(m)
     assert eng.executor.status().devices[0].capacity == sim.executor.status().devices[0].capacity
-    real_plans = _record(eng.core)
+    real_plans = _record(eng)
     pending = sorted(res.records, key=lambda r: (r.step, r.arrival, int(r.id[1:])))
     reqs, i = {}, 0
     while True:

@@ -31,7 +31,7 @@ from .._mypyc import mypyc_attr
 from ..config import EngineConfig, ModelSpec
 from ..engine.core import CoreRequest, EngineCore
 from ..messages import ModelDescription, SamplingParams
-from ..scheduler import ModelCost
+from ..scheduler import ModelCost, StepPlan
 from ..workload.report import by_model
 from .clock import VirtualClock
 from .costs import CPU_DEFAULT, Calibration
@@ -106,7 +106,8 @@ def _arrivals(trace) -> list:
 class Simulation:
     """An EngineCore on a SimExecutor and a VirtualClock, with models registered; ``run`` feeds a trace.
 
-    Hooks for tests: ``core`` (wrap ``core.scheduler.schedule`` to see every plan)."""
+    Hooks for tests: ``step`` (the core's step, which a run calls: wrap it to see every call; the
+    compiled core's own methods cannot be replaced)."""
 
     def __init__(self, models: Iterable, calibration: Calibration = CPU_DEFAULT,
                  engine_config: EngineConfig | None = None, devices: int = 1, fast_forward: bool = True):
@@ -116,6 +117,7 @@ class Simulation:
         self.executor = SimExecutor(self.config, calibration, self.clock, devices)
         self.core = EngineCore(self.executor, self.config, self.clock)  # type: ignore[arg-type]  # _Done: a Future
         self.core.on_finish = self._finished
+        self.step: Callable[..., StepPlan] = self.core.step
         self.records: dict[str, RequestRecord] = {}
         self._params: dict[int, SamplingParams] = {}
         self._prompts: dict[tuple[str, int], list[int]] = {}
@@ -161,7 +163,7 @@ class Simulation:
                 rid = f"probe-{name}-{tokens}"
                 self._add(0, Arrival(self.clock.t, name, p, tokens), rid)
                 while self.core.requests:
-                    if not self.core.step().batches and not self.executor.wait_loads():
+                    if not self.step().batches and not self.executor.wait_loads():
                         raise RuntimeError(f"simulation stalled at t={self.clock.t} in the probe {rid!r}")
                 rec = self.records.pop(rid)
                 if not rec.ok:
@@ -233,7 +235,7 @@ class Simulation:
         arrivals, origin = _arrivals(trace), self.origin
         if origin:
             arrivals = [Arrival(a.time + origin, a.model, a.prompt_tokens, a.output_tokens) for a in arrivals]
-        clock, core = self.clock, self.core
+        clock, core, step = self.clock, self.core, self.step
         before, earlier = dict(core.stats), set(self.records) if origin else ()
         n, i, steps, idle = len(arrivals), 0, 0, 0
         while True:
@@ -250,7 +252,7 @@ class Simulation:
             if self.fast_forward:
                 cap = FAST_FORWARD_MAX if max_steps is None else max(1, max_steps - steps)
                 k = self._run_bound(arrivals, i, cap)
-            plan = core.step(k)
+            plan = step(k)
             self.schedule_calls += 1
             if plan.batches:
                 steps, idle = steps + plan.steps, 0

@@ -51,6 +51,9 @@ def test_switching_modes_at_run_time(tmp_path):
             assert http.post("/admin/colocation", json={"moed": "static"}, headers=ADMIN).status_code == 400
             bad = http.post("/admin/colocation", json={"mode": "colocate", "at_boundary": "false"}, headers=ADMIN)
             assert bad.status_code == 400 and "at_boundary must be true or false" in bad.json()["error"]["message"]
+            bad = http.post("/admin/colocation", json={"yield_compute": True}, headers=ADMIN)
+            assert bad.status_code == 400 and "unknown yield_compute True; known: none, first-token, work" in \
+                bad.json()["error"]["message"]
             bad = http.post("/admin/colocation", json={"idle_s": -1}, headers=ADMIN)
             assert bad.status_code == 400 and "idle_s" in bad.json()["error"]["message"]
             assert http.get("/colocation").json()["mode"] == "normal"  # a refused switch keeps the link
@@ -174,6 +177,9 @@ def test_the_engine_has_training_yield_the_compute_while_it_has_work(tmp_path, p
                 assert seen(2 * i + 1) == [True, False] * i + [True]
             while not req.done:
                 engine.step()
+            # the step that ended the last request sent the end of the yield itself (not the arbiter's
+            # timer for a yield nobody renews, YIELD_STALE_S later)
+            assert [on for _, _, on in link.report()["yields"]][-1] is False
             assert seen(2 * i + 2) == [True, False] * (i + 1)
         assert [on for _, _, on in link.report()["yields"]] == got
     finally:

@@ -98,27 +98,45 @@ def test_sharded_models_are_not_striped_and_bad_stripe_devices_are_refused():
 
 
 def test_the_slo_policy_times_a_load_by_the_links_it_was_lent():
+    from types import SimpleNamespace
+
     from computron.scheduler import ModelCost
     from computron.sim.costs import Calibration
 
     # 1 GB/s links: a model on device 0 loads through its own link, then with one and two helpers; its own
     # device among the stripe devices is not its helper
+    one, two, three = W / 1e9, W / 2e9, W / 3e9
     cal = Calibration(name="t", swap_bandwidth=(1e9,) * 3)
     cost = {d: ModelCost.from_calibration(cal, (W,), (d,), stripe=(1, 2)) for d in (0, 1)}
-    assert cost[0].load_links_s == pytest.approx((W / 1e9, W / 2e9, W / 3e9), rel=1e-3)
-    assert cost[1].load_links_s == pytest.approx((W / 1e9, W / 2e9), rel=1e-3)  # device 1 is b's own
-    assert cost[0].load_s == cost[0].load_links_s[-1] == cost[0].load() == cost[0].load(5)
+    assert cost[0].load_links_s == pytest.approx((one, two, three), rel=1e-3)
+    assert cost[1].load_links_s == pytest.approx((one, two), rel=1e-3)  # device 1 is b's own
+    assert [cost[0].load(k) for k in (0, 1, 2, 5, None)] == pytest.approx([one, two, three, three, three], rel=1e-3)
     s = _sched(policy="slo")
     for name, dev in (("a", 0), ("b", 1), ("c", 0)):
         s.add_model(name, W, KVT, devices=(dev,), cost=cost[dev])
     # an offloaded model's next load is priced with the links idle now: both helpers
-    assert s.slo.load_s(s.models["c"]) == cost[0].load(2)
+    assert s.slo.load_s(s.models["a"]) == pytest.approx(three, rel=1e-3)
     _ask(s, 0, "b")
     plan = s.schedule(0.0)
     assert plan.stripes == {"b": (2,)}
-    assert s.models["b"].ready_at == pytest.approx(cost[1].load(1))  # its own link and device 2's
+    assert s.models["b"].ready_at == pytest.approx(two, rel=1e-3)  # its own link and device 2's
     s.update(plan)
-    # while b loads, device 1 has a load in flight and device 2 is lent: c would load alone
-    assert s.slo.load_s(s.models["c"]) == cost[0].load(0)
+    # while b loads, device 1 has a load in flight and device 2 is lent: a loads alone, and is due so
+    assert s.slo.load_s(s.models["a"]) == pytest.approx(one, rel=1e-3)
+    _ask(s, 5, "a")
+    plan = s.schedule(1.0)
+    assert plan.loads == ["a"] and plan.stripes == {}
+    assert s.models["a"].ready_at - 1.0 == pytest.approx(one, rel=1e-3)
+    s.update(plan)
     s.loaded("b")
-    assert s.slo.load_s(s.models["c"]) == cost[0].load(2)
+    assert s.slo.load_s(s.models["c"]) == pytest.approx(three, rel=1e-3)
+    # a stopped request's cache moves over its model's own link, whatever links its loads borrow
+    moved = s.slo.move_s(SimpleNamespace(name="a", weights=(W,), block_bytes=(BLOCK,)), SimpleNamespace(blocks=3))
+    assert moved == pytest.approx(2 * 3 * BLOCK / 1e9, rel=1e-3)
+    # device 2 has no room for the staging it would lend: a load on device 0 gets device 1's link alone
+    s = _sched(policy="slo", budgets=(1_000_000, 1_000_000, STAGING - 1))
+    s.add_model("a", W, KVT, devices=(0,), cost=cost[0])
+    assert s.slo.load_s(s.models["a"]) == pytest.approx(two, rel=1e-3)
+    _ask(s, 0, "a")
+    plan = s.schedule(0.0)
+    assert plan.stripes == {"a": (1,)} and s.models["a"].ready_at == pytest.approx(two, rel=1e-3)

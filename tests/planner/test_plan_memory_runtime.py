@@ -2,6 +2,7 @@
 moments, the pipeline keeping its outputs, the step's gradient transients) against hand computations."""
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -41,6 +42,10 @@ def test_step_transients_without_pipeline():
     assert stage_memory(t, 4, 1, 2, 1, 1, 0, TRAINER) == pytest.approx(8.0e7)
     big = MemoryTerms(1e6, 0.0, 1e8, 0.0, 0.0, 0.0)  # activations 4e8 dominate; one micro-batch: no gradients
     assert stage_memory(big, 4, 1, 1, 1, 2, 1, TRAINER) == pytest.approx(5.6e7 - 1.6e7 + 4e8)
+    # the same with the pipeline's outputs not kept (the trainer where torch lets it): the transients alone
+    lean = replace(TRAINER, keep_pipeline_outputs=False)
+    assert stage_memory(t, 4, 1, 1, 1, 2, 1, lean) == pytest.approx(7.2e7)
+    assert stage_memory(big, 4, 1, 1, 1, 2, 1, lean) == pytest.approx(5.6e7 - 1.6e7 + 4e8)
 
 
 def test_memory_terms_output_of_the_last_pipeline_stage_only():

@@ -19,7 +19,7 @@ from computron.models import save_checkpoint
 from computron.models.presets import get_preset
 from computron.train.config import TrainConfig
 from computron.train.dist import RankFailed, spawn
-from computron.train.job import Trainer
+from computron.train.job import Trainer, pipeline_keeps_outputs
 
 STEPS = 3
 BASE = TrainConfig(seq_len=8, global_batch=8, micro_batch=2, steps=STEPS, lr=1e-3, synthetic_tokens=2048)
@@ -35,6 +35,9 @@ def _worker(jobs, out):
         for key, cfg in jobs:
             tr = Trainer(cfg)
             losses = [tr.train_step()["loss"] for _ in range(STEPS)]
+            if tr.schedule is not None and not pipeline_keeps_outputs():  # the last stage's outputs, unused,
+                stages = getattr(tr.schedule, "_stages", None) or [tr.schedule._stage]  # are not kept (torch's
+                assert not any(st.output_chunks for st in stages), key  # own record of them)
             full = {**tr.full_params(), **{"grad." + n: g for n, g in tr.full_params(grads=True).items()}}
             if dist.get_rank() == 0:
                 save_file({n: t.contiguous() for n, t in full.items()}, f"{out}/{key}.safetensors")

@@ -154,6 +154,8 @@ def main_workers(args) -> int:
     for k in [g for g in args.gpus if g > 1]:
         for c in args.chunk:
             r = measure_workers(args.model, k, c, args.repeats)
+            print(f"{k} GPUs, {c} MiB chunks: workers started and {args.model} registered in {r['register_s']:.1f} s",
+                  flush=True)
             res["runs"].append(r)
             plain, striped = med(r["plain"]["copy_s"]), med(r["striped"]["copy_s"])
             rows.append([k, c, plain * 1e3, striped * 1e3, plain / striped, med(r["plain"]["wall_s"]) * 1e3,
@@ -172,7 +174,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="opt-13b")
     ap.add_argument("--gpus", type=positive_int, nargs="+", default=[2, 4])
-    ap.add_argument("--chunk", type=positive_int, nargs="+", default=[16, 32, 64], help="MiB a link moves at a time")
+    ap.add_argument("--chunk", type=positive_int, nargs="+", default=None,
+                    help="MiB a link moves at a time (default: 16 32 64; with --executor workers 32, the engine's "
+                         "default, since each chunk size starts the workers and registers the model again)")
     ap.add_argument("--repeats", type=positive_int, default=5)
     ap.add_argument("--out", default=None)
     ap.add_argument("--executor", choices=("inprocess", "workers"), default="inprocess",
@@ -182,6 +186,8 @@ def main(argv=None) -> int:
     if not have or max(args.gpus) > have:
         print(f"needs {max(args.gpus)} CUDA GPUs, this machine has {have}", file=sys.stderr)
         return 2
+    if args.chunk is None:
+        args.chunk = [32] if args.executor == "workers" else [16, 32, 64]
     if args.executor == "workers":
         return main_workers(args)
     cfg, _ = resolve_model(args.model)

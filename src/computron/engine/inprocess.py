@@ -718,13 +718,13 @@ class InProcessExecutor:
         if res.swap is not None and res.swap.events is not None:
             res.swap.events[-1].synchronize()  # not reported as loaded here: the engine's step does that
         region = res.region
-        return hashlib.sha256(region.tensor[: self.models[name].layout.nbytes].cpu().numpy().tobytes()).hexdigest()
+        return hashlib.sha256(region.tensor[: self.models[name].layout.nbytes].cpu().numpy().data).hexdigest()
 
     def image_digest(self, name: str) -> str:
         """A digest of the model's host image on this device (what ``weights_digest`` must equal)."""
         import hashlib
 
-        return hashlib.sha256(self.models[name].image.buffer.numpy().tobytes()).hexdigest()
+        return hashlib.sha256(self.models[name].image.buffer.numpy().data).hexdigest()  # no copy of the image
 
     def shutdown(self) -> None:
         for name in list(self.resident):

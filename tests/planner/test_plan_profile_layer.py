@@ -167,3 +167,31 @@ def test_unfused_llama_counts_what_the_trainers_layer_keeps(tp, kv):
     assert got == 2 * (formula - stats) + stats + 4 * (2 * M * d + sum(cpu))
     # Megatron's count, the default, leaves out the SiLU output, the unrotated Q and K and the 1/rms
     assert formula - costs.activation_bytes(m, tp, b) == 2 * M * (f + (hq + hk) * d) + 4 * 2 * M
+
+
+def test_the_profile_checkpoints_its_layer_as_the_trainer_does(monkeypatch):
+    """The ``recompute`` entry must time what ``computron train --recompute`` runs: each layer under
+    the same checkpoint call with the same options (the trainer skips the RNG stash, which is host
+    work per layer the profile once paid and the trainer did not)."""
+    import torch.utils.checkpoint as tuc
+
+    from computron.train.config import TrainConfig
+    from computron.train.job import Trainer
+
+    real, calls = tuc.checkpoint, []
+
+    def spy(fn, *args, **kw):
+        calls.append(kw)
+        return real(fn, *args, **kw)
+
+    monkeypatch.setattr(tuc, "checkpoint", spy)
+    m = TransformerShape("g", "gpt", 2, 64, 4, 256, 256, 16, 8, flash_attention=True, dropout=False)
+    layer = runtime_layer(m, 1, torch.device("cpu"), torch.float32)
+    measure(layer, 1, m, torch.device("cpu"), torch.float32, warmup=0, repeats=1, depth=2, recompute=True)
+    profiled, calls[:] = list(calls), []
+    Trainer(TrainConfig(model="tiny-opt", seq_len=16, global_batch=8, micro_batch=8, steps=1, recompute=True,
+                        synthetic_tokens=4096)).train_step()
+    trained = list(calls)
+    assert profiled and trained
+    assert all(kw == trained[0] for kw in profiled + trained), (profiled, trained)
+    assert trained[0] == {"use_reentrant": False, "preserve_rng_state": False}

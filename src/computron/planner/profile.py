@@ -235,8 +235,9 @@ def measure(layer, mbs: int, m: TransformerShape, device, dtype, warmup: int = 3
     measures the host's launch time and the GPU's time added up, which small layers are dominated
     by). Default: :func:`chain_depth`. ``accumulate``: the backward
     also adds each parameter's gradient into a float32 accumulator (the trainer's micro-batch loop).
-    ``recompute``: each layer runs under activation checkpointing, as the trainer's ``recompute``
-    wraps its layers."""
+    ``recompute``: each layer runs under activation checkpointing, wrapped by the trainer's own
+    ``train.job.recomputed`` (the same checkpoint call and options as ``computron train
+    --recompute``)."""
     import copy
 
     import torch
@@ -255,11 +256,16 @@ def measure(layer, mbs: int, m: TransformerShape, device, dtype, warmup: int = 3
             torch.cuda.synchronize(device)
         return time.perf_counter()
 
-    from torch.utils.checkpoint import checkpoint
+    if recompute:  # checkpointed exactly as the trainer's ``recompute`` wraps its layers
+        from ..train.job import recomputed
+
+        runs = [recomputed(one) for one in layers]
+    else:
+        runs = layers
 
     def chain(y):
-        for one in layers:
-            y = checkpoint(one, y, use_reentrant=False) if recompute else one(y)
+        for one in runs:
+            y = one(y)
         return y
 
     fwd, bwd = [], []

@@ -67,6 +67,16 @@ def model_flops_per_sample(c: ModelConfig, seq_len: int) -> float:
     return 3.0 * (c.num_layers * (2.0 * s * mat + 4.0 * s * s * h) + 2.0 * s * h * c.vocab_size)
 
 
+def recomputed(forward):
+    """``forward`` under activation checkpointing, as ``recompute`` wraps each layer (and ``plan
+    profile`` times the layer it measures for the planner, ``planner/profile.py``): torch's
+    non-reentrant checkpoint, without stashing and restoring the RNG states (the layers draw no
+    random numbers, no dropout, so there is nothing to replay; the stash is host work per layer)."""
+    from torch.utils.checkpoint import checkpoint
+
+    return functools.partial(checkpoint, forward, use_reentrant=False, preserve_rng_state=False)
+
+
 # The head's product over a vocabulary padded to this many rows: GPT-2's 50,257 rows ran an sm75
 # fallback GEMM on the H100, 62 of a step's 166 ms of GPU time (gpt2, micro-batch 8 x 1024 tokens).
 HEAD_ALIGN = 128
@@ -286,11 +296,8 @@ class Trainer:
                     self._zeros.append(p)  # a row-parallel bias held by tensor rank 0 only: stays zero
             install_tp_hooks(model, shard, m.tp, grads=True)
             if self.cfg.recompute:
-                from torch.utils.checkpoint import checkpoint
-
-                for layer in model.layers:  # no dropout: the forward draws no random numbers to replay
-                    layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False,
-                                                      preserve_rng_state=False)
+                for layer in model.layers:
+                    layer.forward = recomputed(layer.forward)
             out.append((shard, model))
         return out
 

@@ -101,6 +101,10 @@ class EngineConfig:
     kv_block_tokens: int = 16  # tokens per block of the paged KV cache
     cuda_graphs: bool = True  # replay each model's decode step as a CUDA graph (GPU only)
     prefetch: bool = True
+    # Models whose batches one step runs together on a device (each its own batch: their weights
+    # differ). 1: a device steps one model at a time. Several decode steps of small batches overlap on a
+    # GPU when they run at once (bench/concurrent_steps.py).
+    models_per_step: int = 1
     max_wait_s: float = 1.0  # preempt policy: a request kept waiting this long by others' running requests preempts them
     # preempt policy: stopped requests keep their KV cache on the device while it fits, instead of
     # recomputing it (off by default: measured worse in the simulator's hot/cold sweep, docs/engine.md)
@@ -138,6 +142,8 @@ class EngineConfig:
     stripe_chunk_bytes: int | str = 32 * 2**20  # bytes a link moves at a time (32 MiB measured best)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.models_per_step, int) or self.models_per_step < 1:
+            raise ValueError(f"models_per_step must be an integer of at least 1, got {self.models_per_step!r}")
         if not isinstance(self.decode_steps, int) or not 1 <= self.decode_steps <= 64:
             raise ValueError(f"decode_steps must be an integer from 1 to 64, got {self.decode_steps!r}")
         self.gpu_memory_budget = parse_bytes(self.gpu_memory_budget)

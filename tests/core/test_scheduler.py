@@ -550,3 +550,41 @@ def test_a_share_below_the_budget_holds_a_request_until_it_grows_and_only_then_f
     s.set_budget(0, 250_000)
     p = s.schedule()
     assert p.failed and p.failed[0][0] == "r1" and "pinned models (a)" in p.failed[0][1]
+
+
+@pytest.mark.parametrize("per_step", [1, 2, 3])
+def test_models_per_step_lets_that_many_models_share_a_device_step(per_step):
+    """Three resident models with work on one device: a step runs up to ``models_per_step`` of
+    their batches (oldest first), every request still finishes, and memory stays in the budget."""
+    s = _sched(400_000, models_per_step=per_step)
+    for name in "abc":
+        s.add_model(name, 100_000, KVT)
+    for i, name in enumerate("abc"):
+        s.add_request(_req(i, name, max_tokens=4))
+    made = {f"r{i}": 0 for i in range(3)}
+    plans = []
+    for _ in range(20):
+        p = _run_step(s)
+        _tally(p, made)
+        if not p.batches:
+            break
+        plans.append(p)
+        assert s.free_bytes(0) >= 0
+    assert made == {f"r{i}": 4 for i in range(3)}
+    assert max(len(p.batches) for p in plans) == per_step
+    assert _models(plans[0]) == ["a", "b", "c"][:per_step]  # the oldest requests' models first
+    assert len(plans) == {1: 12, 2: 8, 3: 4}[per_step]  # 12 batches of one token, per_step a step
+
+
+def test_models_per_step_counts_each_device_of_a_sharded_model():
+    s = _sched((400_000, 400_000), models_per_step=2)
+    s.add_model("a", 100_000, KVT, devices=(0,))
+    s.add_model("b", 100_000, KVT, devices=(0,))
+    s.add_model("ab", (60_000, 60_000), (KVT, KVT), devices=(0, 1))
+    s.add_model("c", 100_000, KVT, devices=(1,))
+    for i, name in enumerate(["a", "b", "ab", "c"]):
+        s.add_request(_req(i, name, max_tokens=2))
+    p = _run_step(s)  # device 0 is full with a and b: ab waits, c has device 1 to itself
+    assert sorted(_models(p)) == ["a", "b", "c"]
+    with pytest.raises(ValueError, match="models_per_step must be at least 1, got 0"):
+        _sched(1000, models_per_step=0)

@@ -198,3 +198,31 @@ def test_probes_first_start_the_trace_as_loadgen_leaves_the_server():
     assert a.first_token == approx(5.0 + LEGACY.evict_s + W_OPT * 1e-9 + W_OPT * 2e-8 + W_OPT / 1e8 + PREFILL16)
     assert a.arrival == approx(5.0) and res.end_time == approx(a.finish)
     assert res.stats["swap_ins"] == 1 and res.stats["evictions"] == 1
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.25])
+def test_batches_sharing_a_device_take_the_longest_plus_a_fraction_of_the_others(fraction):
+    """Two resident models decode in one step (models_per_step 2): the step lasts the longer batch
+    plus ``concurrent_step_fraction`` of the other (1: one after the other), both end with it."""
+    cal = replace(CAL, concurrent_step_fraction=fraction)
+    both = EngineConfig(gpu_memory_budget=64 * 2**20, workspace_bytes=0, models_per_step=2)
+    trace = [(0.0, "tiny-opt", 16, 4), (0.0, "tiny-opt", 16, 4), (0.0, "tiny-llama", 8, 4)]
+    sim = Simulation(["tiny-opt", "tiny-llama"], cal, both)
+    sim.probe([(0.0, "tiny-opt", 1, 1), (0.0, "tiny-llama", 1, 1)])  # both resident and warm
+    start = sim.clock.t
+    res = sim.run([(start + t, m, p, o) for t, m, p, o in trace])
+    a, b, c = res.records
+    prefill = cal.prefill_fixed_s + 32 * cal.prefill_token_s, cal.prefill_fixed_s + 8 * cal.prefill_token_s
+    decode = cal.decode_fixed_s + 2 * cal.decode_seq_s, cal.decode_fixed_s + cal.decode_seq_s
+    first = max(prefill) + fraction * min(prefill)
+    assert a.first_token == b.first_token == c.first_token == approx(start + first)
+    step = max(decode) + fraction * min(decode)
+    assert a.finish == b.finish == c.finish == approx(start + first + 3 * step)
+
+
+def test_together_never_beats_reading_every_weight():
+    cal = replace(CAL, concurrent_step_fraction=0.0, hbm_bandwidth=1e9)
+    assert cal.together([0.002, 0.001], 1_000_000) == approx(0.002)
+    assert cal.together([0.002, 0.001], 3_000_000) == approx(0.003)  # 3 MB at 1 GB/s
+    with pytest.raises(ValueError, match="concurrent_step_fraction must be at most 1, got 1.5"):
+        replace(CAL, concurrent_step_fraction=1.5)

@@ -99,6 +99,7 @@ class EngineCore:
             self.scheduler = Scheduler(SchedulerConfig(
                 budgets=tuple(d.capacity for d in st.devices), policy=cfg.policy, max_batch_size=cfg.max_batch_size,
                 max_tokens_per_step=cfg.max_tokens_per_step, max_loaded=cfg.max_loaded, prefetch=cfg.prefetch,
+                models_per_step=cfg.models_per_step,
                 block_tokens=st.kv_block_tokens, max_wait_s=cfg.max_wait_s, preempt_keeps_kv=cfg.preempt_keeps_kv,
                 slo_scale=cfg.slo_scale, kv_host_bytes=cfg.kv_host_bytes, stripe_devices=stripe,
                 stripe_staging=staging_bytes(int(cfg.stripe_chunk_bytes)) if stripe else 0))

@@ -16,7 +16,8 @@ staging is booked on each helper's budget until the executor reports the load do
 
 Policies:
 - ``default``: models run in the order of their oldest outstanding request; one batch per model
-  per step, batches of one step on disjoint devices. A model not on its devices is loaded,
+  per step, batches of one step on disjoint devices (up to ``models_per_step`` batches of
+  different models a device). A model not on its devices is loaded,
   evicting models with nothing running, least recently used first. The next model with work is
   prefetched while others compute, when it fits without evicting a model that has work.
   No request waits forever: once a request cannot start because memory is held by running
@@ -72,6 +73,7 @@ class SchedulerConfig:
     max_tokens_per_step: int = 2048
     max_loaded: int = 1  # computron policy only: models per device
     prefetch: bool = True
+    models_per_step: int = 1  # batches of different models one step may run on a device (see EngineConfig)
     load_bandwidth: float | None = None  # bytes/s per device, to estimate when a load ends
     block_tokens: int = 16  # tokens per block of the paged KV cache
     max_wait_s: float = 1.0  # preempt policy: a request kept from starting this long preempts what blocks it
@@ -96,6 +98,8 @@ class SchedulerConfig:
                              f"(0 to {len(self.budgets) - 1})")
         if self.stripe_devices and self.stripe_staging < 1:
             raise ValueError(f"stripe_staging must be at least 1 byte with stripe_devices, got {self.stripe_staging}")
+        if self.models_per_step < 1:
+            raise ValueError(f"models_per_step must be at least 1, got {self.models_per_step}")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if not self.budgets:
@@ -445,7 +449,8 @@ class Scheduler(Memory):
     def _schedule(self, now: float) -> StepPlan:
         self._fresh.clear()
         plan = StepPlan()
-        free_devices = set(range(len(self.budgets)))
+        room = [self.config.models_per_step] * len(self.budgets)  # batches each device may still take
+        full = 0  # devices that can take no more
         claimed: set[str] = set()
         seen: list[tuple[float, ModelState]] = []
         ages = self._by_age()
@@ -475,9 +480,9 @@ class Scheduler(Memory):
                             self.deadline = due
                 break
         for key, m in self._chain(seen, ages):
-            if not free_devices:
+            if full == len(room):
                 break
-            if not free_devices.issuperset(m.devices):
+            if not all(room[d] for d in m.devices):
                 continue
             if hold_after is not None and key > hold_after and not m.on_device:
                 continue  # it could admit nothing: do not take memory the older request waits for
@@ -497,7 +502,9 @@ class Scheduler(Memory):
             if batch.prefill or batch.decode:
                 plan.batches.append(batch)
                 claimed.add(m.name)
-                free_devices.difference_update(m.devices)
+                for d in m.devices:
+                    room[d] -= 1
+                    full += not room[d]
                 m.last_used = self.step_count
         if self.config.prefetch and self.counts_bytes:
             self._prefetch(plan, claimed, seen, now)

@@ -103,7 +103,7 @@ class Batch:
 class StepPlan:
     """What one engine step does: evict, then load, then run one batch per model.
 
-    Batches of one step use disjoint devices. ``prefetch``: loads issued for a later step,
+    Batches of one step use disjoint devices, or share one up to the scheduler's ``models_per_step``. ``prefetch``: loads issued for a later step,
     overlapped with this step's compute. ``preempted``: running (or paused) requests stopped to free
     KV cache (they wait again and recompute). ``paused``: running requests stopped with their
     model's eviction whose caches stay on the devices (they resume as decodes). ``kv_out``: paused requests

@@ -55,6 +55,11 @@ def add_parser(sub) -> None:
     p.add_argument("--stripe-devices", metavar="I,J,...", default=None,
                    help="default policy: loads also pull through these GPUs' host links (`computron serve "
                         "--stripe-devices`); the calibration's host_bandwidth caps the links together")
+    p.add_argument("--models-per-step", type=int, default=1,
+                   help="batches of different models one step runs together on a device (default 1)")
+    p.add_argument("--concurrent-step-fraction", type=float, default=None,
+                   help="what each batch sharing a device's step adds beyond the longest, as a fraction of its "
+                        "time alone (default: the calibration's; 1: one after another)")
     p.add_argument("--max-wait", type=float, default=1.0, help="preempt and slo policies: seconds a request may "
                                                                "be kept waiting by other models' running requests")
     p.add_argument("--sweep", choices=("rate", "cv", "budget"), default=None,
@@ -69,6 +74,7 @@ def add_parser(sub) -> None:
 def _setup(args):
     """(model specs, engine config keyword arguments) from the flags and the preset."""
     specs, kw = _models_and_budget(args)
+    kw["models_per_step"] = getattr(args, "models_per_step", 1)
     stripe = getattr(args, "stripe_devices", None)
     if stripe:
         from ..config import parse_stripe_devices
@@ -139,6 +145,10 @@ def main(args) -> int:
         if args.trace is None and args.rate is None and args.rates is None:
             raise ValueError("give --trace, --rate, --rates or --preset")
         cal = calibration(args.calibration)
+        if getattr(args, "concurrent_step_fraction", None) is not None:
+            import dataclasses
+
+            cal = dataclasses.replace(cal, concurrent_step_fraction=args.concurrent_step_fraction)
         if args.sweep:
             return _sweep(args, specs, cfg_kw, cal)
         result, summary = run_once(args, specs, cfg_kw, cal, args.policy)

@@ -66,6 +66,11 @@ class Calibration:
     # bytes/s the host side moves over all links at once (0: no limit beyond the links' own): a striped
     # swap-in (stripe_devices) pulls through several links, which four H200s did at 3.3x one link, not 4x
     host_bandwidth: float = 0.0
+    # Batches of several models one step runs together on a device (models_per_step > 1): the longest
+    # takes its own time and each other adds this fraction of its own. 1: one after another (the
+    # in-process executor's order); an H200 stepping 2-6 OPT-1.3B decode graphs on separate streams
+    # measured 0.30-0.42 (bench/concurrent_steps.py). The sum of their weight reads stays a floor.
+    concurrent_step_fraction: float = 1.0
 
     def __post_init__(self) -> None:
         bw = self.swap_bandwidth
@@ -84,6 +89,8 @@ class Calibration:
                 errors.append(f"{f.name} must be positive, got {v!r}")
             elif not v >= 0:
                 errors.append(f"{f.name} must be non-negative, got {v!r}")
+        if not self.concurrent_step_fraction <= 1:
+            errors.append(f"concurrent_step_fraction must be at most 1, got {self.concurrent_step_fraction!r}")
         if any(not b > 0 for b in self.swap_bandwidth):
             errors.append(f"swap_bandwidth must be positive, got {list(self.swap_bandwidth)}")
         if not isinstance(self.device_memory, int) or isinstance(self.device_memory, bool):
@@ -109,6 +116,15 @@ class Calibration:
         if pageable and self.pageable_swap_bandwidth:
             return swap_time(nbytes, self.pageable_swap_bandwidth)
         return swap_time(nbytes, self.striped_bandwidth((device, *helpers)) if helpers else self.bandwidth(device))
+
+    def together(self, times: list[float], weight_bytes: int) -> float:
+        """Seconds of batches that run at once on one device, ``times`` each alone, reading
+        ``weight_bytes`` of weights between them: the longest, plus ``concurrent_step_fraction`` of each
+        other, and never less than reading all their weights."""
+        longest = max(times)
+        t = longest + self.concurrent_step_fraction * (sum(times) - longest)
+        floor = weight_bytes / self.hbm_bandwidth
+        return t if t > floor else floor
 
     def weight_read_time(self, nbytes: int) -> float:
         return nbytes / self.hbm_bandwidth

@@ -16,7 +16,8 @@ It answers every call of ``engine/executor.py`` as the in-process executor would
   (the model's previous page-locked copy is freed once the new one is made); its device weights
   live outside the arena, which holds only KV caches; and it captures no decode graphs;
 - ``execute``: one token per sequence (a fixed id, never EOS) in a completed future; the clock
-  moves to the end of the slowest batch (batches of one step run on disjoint devices at once). A
+  moves to the end of the slowest batch (batches of one step run on disjoint devices at once;
+  batches sharing a device, ``models_per_step`` > 1, take ``Calibration.together`` of their times). A
   cold batch computes layer group *i* once group *i* has landed, so compute overlaps the copy
   (the legacy executor of the ``computron`` policy blocks in ``apply`` until its load has landed,
   as its swap-in synchronises its load stream);
@@ -109,6 +110,7 @@ class SimExecutor:
         self.lent = (cfg.executor or "inprocess") == "workers"
         self.n_devices = devices
         self.token = token
+        self.together = cfg.models_per_step > 1  # batches of several models may share a device's step
         # decode graphs: the batch sizes that have one (none without graphs, with no capture cost, or
         # under the legacy executor, whose weights move at every load and whose decode runs eager)
         capture = calibration.graph_capture_s or calibration.graph_capture_s_per_byte
@@ -292,6 +294,7 @@ class SimExecutor:
         result = StepResult()
         tokens, end, bt, cap = result.tokens, now, self.block_tokens, self.capacity
         seqs, kv, steps = self.seqs, self.kv, 0
+        shared: dict[int, list] = {} if self.together else None  # device -> [(model, seconds, weight bytes)]
         for batch in batches:
             m = self.models[batch.model]
             if m.ready is None:
@@ -336,6 +339,8 @@ class SimExecutor:
                 finish = max(finish, m.kv_ready + compute)
             finish += capture
             result.compute_s[batch.model] = finish - now
+            if shared is not None:
+                shared.setdefault(d, []).append((batch.model, finish - now, m.nbytes))
             self.stats["compute_s"] += compute + capture
             if not m.reported:
                 result.loaded[batch.model] = m.load_end - m.load_start
@@ -343,6 +348,15 @@ class SimExecutor:
                 del self.unreported[batch.model]
             if finish > end:
                 end = finish
+        if shared:
+            for runs in shared.values():
+                if len(runs) > 1:  # at once on one device: every batch ends with the last
+                    t = self.cal.together([r[1] for r in runs], sum(r[2] for r in runs))
+                    self.stats["compute_s"] += t - sum(r[1] for r in runs)
+                    for name, _, _ in runs:
+                        result.compute_s[name] = t
+                    if now + t > end:
+                        end = now + t
         self.stats["steps"] += steps
         self.clock.advance_to(end)
         if self.unreported:

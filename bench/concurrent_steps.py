@@ -33,6 +33,7 @@ import time
 import torch
 
 from computron.bench.common import machine, positive_int, print_table, write_json
+from computron.bench.decode import weight_read_floor_s
 from computron.config import EngineConfig, ModelSpec
 from computron.engine import Engine
 from computron.memory.layout import layout_for
@@ -58,19 +59,6 @@ def _round_s(graphs, streams, rounds: int, warmup: int = 3) -> float:
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
-
-def _floor_s(nbytes: int, repeats: int = 10) -> float:
-    buf = torch.ones(nbytes // 2, dtype=torch.float16, device="cuda")
-    times = []
-    for _ in range(repeats + 2):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        buf.sum(dtype=torch.float32)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    del buf
-    return statistics.median(times[2:])
 
 
 def main(argv=None) -> int:
@@ -99,7 +87,7 @@ def main(argv=None) -> int:
     width_blocks = -(-args.context // ex.block_tokens)
     dev = torch.device("cuda", 0)
     streams = [torch.cuda.Stream(dev) for _ in range(kmax)]
-    floor = {k: _floor_s(k * nbytes) for k in args.models}
+    floor = {k: weight_read_floor_s(k * nbytes, dev) for k in args.models}
     res = {"machine": machine(), "settings": vars(args), "weight_bytes": nbytes, "floor_s": floor, "rows": []}
     rows = []
     for b in args.batch:

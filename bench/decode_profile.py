@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from computron.bench.decode import _floor_s  # noqa: E402
+from computron.bench.decode import weight_read_floor_s  # noqa: E402
 from computron.config import EngineConfig, ModelSpec  # noqa: E402
 from computron.engine import Engine, SamplingParams  # noqa: E402
 
@@ -41,7 +41,7 @@ def profile_model(model: str, steps: int) -> dict:
     torch.cuda.synchronize()
     rows = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
     nbytes = eng.models[model].nbytes
-    floor = _floor_s(nbytes, torch.device("cuda"))
+    floor = weight_read_floor_s(nbytes, torch.device("cuda"))
     del eng
     torch.cuda.empty_cache()
     return {"weight_bytes": nbytes, "weight_read_floor_s": floor, "steps": steps,

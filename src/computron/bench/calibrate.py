@@ -198,7 +198,7 @@ def run(models: list[str], device: str, batches: list[int], prompts: list[int], 
     from ..engine import Engine
     from ..sim.costs import Calibration, batch_time
     from .common import machine
-    from .decode import _floor_s
+    from .decode import weight_read_floor_s
 
     eng = Engine(EngineConfig(device=device, gpu_memory_budget=budget, executor=executor))
     dev = eng.executor.device if hasattr(eng.executor, "device") else torch.device("cpu")
@@ -225,7 +225,7 @@ def run(models: list[str], device: str, batches: list[int], prompts: list[int], 
             points["pin_evict"].append((spec.name, nbytes, rounds[1][1]))
         points["swap"] += [(spec.name, nbytes, s) for s, _ in rounds[1:]]
         points["evict"] += [(spec.name, nbytes, e) for _, e in rounds[1 + legacy:]]
-        points["floor"].append((spec.name, nbytes, _floor_s(nbytes, dev)))
+        points["floor"].append((spec.name, nbytes, weight_read_floor_s(nbytes, dev)))
     path = _Served(eng) if serve else _Direct(eng)
     try:
         for spec in specs:

@@ -28,7 +28,7 @@ from ..models import resolve_model
 from .common import machine, print_table, sync, write_json
 
 
-def _floor_s(nbytes: int, device: torch.device, repeats: int = 10) -> float:
+def weight_read_floor_s(nbytes: int, device: torch.device, repeats: int = 10) -> float:
     """Seconds to read ``nbytes`` once (median): the least a step that reads every weight can take."""
     buf = torch.ones(nbytes // 2, dtype=torch.float16, device=device)
     times = []
@@ -123,7 +123,7 @@ def run(model: str, device: str, batches: list[int], prompt_len: int, new: int, 
             runs[k][b] = {"step_s": times[k], "step_s_median": statistics.median(times[k]),
                           "tokens_per_s": b / statistics.median(times[k])}
         rows[b] = runs[decode_steps[0]][b]
-    floor = _floor_s(nbytes, dev)
+    floor = weight_read_floor_s(nbytes, dev)
     hf = _hf_model(cfg, dev) if reference else None
     if hf is not None:
         _hf_step_s(hf, min(batches), prompts, 4, dev)  # warm-up

@@ -69,7 +69,7 @@ class _Done:
 
 class _Model:
     __slots__ = ("info", "device", "groups", "nbytes", "block_bytes", "token", "ready", "load_start",
-                 "load_end", "reported", "kv_ready", "captured", "pinned")
+                 "load_end", "reported", "kv_ready", "captured", "pinned", "decode_s")
 
     def __init__(self, info: ModelInfo, groups: list[int], block_bytes: int, token: int):
         self.info, self.groups, self.block_bytes, self.token = info, groups, block_bytes, token
@@ -81,6 +81,7 @@ class _Model:
         self.kv_ready = 0.0  # when the last cache moved back from host memory for it has landed
         self.captured: set[int] = set()  # batch-size buckets whose decode graph was captured since its load
         self.pinned = False  # legacy executor: its host copy is page-locked (it was evicted once)
+        self.decode_s: dict[int, float] = {}  # batch size -> seconds of one warm decode step (batch_time's)
 
 
 class SimExecutor:
@@ -300,6 +301,7 @@ class SimExecutor:
             if m.ready is None:
                 raise RuntimeError(f"model {batch.model!r} runs a batch but is not on its device")
             d, bb, k = m.device, m.block_bytes, batch.steps
+            room = cap - self._arena_weights(d)  # for its KV blocks (no weights move during a step)
             if k > steps:
                 steps = k
             tok: int | list[int] = [m.token] * k if k > 1 else m.token
@@ -324,11 +326,12 @@ class SimExecutor:
                 if need > seq[1]:
                     kv[d] += (need - seq[1]) * bb
                     seq[1] = need
-                    if kv[d] + self._arena_weights(d) > cap:
+                    if kv[d] > room:
                         raise MemoryError(f"KV cache of {rid!r} exceeds the arena of device {d}: "
                                           f"{self._arena_weights(d)} + {kv[d]} > {cap} bytes")
                 tokens[rid] = tok
-            compute = batch_time(self.cal, m.nbytes, prefill, decode, prompts)
+            compute = batch_time(self.cal, m.nbytes, prefill, decode, prompts) if prefill else \
+                self._decode_time(m, decode)
             capture = self._capture(m, decode) if not prefill and self.graph_sizes else 0.0
             if m.load_end > now:  # cold: group i computes once group i has landed (legacy: once all have)
                 finish = pipelined_finish(now, compute, m.groups, m.ready) if self.overlap else m.load_end + compute
@@ -363,6 +366,14 @@ class SimExecutor:
             self._poll_loads(result.loaded)
         return result
 
+    def _decode_time(self, m: _Model, batch: int) -> float:
+        """``batch_time`` of a decode step of ``batch`` sequences of ``m``, computed once per batch size
+        (the same float: a pure function of the calibration, the model's bytes and the batch)."""
+        dt = m.decode_s.get(batch)
+        if dt is None:
+            dt = m.decode_s[batch] = batch_time(self.cal, m.nbytes, 0, batch)
+        return dt
+
     def _capture(self, m: _Model, batch: int) -> float:
         """Seconds of capturing the decode graph of ``batch`` sequences' bucket, the first time it runs
         since ``m`` was loaded (eager past the largest bucket: nothing to capture)."""
@@ -385,7 +396,7 @@ class SimExecutor:
             return 1
         if until == math.inf:
             return cap
-        dt = batch_time(self.cal, m.nbytes, 0, batch)
+        dt = self._decode_time(m, batch)
         first = 0.0  # the run's first step captures its bucket's graph, if it was not yet
         if self.graph_sizes:
             bucket = bucket_of(batch, self.graph_sizes)

@@ -101,3 +101,24 @@ def test_under_workers_a_load_pulls_through_the_links_its_plan_lends():
     ex.apply(Residency(evict=["a"]))
     ex.apply(Residency(load=["a"], stripes={"a": (1, 2)}))
     assert ex.wait_loads() == {"a": pytest.approx(nbytes / 3e7)}
+
+
+def test_a_decode_step_costs_what_batch_time_says_computed_once_per_batch_size():
+    """The executor keeps each model's decode-step seconds per batch size: the same float as
+    ``batch_time``, for a step of one and a run of several, and for ``steps_before``."""
+    from computron.sim.costs import batch_time
+
+    ex = executor()
+    ex.apply(Residency(load=["a"]))
+    ex.wait_loads()
+    m = ex.models["a"]
+    for batch in (1, 3, 1):
+        seqs = [SeqInput(f"r{batch}-{i}", [1], 8, GREEDY) for i in range(batch)]
+        t0 = ex.clock.t
+        step = ex.execute([ExecuteBatch("a", seqs, steps=4)]).result()
+        end = t0 + 4 * batch_time(CAL, m.nbytes, 0, batch)
+        assert ex.clock.t == end and step.compute_s == {"a": end - t0}
+        ex.free([s.req_id for s in seqs])
+    assert m.decode_s == {1: batch_time(CAL, m.nbytes, 0, 1), 3: batch_time(CAL, m.nbytes, 0, 3)}
+    dt = batch_time(CAL, m.nbytes, 0, 2)
+    assert ex.steps_before("a", 2, ex.clock.t + 2.5 * dt, 100) == 3 and m.decode_s[2] == dt

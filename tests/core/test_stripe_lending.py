@@ -98,9 +98,7 @@ def test_sharded_models_are_not_striped_and_bad_stripe_devices_are_refused():
 
 
 def test_the_slo_policy_times_a_load_by_the_links_it_was_lent():
-    from types import SimpleNamespace
-
-    from computron.scheduler import ModelCost
+    from computron.scheduler import ModelCost, SchedRequest
     from computron.sim.costs import Calibration
 
     # 1 GB/s links: a model on device 0 loads through its own link, then with one and two helpers; its own
@@ -131,7 +129,10 @@ def test_the_slo_policy_times_a_load_by_the_links_it_was_lent():
     s.loaded("b")
     assert s.slo.load_s(s.models["c"]) == pytest.approx(three, rel=1e-3)
     # a stopped request's cache moves over its model's own link, whatever links its loads borrow
-    moved = s.slo.move_s(SimpleNamespace(name="a", weights=(W,), block_bytes=(BLOCK,)), SimpleNamespace(blocks=3))
+    held = SchedRequest("held", "a", 4, 3, 0.0)
+    held.blocks = 3
+    assert s.models["a"].block_bytes == (BLOCK,)
+    moved = s.slo.move_s(s.models["a"], held)
     assert moved == pytest.approx(2 * 3 * BLOCK / 1e9, rel=1e-3)
     # device 2 has no room for the staging it would lend: a load on device 0 gets device 1's link alone
     s = _sched(policy="slo", budgets=(1_000_000, 1_000_000, STAGING - 1))

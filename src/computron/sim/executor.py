@@ -295,7 +295,7 @@ class SimExecutor:
         result = StepResult()
         tokens, end, bt, cap = result.tokens, now, self.block_tokens, self.capacity
         seqs, kv, steps = self.seqs, self.kv, 0
-        shared: dict[int, list] = {} if self.together else None  # device -> [(model, seconds, weight bytes)]
+        shared: dict[int, list] | None = {} if self.together else None  # device -> [(model, seconds, weight bytes)]
         for batch in batches:
             m = self.models[batch.model]
             if m.ready is None:

@@ -65,6 +65,9 @@ def test_flags_override_file_override_defaults(tmp_path, monkeypatch):
     assert build_config(parse("serve", "--config", str(path), "--decode-steps", "8")).engine.decode_steps == 8
     with pytest.raises(ValueError, match="decode_steps must be an integer from 1 to 64, got 0"):
         build_config(parse("serve", "--decode-steps", "0"))
+    assert build_config(parse("serve", "--models-per-step", "3")).engine.models_per_step == 3
+    with pytest.raises(ValueError, match="models_per_step must be an integer of at least 1, got 0"):
+        build_config(parse("serve", "--models-per-step", "0"))
     eng = build_config(parse("serve", "--workers-listen", "10.0.0.1:29600", "--local-devices", "2")).engine
     assert (eng.workers_listen, eng.local_devices) == ("10.0.0.1:29600", 2)
     assert not eng.preempt_keeps_kv and build_config(parse("serve", "--preempt-keep-kv")).engine.preempt_keeps_kv

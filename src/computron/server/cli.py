@@ -58,6 +58,9 @@ def add_parsers(subparsers) -> None:
     p.add_argument("--decode-steps", type=int, metavar="K",
                    help="decode steps a steady batch runs per engine call, fed on the device (default 1); "
                         "tokens stream K at a time and a new request waits for the run to end")
+    p.add_argument("--models-per-step", type=int, metavar="N",
+                   help="batches of different models one step runs together on a device, their decode graphs "
+                        "replayed at once on separate streams (default 1: one model a step)")
     p.add_argument("--devices", type=int, metavar="N", help="devices to serve on, one worker process each "
                                                              "(executor workers; default: what the layouts need)")
     p.add_argument("--workers-listen", metavar="HOST:PORT",
@@ -157,6 +160,8 @@ def build_config(args) -> ComputronConfig:
         eng.executor = args.executor
     if getattr(args, "decode_steps", None) is not None:
         eng.decode_steps = args.decode_steps
+    if getattr(args, "models_per_step", None) is not None:
+        eng.models_per_step = args.models_per_step
     if getattr(args, "devices", None) is not None:
         eng.devices = args.devices
     if getattr(args, "stripe_devices", None):

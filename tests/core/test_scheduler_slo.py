@@ -225,3 +225,32 @@ def test_random_runs_stay_within_the_budget_and_end_every_request(seed, devices)
     assert len(refused) <= len(arrived) // 20
     late = [rid for rid, t in first.items() if t - arrived[rid] > 3.0 + 0.5]
     assert not late, late
+
+
+@pytest.mark.parametrize("per_step", [1, 2])
+def test_admission_counts_the_steps_models_share(per_step):
+    """The refusal case above with models that overlap well in a shared step (each batch adds 0.1 of
+    its time to a step another leads). One model a step: b0 is refused as before. Two a step: a's 7 s
+    and b's 8 s of work count (1 + 0.1) / 2 of their time, b0 ends by 0.55 * 15 = 8.25 s <= 9 s:
+    nothing is refused, and the step runs both models' batches."""
+    from dataclasses import replace
+
+    cost = replace(COST, shared_fraction=0.1)
+    s = _sched(2_000_000, max_wait_s=100.0, models_per_step=per_step)
+    s.add_model("a", 500_000, KVT, cost=cost, slo=Slo(ttft_s=3.0, tpot_s=1.0))
+    s.add_model("b", 500_000, KVT, cost=cost, slo=Slo(ttft_s=4.0, tpot_s=1.0))
+    s.add_request(SchedRequest("b0", "b", 4, 6, 0.0))
+    s.add_request(SchedRequest("a0", "a", 4, 5, 0.0))
+    plan = s.schedule(0.0)
+    if per_step == 1:
+        assert [rid for rid, _ in plan.failed] == ["b0"]
+    else:
+        assert not plan.failed and sorted(b.model for b in plan.batches) == ["a", "b"]
+
+
+def test_a_cost_from_a_calibration_carries_its_shared_step_fraction():
+    from computron.sim.costs import Calibration
+
+    cal = Calibration(name="t", concurrent_step_fraction=0.4)
+    assert ModelCost.from_calibration(cal, (1000,), (0,)).shared_fraction == 0.4
+    assert ModelCost.from_calibration(Calibration(name="t"), (1000,), (0,)).shared_fraction == 1.0

@@ -123,7 +123,7 @@ class Scheduler(Memory):
         self.counts_bytes = config.policy != "computron"  # computron: weights live outside the budget
         self.preempts = config.policy in ("preempt", "slo")
         self.keeps_kv = config.policy == "preempt" and config.preempt_keeps_kv or config.policy == "slo"
-        self.slo = Deadlines(config.max_wait_s) if config.policy == "slo" else None
+        self.slo = Deadlines(config.max_wait_s, config.models_per_step) if config.policy == "slo" else None
         if self.slo is not None and config.stripe_devices:  # loads get the links idle when they start
             self.slo.links = lambda m: len(self._idle_links(m))
         # host memory for the KV blocks of stopped requests (state ``offloaded``): its bytes, and counters

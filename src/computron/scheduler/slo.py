@@ -29,6 +29,9 @@ class ModelCost:
     decode_fixed_s: float
     decode_seq_s: float
     load_links_s: tuple[float, ...] = ()  # striped loads: the load with 0, 1, ... helpers' links lent
+    # several models a step (models_per_step): what its batch adds to a step another model's batch
+    # leads, as a fraction of its time alone (1: one after another)
+    shared_fraction: float = 1.0
 
     def load(self, links: int | None = None) -> float:
         """Seconds to load with ``links`` helpers' host links lent (None: as ``load_s``)."""
@@ -49,7 +52,8 @@ class ModelCost:
         helpers = tuple(h for h in stripe if h != devices[0]) if len(devices) == 1 else ()
         links = tuple(max(cal.load_time(w, d, False, helpers[:k]) for w, d in zip(weight_bytes, devices))
                       for k in range(len(helpers) + 1))
-        return cls(links[-1], 2 * p1 - p2, p2 - p1, 2 * d1 - d2, d2 - d1, links if helpers else ())
+        return cls(links[-1], 2 * p1 - p2, p2 - p1, 2 * d1 - d2, d2 - d1, links if helpers else (),
+                   getattr(cal, "concurrent_step_fraction", 1.0))
 
     def prefill(self, tokens: int) -> float:
         return self.prefill_fixed_s + tokens * self.prefill_token_s
@@ -105,8 +109,9 @@ class Deadlines:
 
     LOOK: Final = 4  # waiting requests of a model looked at (its queue is in arrival order)
 
-    def __init__(self, max_wait_s: float):
+    def __init__(self, max_wait_s: float, models_per_step: int = 1):
         self.max_wait_s = max_wait_s
+        self.models_per_step = models_per_step  # batches of different models a step may run on a device
         self.now = 0.0  # the time of the last step planned
         self.costs: dict[str, ModelCost] = {}
         self.slos: dict[str, Slo] = {}
@@ -178,8 +183,20 @@ class Deadlines:
         rule): the models' work in deadline order on their devices, each request adding what it needs
         beyond what its model's earlier requests already run (a step serves its whole batch);
         wherever the work so far ends past a deadline, the unstarted request on those devices that
-        needs the most time goes."""
+        needs the most time goes. With several models a step (``models_per_step`` k > 1), the k or
+        fewer models with work on a device share its steps: each one's work counts
+        (1 + f (k - 1)) / k of its time alone, f its cost's ``shared_fraction``."""
         jobs: list[tuple[float, float, ModelState, SchedRequest | None]] = []
+        share: dict[str, float] = {}
+        if self.models_per_step > 1:
+            busy: dict[int, int] = {}  # per device: models with work on it (those elsewhere share no step yet)
+            for m in models:
+                if m.on_device:
+                    for d in m.devices:
+                        busy[d] = busy.get(d, 0) + 1
+            for m in models:
+                k = min(self.models_per_step, max(max(busy.get(d, 0) for d in m.devices), 1))
+                share[m.name] = (1.0 + self.costs[m.name].shared_fraction * (k - 1)) / k
         for m in models:
             cost = self.costs[m.name]
             step = cost.decode(max(len(m.running) + len(m.paused), 1))
@@ -198,6 +215,8 @@ class Deadlines:
             extra = 0.0 if m.name in started else self._start(m, now)
             started.add(m.name)
             more = max(0.0, need - counted.get(m.name, 0.0)) + extra
+            if share:
+                more *= share[m.name]
             counted[m.name] = max(counted.get(m.name, 0.0), need)
             end = max(t.get(d, now) for d in m.devices) + more
             for d in m.devices:

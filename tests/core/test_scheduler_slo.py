@@ -229,16 +229,19 @@ def test_random_runs_stay_within_the_budget_and_end_every_request(seed, devices)
 
 @pytest.mark.parametrize("per_step", [1, 2])
 def test_admission_counts_the_steps_models_share(per_step):
-    """The refusal case above with models that overlap well in a shared step (each batch adds 0.1 of
-    its time to a step another leads). One model a step: b0 is refused as before. Two a step: a's 7 s
-    and b's 8 s of work count (1 + 0.1) / 2 of their time, b0 ends by 0.55 * 15 = 8.25 s <= 9 s:
-    nothing is refused, and the step runs both models' batches."""
+    """The refusal case above with both models resident and overlapping well in a shared step (each
+    batch adds 0.1 of its time to a step another leads). One model a step: a0 needs 1 + 4 = 5 s, b0
+    1 + 5 = 6 s more, ending at 11 s, past its 9: refused. Two a step: their work counts (1 + 0.1) / 2
+    of its time, b0 ends by 0.55 * 11 = 6.05 s: nothing is refused, the step runs both batches."""
     from dataclasses import replace
 
     cost = replace(COST, shared_fraction=0.1)
     s = _sched(2_000_000, max_wait_s=100.0, models_per_step=per_step)
     s.add_model("a", 500_000, KVT, cost=cost, slo=Slo(ttft_s=3.0, tpot_s=1.0))
     s.add_model("b", 500_000, KVT, cost=cost, slo=Slo(ttft_s=4.0, tpot_s=1.0))
+    for name in "ab":
+        s.update(s.plan_load(name, 0.0))
+        s.loaded(name)
     s.add_request(SchedRequest("b0", "b", 4, 6, 0.0))
     s.add_request(SchedRequest("a0", "a", 4, 5, 0.0))
     plan = s.schedule(0.0)
@@ -254,3 +257,17 @@ def test_a_cost_from_a_calibration_carries_its_shared_step_fraction():
     cal = Calibration(name="t", concurrent_step_fraction=0.4)
     assert ModelCost.from_calibration(cal, (1000,), (0,)).shared_fraction == 0.4
     assert ModelCost.from_calibration(Calibration(name="t"), (1000,), (0,)).shared_fraction == 1.0
+
+
+def test_models_not_on_the_device_share_no_step_in_admission():
+    """The same two models, both to be loaded: until they are on the device their work is counted
+    whole, as the refusal case above (b0 ends at 15 s, past its 9), even with two models a step."""
+    from dataclasses import replace
+
+    cost = replace(COST, shared_fraction=0.1)
+    s = _sched(2_000_000, max_wait_s=100.0, models_per_step=2)
+    s.add_model("a", 500_000, KVT, cost=cost, slo=Slo(ttft_s=3.0, tpot_s=1.0))
+    s.add_model("b", 500_000, KVT, cost=cost, slo=Slo(ttft_s=4.0, tpot_s=1.0))
+    s.add_request(SchedRequest("b0", "b", 4, 6, 0.0))
+    s.add_request(SchedRequest("a0", "a", 4, 5, 0.0))
+    assert [rid for rid, _ in s.schedule(0.0).failed] == ["b0"]

@@ -352,7 +352,7 @@ def test_random_steps_keep_invariants(policy, seed):
     budget = 512_000
     s = _sched(budget, policy=policy.split("-")[0], max_loaded=2, max_batch_size=rng.randint(1, 6),
                max_tokens_per_step=rng.randint(8, 64), block_tokens=4, max_wait_s=rng.choice([0.0, 3.0, 20.0]),
-               preempt_keeps_kv=policy == "preempt-keep-kv")
+               preempt_keeps_kv=policy == "preempt-keep-kv", models_per_step=1 + seed % 3)
     sizes = {f"m{i}": 512 * rng.randint(100, 600) for i in range(5)}
     for m, b in sizes.items():
         s.add_model(m, b, KVT, pinned=(m == "m0" and seed % 2 == 0))
@@ -416,6 +416,7 @@ def test_random_steps_keep_invariants(policy, seed):
             assert len(on_device) <= 2
         # Batches run only models on the device.
         assert set(_models(plan)) <= on_device
+        assert len(plan.batches) <= 1 + seed % 3 and len(set(_models(plan))) == len(plan.batches)
     # Draining: every request ends.
     for _ in range(20_000):
         if not s.requests:

@@ -191,9 +191,10 @@ def test_random_runs_stay_within_the_budget_and_end_every_request(seed, devices)
     request starts within the bound on waiting (a few steps more)."""
     rng = random.Random(seed)
     weights = 200_000
-    s = _sched((2 * weights + 30 * BLOCK,) * devices, max_batch_size=8, max_wait_s=3.0)
+    s = _sched((2 * weights + 30 * BLOCK,) * devices, max_batch_size=8, max_wait_s=3.0, models_per_step=1 + seed % 2)
     names = [f"m{i}" for i in range(8)]
-    cost = ModelCost(load_s=0.2, prefill_fixed_s=0.05, prefill_token_s=0.0, decode_fixed_s=0.02, decode_seq_s=0.001)
+    cost = ModelCost(load_s=0.2, prefill_fixed_s=0.05, prefill_token_s=0.0, decode_fixed_s=0.02, decode_seq_s=0.001,
+                     shared_fraction=0.5)  # with two models a step (odd seeds), admission counts shared steps
     for i, name in enumerate(names):
         slo = Slo(ttft_s=rng.uniform(0.5, 1.5), tpot_s=rng.uniform(0.05, 0.15))
         if devices == 2 and i % 3 == 2:

@@ -27,6 +27,7 @@ CONFIGS = {
     "holds-two": dict(gpu_memory_budget=1_500_000, workspace_bytes=0, max_batch_size=2),
     "holds-all-no-prefetch": dict(gpu_memory_budget=4_000_000, workspace_bytes=0, prefetch=False),
     "kv-tight": dict(gpu_memory_budget=760_000, workspace_bytes=0, max_tokens_per_step=40),
+    "two-models-a-step": dict(gpu_memory_budget=1_500_000, workspace_bytes=0, models_per_step=2),
 }
 # kv-tight: five blocks of tiny-opt's KV cache beside its weights; four requests of one block each
 # all need a second block at once, so the newest are preempted and recompute later
@@ -93,3 +94,5 @@ def test_same_plans_as_the_real_engine(name):
         assert res.stats["preemptions"] > 0
     if name == "holds-two":
         assert any(p[2] for p in sim_plans)  # prefetched
+    if name == "two-models-a-step":
+        assert any(len(p[3]) == 2 for p in sim_plans)  # steps that ran two models' batches

@@ -195,3 +195,25 @@ def test_the_profile_checkpoints_its_layer_as_the_trainer_does(monkeypatch):
     assert profiled and trained
     assert all(kw == trained[0] for kw in profiled + trained), (profiled, trained)
     assert trained[0] == {"use_reentrant": False, "preserve_rng_state": False}
+
+
+def test_the_profile_times_forward_and_backward_as_a_step_too(tmp_path):
+    """Every layer entry, plain and recomputed, also carries ``step_s`` (the forward and backward back
+    to back, the host free to run ahead as in a step), and the file as written loads with it. Its
+    size against ``fwd_s + bwd_s`` means something on a GPU only (a CPU has no host to run ahead)."""
+    import json
+
+    from computron.planner.measured import load_profile
+
+    m = TransformerShape("l", "llama", 2, 64, 4, 172, 256, 16, 8, kv_heads=2, flash_attention=True)
+    got = run_profile(m, [1], [1, 2], device="cpu", warmup=0, repeats=1, log=lambda s: None)
+    layers = [e for e in got["entries"] if e.get("part", "layer") in ("layer", "recompute")]
+    assert sorted((e.get("part", "layer"), e["mbs"]) for e in layers) == \
+        [("layer", 1), ("layer", 2), ("recompute", 1), ("recompute", 2)]
+    assert all(isinstance(e["step_s"], float) and e["step_s"] > 0 for e in layers)
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(got))
+    t = load_profile(str(path), "h200")
+    for e in layers:
+        assert t.lookup_step(e.get("part", "layer"), "h200", 1, e["mbs"]) == e["step_s"]
+    assert t.lookup_step("layer", "h100", 1, 1) is None and t.lookup_step("layer", "h200", 2, 1) is None

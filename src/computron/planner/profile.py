@@ -2,7 +2,8 @@
 
 What flows through: a TransformerShape, TP degrees and micro-batch sizes go in; a profile dict (the
 file format measured.py reads) comes out, one entry per (tp, mbs) with the median forward and
-backward seconds of one layer shard and the bytes it saves for backward, and (runtime layers, tp=1)
+backward seconds of one layer shard (and ``step_s``, the two back to back as a step issues them) and
+the bytes it saves for backward, and (runtime layers, tp=1)
 one ``"part": "head"`` entry per mbs for the last stage's norm, logits and loss, and one
 ``"part": "recompute"`` entry per (tp, mbs) for the layer under activation checkpointing.
 
@@ -227,13 +228,18 @@ def chain_depth(layer) -> int:
 
 
 def measure(layer, mbs: int, m: TransformerShape, device, dtype, warmup: int = 3, repeats: int = 10,
-            accumulate: bool = False, depth: int | None = None, recompute: bool = False) -> dict:
+            accumulate: bool = False, depth: int | None = None, recompute: bool = False, step: bool = True) -> dict:
     """Median forward and backward seconds of ``layer`` on a (mbs, seq, hidden) input, and the bytes
     of the tensors autograd saves (activations, parameters excluded). ``depth`` copies of the layer
     run in a chain, timed as a whole and divided by ``depth``: as in a model, the host queues a
     layer's kernels while the GPU runs the previous one (one layer between two synchronisations
     measures the host's launch time and the GPU's time added up, which small layers are dominated
-    by). Default: :func:`chain_depth`. ``accumulate``: the backward
+    by). Default: :func:`chain_depth`. ``step_s``: the forward and the backward of the chain
+    again, back to back without a synchronisation between them (one clock read before the forward,
+    one after the backward), so that the host runs ahead of the device as in a training step: a
+    layer's forward plus backward as a step issues them, where ``fwd_s + bwd_s`` adds the host's and
+    the device's time of each half separately (``Assumptions.paired_steps``); ``step=False``: not
+    timed (None; ``train/tpcoll.py``, which needs only the separate times). ``accumulate``: the backward
     also adds each parameter's gradient into a float32 accumulator (the trainer's micro-batch loop).
     ``recompute``: each layer runs under activation checkpointing, wrapped by the trainer's own
     ``train.job.recomputed`` (the same checkpoint call and options as ``computron train
@@ -268,21 +274,34 @@ def measure(layer, mbs: int, m: TransformerShape, device, dtype, warmup: int = 3
             y = one(y)
         return y
 
-    fwd, bwd = [], []
+    def backward(y):
+        y.backward(grad)
+        for a, p in zip(acc, weights):
+            a.add_(p.grad)
+
+    def clear():
+        x.grad = None
+        for p in weights:
+            p.grad = None
+
+    fwd, bwd, steps = [], [], []
     for i in range(warmup + repeats):
         t0 = clock()
         y = chain(x)
         t1 = clock()
-        y.backward(grad)
-        for a, p in zip(acc, weights):
-            a.add_(p.grad)
+        backward(y)
         t2 = clock()
+        clear()
+        if step:
+            t3 = clock()
+            backward(chain(x))  # the same work with no synchronisation between the forward and the backward
+            t4 = clock()
+            clear()
+            if i >= warmup:
+                steps.append((t4 - t3) / depth)
         if i >= warmup:
             fwd.append((t1 - t0) / depth)
             bwd.append((t2 - t1) / depth)
-        x.grad = None
-        for p in weights:
-            p.grad = None
     seen: dict[int, int] = {}
 
     kept: list = []  # the saved tensors, alive until counted (a freed one's address is reused)
@@ -306,8 +325,8 @@ def measure(layer, mbs: int, m: TransformerShape, device, dtype, warmup: int = 3
         y = layer(x)
         y.backward(grad)
         peak = float(torch.cuda.max_memory_allocated(device) - base)
-    return {"mbs": mbs, "fwd_s": statistics.median(fwd), "bwd_s": statistics.median(bwd), "act_bytes": act,
-            "peak_bytes": peak}
+    return {"mbs": mbs, "fwd_s": statistics.median(fwd), "bwd_s": statistics.median(bwd),
+            "step_s": statistics.median(steps) if step else None, "act_bytes": act, "peak_bytes": peak}
 
 
 def run_profile(m: TransformerShape, tps: list[int], sizes: list[int], device: str = "auto", gpu: str | None = None,
@@ -333,12 +352,13 @@ def run_profile(m: TransformerShape, tps: list[int], sizes: list[int], device: s
             e = {"tp": tp, **measure(layer, b, m, dev, dtype, warmup, repeats, accumulate=kind == "runtime")}
             entries.append(e)
             log(f"tp={tp} mbs={b}: forward {e['fwd_s'] * 1e3:.3f} ms, backward {e['bwd_s'] * 1e3:.3f} ms, "
-                f"saved activations {e['act_bytes'] / 2**20:.1f} MiB")
+                f"both as a step {e['step_s'] * 1e3:.3f} ms, saved activations {e['act_bytes'] / 2**20:.1f} MiB")
             if kind == "runtime" and recompute:
                 r = measure(layer, b, m, dev, dtype, warmup, repeats, accumulate=True, recompute=True)
-                entries.append({"tp": tp, "part": "recompute", "mbs": b, "fwd_s": r["fwd_s"], "bwd_s": r["bwd_s"]})
+                entries.append({"tp": tp, "part": "recompute", "mbs": b, "fwd_s": r["fwd_s"], "bwd_s": r["bwd_s"],
+                                "step_s": r["step_s"]})
                 log(f"tp={tp} mbs={b}: recomputed layer forward {r['fwd_s'] * 1e3:.3f} ms, "
-                    f"backward {r['bwd_s'] * 1e3:.3f} ms")
+                    f"backward {r['bwd_s'] * 1e3:.3f} ms, both as a step {r['step_s'] * 1e3:.3f} ms")
         del layer
         head = runtime_head(m, dev, dtype) if tp == 1 else None  # tp > 1: the roofline's head (logits gathered)
         for b in sizes if head is not None else ():

@@ -91,10 +91,10 @@ def _rank(device: str, dtype: str, shapes, warmup: int, repeats: int, depth: int
         count = _count(layer, reduce, x)
         del x
         tdist.barrier()
-        alone = timed(layer, mbs, m, dev, dt, warmup, repeats, accumulate=True, depth=d)
+        alone = timed(layer, mbs, m, dev, dt, warmup, repeats, accumulate=True, depth=d, step=False)
         _install(layer, reduce)
         tdist.barrier()
-        group = timed(layer, mbs, m, dev, dt, warmup, repeats, accumulate=True, depth=d)
+        group = timed(layer, mbs, m, dev, dt, warmup, repeats, accumulate=True, depth=d, step=False)
         rows.append({"model": m.name, "seq_len": m.seq_len, "mbs": mbs, "depth": d, "allreduces_per_layer": count,
                      "bytes": mbs * m.seq_len * m.hidden * torch.finfo(dt).bits // 8,
                      "group_s": group["fwd_s"] + group["bwd_s"], "alone_s": alone["fwd_s"] + alone["bwd_s"]})

@@ -63,3 +63,53 @@ def test_the_committed_opt_profile_still_loads():
     assert "activation" not in prof.shape
     cm = CostModel(shape_of(get_preset("opt-2.7b"), 1024, 8), profile=prof)
     assert cm.layer(GPU_TYPES["h200"], 1, 2) == prof.lookup("h200", 1, 2)
+
+
+def paired_table(step: bool = True):
+    """A layer of 1 ms forward, 2 ms backward (4 and 8 at mbs 4), 2.4 ms as a step; recomputed 1.5 ms
+    and 3.5 ms, 4 ms as a step; ``step=False``: the same entries as a profile made before ``step_s``."""
+    entries = [{"tp": 1, "mbs": 1, "fwd_s": 1.0e-3, "bwd_s": 2.0e-3, "act_bytes": 100, "step_s": 2.4e-3},
+               {"tp": 1, "mbs": 4, "fwd_s": 4.0e-3, "bwd_s": 8.0e-3, "act_bytes": 400, "step_s": 9.0e-3},
+               {"tp": 1, "part": "recompute", "mbs": 1, "fwd_s": 1.5e-3, "bwd_s": 3.5e-3, "step_s": 4.0e-3}]
+    if not step:
+        for e in entries:
+            del e["step_s"]
+    return table_from_dict({"gpu": "h200", "model": model_shape(M), "entries": entries})
+
+
+def test_paired_steps_split_the_step_time_as_the_separate_timings_split():
+    from computron.planner.costs import Assumptions
+    from computron.planner.hardware import NodeType
+
+    gpu = GPU_TYPES["h200"]
+    node = NodeType("n", gpu, 1, 1, 450e9, 50e9, 1.0)
+    on = CostModel(M, Assumptions(paired_steps=True), paired_table())
+    # 2.4 ms split 1:2 -> 0.8 ms forward, 1.6 ms backward
+    assert on.layer(gpu, 1, 1)[:2] == pytest.approx((0.8e-3, 1.6e-3), rel=1e-12)
+    # interpolated at mbs 2: 2 + 4 ms separately, 2.4 + (9 - 2.4) / 3 = 4.6 ms as a step
+    assert on.layer(gpu, 1, 2)[:2] == pytest.approx((4.6e-3 / 3, 2 * 4.6e-3 / 3), rel=1e-12)
+    # recomputed: 4 ms split 1.5:3.5 -> (1.2, 2.8) ms, less the plain layer's paired (0.8, 1.6)
+    assert on.recomputed(gpu, 1, 1, 1, fwd=123.0) == pytest.approx((0.4e-3, 1.2e-3), rel=1e-12)
+    f, b, ftp, btp, again, _ = on.ops(node, 1, 1, False, "full")
+    assert (ftp, btp) == (0.0, 0.0)
+    assert (f, b, again) == pytest.approx((1.2e-3, 1.6e-3, 1.2e-3), rel=1e-12)  # forward + backward + again = 4 ms
+    # off (the default), or a profile without step_s: the separate timings, exactly
+    for cm in (CostModel(M, profile=paired_table()), CostModel(M, Assumptions(paired_steps=True), paired_table(False))):
+        assert cm.layer(gpu, 1, 1) == (1.0e-3, 2.0e-3, 100)
+        assert cm.recomputed(gpu, 1, 1, 1, fwd=123.0) == (max(1.5e-3 - 1.0e-3, 0.0), max(3.5e-3 - 2.0e-3, 0.0))
+    assert not paired_table(False).steps and paired_table().lookup_step("layer", "h200", 1, 4) == 9.0e-3
+
+
+def test_a_size_without_step_s_keeps_its_separate_timings():
+    """A profile whose entries mix sizes with and without ``step_s`` never interpolates over the
+    missing one: sizes next to it keep their separate timings."""
+    from computron.planner.costs import Assumptions
+
+    t = table_from_dict({"gpu": "h200", "entries": [
+        {"tp": 1, "mbs": 1, "fwd_s": 1.0, "bwd_s": 2.0, "step_s": 2.4},
+        {"tp": 1, "mbs": 4, "fwd_s": 4.0, "bwd_s": 8.0}]})
+    assert t.lookup_step("layer", "h200", 1, 1) == 2.4
+    assert t.lookup_step("layer", "h200", 1, 2) is None and t.lookup_step("layer", "h200", 1, 8) is None
+    cm = CostModel(M, Assumptions(paired_steps=True), t)
+    assert cm.layer(GPU_TYPES["h200"], 1, 2)[:2] == pytest.approx((2.0, 4.0))
+    assert cm.layer(GPU_TYPES["h200"], 1, 2)[:2] == CostModel(M, profile=t).layer(GPU_TYPES["h200"], 1, 2)[:2]

@@ -54,6 +54,11 @@ class Assumptions:
     unfused_llama: bool = False  # the Llama layer as plain torch ops keep it (``models/transformer.py``):
     # the SwiGLU's SiLU output, the QKV output whole under RoPE's rotated Q and K, RMSNorm's fp32
     # 1/rms (:func:`activation_bytes`); False: Megatron's fused SwiGLU and RoPE
+    paired_steps: bool = False  # a profiled layer's forward plus backward is its ``step_s`` (the two timed
+    # back to back, the host free to run ahead of the device as in a step: ``planner/profile.py
+    # measure``), split between the forward and backward ops as its separate timings split; False, or
+    # a profile entry without ``step_s``: the separate timings, each between two synchronisations
+    # (an upper bound where the host's launch time exceeds the device's: small or recomputed layers)
     memory_margin: float = 0.10  # fraction of GPU memory kept free (fragmentation, workspaces)
     memory_reserve_gib: float = 1.0  # CUDA context + NCCL buffers
     scatter_gather: bool = True  # Megatron's p2p scatter/gather over TP ranks

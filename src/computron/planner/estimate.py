@@ -108,6 +108,7 @@ class CostModel:
             act = costs.activation_bytes(m, tp, mbs, sp, selective, fp8, self.a)
             got = self.profile.lookup(gpu.name, tp, mbs) if self.profile and cp == 1 and not fp8 else None
             if got is not None:
+                got = self.paired("layer", gpu, tp, mbs, got)
                 saved = 0.0
                 if sp:
                     saved = (costs.elementwise_bytes(m, tp, mbs) - costs.elementwise_bytes(m, tp, mbs, True)) / (
@@ -157,12 +158,26 @@ class CostModel:
     def recomputed(self, gpu: GpuType, tp: int, mbs: int, cp: int, fwd: float) -> tuple[float, float]:
         """Seconds full recomputation adds to one layer's (forward, backward): measured where the
         profile has the layer recomputed (each less the plain layer's: the checkpointing's own work
-        in the forward; the forward again and that work in the backward), else (0, ``fwd``)."""
+        in the forward; the forward again and that work in the backward; both with ``paired_steps``
+        from their ``step_s``, :meth:`paired`), else (0, ``fwd``)."""
         got = self.profile.lookup_part("recompute", gpu.name, tp, mbs) if self.profile and cp == 1 else None
         plain = self.profile.lookup(gpu.name, tp, mbs) if got is not None else None
         if plain is None:
             return 0.0, fwd
+        got, plain = self.paired("recompute", gpu, tp, mbs, got), self.paired("layer", gpu, tp, mbs, plain)
         return max(got[0] - plain[0], 0.0), max(got[1] - plain[1], 0.0)
+
+    def paired(self, part: str, gpu: GpuType, tp: int, mbs: int, got: tuple) -> tuple:
+        """``got`` (fwd s, bwd s, ...), a profile's figures of ``part`` (``layer``, ``recompute``), with
+        ``Assumptions.paired_steps`` and the profile's ``step_s`` of it: that forward plus backward, split
+        between the two in proportion to the separate timings; else ``got`` itself."""
+        if not self.a.paired_steps:
+            return got
+        step = self.profile.lookup_step(part, gpu.name, tp, mbs)
+        total = got[0] + got[1]
+        if step is None or total <= 0:
+            return got
+        return (step * got[0] / total, step * got[1] / total, *got[2:])
 
     def core(self, gpu: GpuType, tp: int, mbs: int, cp: int = 1) -> float:
         """Seconds selective recomputation adds to one layer's backward (costs.attention_core_forward)."""

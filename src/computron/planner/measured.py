@@ -5,8 +5,11 @@ asks it ``lookup(gpu, tp, mbs)`` and gets (forward s, backward s, activation byt
 on one TP rank, communication excluded, or None when that GPU/tp was not measured (the roofline
 is used then); ``lookup_part`` the same for other parts the profile measured (entries with
 ``"part": "head"``: the last stage's norm, logits and loss; ``"recompute"``: a layer whose
-activations are recomputed in the backward). Between measured micro-batch sizes times are interpolated linearly; outside them
-they are scaled in proportion to the micro-batch size from the nearest measurement.
+activations are recomputed in the backward); ``lookup_step`` a layer's (or part's) forward plus
+backward timed back to back as a step issues them (an entry's ``step_s``, which profiles made
+before it was measured lack: None then). Between measured micro-batch sizes times are interpolated
+linearly; outside them they are scaled in proportion to the micro-batch size from the nearest
+measurement.
 """
 
 from __future__ import annotations
@@ -52,13 +55,15 @@ class ProfileTable:
     """Measured costs for one GPU type: ``entries[tp]`` = sorted [(mbs, fwd_s, bwd_s, act_bytes)] of one
     layer; ``parts[part][tp]`` = sorted [(mbs, fwd_s, bwd_s)] of another measured part: ``head`` (the
     last stage's norm, logits and loss), ``recompute`` (one layer with full activation recomputation,
-    as the training runtime checkpoints it)."""
+    as the training runtime checkpoints it); ``steps[part][tp]`` = sorted [(mbs, step_s or None)] of
+    the layer (part ``layer``) and the other parts, where the entries carry ``step_s``."""
 
     gpu: str
     shape: dict
     entries: dict[int, list[tuple[int, float, float, float | None]]] = field(default_factory=dict)
     source: str = ""
     parts: dict[str, dict[int, list[tuple[int, float, float]]]] = field(default_factory=dict)
+    steps: dict[str, dict[int, list[tuple[int, float | None]]]] = field(default_factory=dict)
 
     def check_model(self, m: TransformerShape) -> None:
         """Raise when the profile was measured for another layer shape."""
@@ -78,6 +83,12 @@ class ProfileTable:
         rows = self.parts.get(part, {}).get(tp) if gpu == self.gpu else None
         return None if rows is None else _interpolate(rows, mbs)
 
+    def lookup_step(self, part: str, gpu: str, tp: int, mbs: int) -> float | None:
+        """``step_s`` of ``part`` (``layer``, ``recompute``, ...) on one TP rank: its forward and backward
+        timed back to back, or None where not measured (a profile made before it was, or another GPU)."""
+        rows = self.steps.get(part, {}).get(tp) if gpu == self.gpu else None
+        return None if rows is None else _interpolate(rows, mbs)[0]
+
 
 def table_from_dict(data: dict, source: str = "", gpu: str | None = None) -> ProfileTable:
     """Build a table from a parsed profile file; ``gpu`` overrides the file's GPU type name."""
@@ -85,8 +96,11 @@ def table_from_dict(data: dict, source: str = "", gpu: str | None = None) -> Pro
         raise PlannerError(f"profile {source}: not a planner profile (no 'entries'; expected format {FORMAT})")
     entries: dict[int, list] = {}
     parts: dict[str, dict[int, list]] = {}
+    steps: dict[str, dict[int, list]] = {}
     for e in data["entries"]:
         try:
+            steps.setdefault(e.get("part", "layer"), {}).setdefault(int(e["tp"]), []).append(
+                (int(e["mbs"]), None if e.get("step_s") is None else float(e["step_s"])))
             if e.get("part", "layer") != "layer":
                 parts.setdefault(e["part"], {}).setdefault(int(e["tp"]), []).append(
                     (int(e["mbs"]), float(e["fwd_s"]), float(e["bwd_s"])))
@@ -98,10 +112,14 @@ def table_from_dict(data: dict, source: str = "", gpu: str | None = None) -> Pro
             raise PlannerError(f"profile {source}: bad entry {e!r} ({err})") from None
     for rows in (*entries.values(), *(r for by_tp in parts.values() for r in by_tp.values())):
         rows.sort()
+    # a part's sizes without step_s give None (never interpolated over); a part without any, no rows
+    steps = {part: {tp: sorted(rows, key=lambda r: r[0]) for tp, rows in by_tp.items()
+                    if any(v is not None for _, v in rows)} for part, by_tp in steps.items()}
+    steps = {part: by_tp for part, by_tp in steps.items() if by_tp}
     name = (gpu or data.get("gpu") or "").lower()
     if not name:
         raise PlannerError(f"profile {source}: no GPU type recorded; pass the GPU type it was measured on")
-    return ProfileTable(name, dict(data.get("model", {})), entries, source, parts)
+    return ProfileTable(name, dict(data.get("model", {})), entries, source, parts, steps)
 
 
 def load_profile(path: str, gpu: str | None = None) -> ProfileTable:

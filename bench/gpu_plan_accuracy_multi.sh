@@ -9,7 +9,10 @@
 #  - measures NCCL all-reduce bus bandwidth and send/recv bandwidth over 2 (and 4) ranks, 1 to 256
 #    MiB, beside the bandwidths the planner assumes for this GPU type;
 #  - measures what each tensor-parallel all-reduce costs the trainer's layer over 2 (and 4) ranks
-#    (train/tpcoll.py) and predicts the tp layouts with it (the result's tp_collective).
+#    (train/tpcoll.py) and predicts the tp layouts with it (the result's tp_collective);
+#  - predicts every row a second time with each profiled layer's forward and backward timed back to
+#    back as a step issues them (the profiles' step_s, Assumptions.paired_steps): paired_s beside
+#    predicted_s, and the summary's paired_* errors.
 # On 4 GPUs one run holds both sets: a 2-rank configuration runs on GPUs 0 and 1 and is grouped,
 # summarised (summary.by_gpus) and compared with links over 2 ranks apart from the 4-rank ones, so
 # the 2- and 4-GPU results come from the same machine without running the 2-GPU set twice.

@@ -152,6 +152,9 @@ def test_plan_accuracy_profiles_the_trainers_layer_first(tmp_path):
     again = json.loads((tmp_path / "again.json").read_text())
     assert again["rescored"] and [r["measured_s"] for r in again["rows"]] == [r["measured_s"] for r in rows]
     assert [r["predicted_s"] for r in again["rows"]] == pytest.approx([r["predicted_s"] for r in rows], rel=1e-12)
+    # the profiles timed each layer's forward and backward as a step too: each row's prediction from it
+    assert all(r["paired_s"] > 0 and r["paired_error"] == r["paired_s"] / r["measured_s"] - 1 for r in rows)
+    assert [r["paired_s"] for r in again["rows"]] == pytest.approx([r["paired_s"] for r in rows], rel=1e-12)
     assert [r["profile"] for r in again["rows"]] == [str(moved / "acc_profile_tiny-llama_s16.json")] * 2 + \
         [str(moved / "acc_profile_tiny-llama_s32.json")]
 
@@ -200,3 +203,49 @@ def test_bad_inputs_are_refused_before_any_measurement(tmp_path, capsys):
                  "--cuda-graphs", "--out", out]) == 2
     assert "--cuda-graphs needs a CUDA device" in capsys.readouterr().err
     assert not (tmp_path / "acc.json").exists()
+
+
+def test_paired_steps_leave_a_committed_rescore_as_it_was(tmp_path, monkeypatch, capsys):
+    """The committed two-H200 result, rescored: its profiles predate ``step_s``, so turning
+    ``paired_steps`` on changes no prediction (bit for bit) and adds no ``paired_s``; the same profiles
+    given a ``step_s`` leave every default prediction as it was and add ``paired_s`` beside it."""
+    import os
+    from dataclasses import replace
+
+    from computron.train import accuracy
+
+    root = os.path.join(os.path.dirname(__file__), "../../bench/results")
+    result = json.loads(open(os.path.join(root, "plan_accuracy_h200_x2_two.json")).read())
+    profiles = os.path.join(root, "plan_accuracy_h200_x2_profiles")
+    quiet = lambda s: None  # noqa: E731
+
+    def preds(out):
+        return [(r["predicted_s"], r["predicted_bytes"], r.get("roofline_s")) for r in out["rows"]]
+
+    base = accuracy.rescore(result, profiles, quiet)
+    assert not any("paired_s" in r for r in base["rows"]) and "paired_time_mean_abs_error" not in base["summary"]
+    real = accuracy.assumptions
+    monkeypatch.setattr(accuracy, "assumptions", lambda *a, **k: replace(real(*a, **k), paired_steps=True))
+    on = accuracy.rescore(result, profiles, quiet)
+    assert preds(on) == preds(base) and on["summary"] == base["summary"] and on["pick"] == base["pick"]
+    monkeypatch.setattr(accuracy, "assumptions", real)
+    # the same profiles as a run measuring step_s would write them: the step 0.8 of forward + backward
+    stepped = tmp_path / "profiles"
+    stepped.mkdir()
+    for name in os.listdir(profiles):
+        data = json.loads(open(os.path.join(profiles, name)).read())
+        for e in data["entries"]:
+            if e.get("part", "layer") in ("layer", "recompute"):
+                e["step_s"] = 0.8 * (e["fwd_s"] + e["bwd_s"])
+        (stepped / name).write_text(json.dumps(data))
+    again = accuracy.rescore(result, str(stepped), quiet)
+    assert preds(again) == preds(base) and again["pick"] == base["pick"]
+    assert {k: v for k, v in again["summary"].items() if not k.startswith("paired_")} == base["summary"]
+    assert all(0 < r["paired_s"] < r["predicted_s"] for r in again["rows"])
+    assert again["summary"]["paired_time_mean_abs_error"] == \
+        pytest.approx(sum(abs(r["paired_s"] / r["measured_s"] - 1) for r in again["rows"]) / len(again["rows"]))
+    # the command prints both
+    (tmp_path / "r.json").write_text(json.dumps(result))
+    assert main(["bench", "plan-accuracy", "--rescore", str(tmp_path / "r.json"), "--profiles", str(stepped),
+                 "--out", str(tmp_path / "again")]) == 0
+    assert "forward and backward timed as a step (paired_steps, paired_s): time error" in capsys.readouterr().out

@@ -15,6 +15,14 @@ the same thing on as many GPUs and measures it against the group's fastest (``pi
 measures all-reduce and send/recv bandwidth between the ranks beside the planner's assumption
 (``links.py``) and what each tensor-parallel all-reduce costs the trainer's layer over 2 (and 4)
 ranks (``tpcoll.py``), which the predictions of that run then use.
+
+Where a row's profile has ``step_s`` (each layer's forward and backward timed back to back, as a
+step issues them: ``planner/profile.py measure``; profiles made since it was measured), the row also
+carries ``paired_s`` and ``paired_error``: the same prediction with ``Assumptions.paired_steps`` on
+(that time split between the forward and backward ops in place of their separate timings), and the
+summary ``paired_time_mean_abs_error``, ``paired_time_worst_abs_error`` and ``paired_spearman`` where
+every row has it. ``predicted_s``, the picks and everything else stay on the default (off), so one run
+compares both; ``--rescore`` of a result whose profiles lack ``step_s`` gives what it gave before.
 """
 
 from __future__ import annotations
@@ -412,20 +420,32 @@ def score(cfg: Config, model_cfg, got: dict, gpu: str, prof: str | None, log=pri
            "time_error": pred_s / got["time_s"] - 1, "measured_bytes": got["peak_bytes"],
            "predicted_bytes": pred_mem, "memory_error": pred_mem / got["peak_bytes"] - 1,
            "tflops_per_gpu": got["tflops_per_gpu"], "profile": prof}
+    paired = ""
+    if prof and has_steps(prof, gpu):  # the same with each layer's forward and backward as a step issues them
+        row["paired_s"] = predict(shape, gpu, cfg, prof, replace(a, paired_steps=True))[0]
+        row["paired_error"] = row["paired_s"] / got["time_s"] - 1
+        paired = f", paired {row['paired_s']:.4f} s ({row['paired_error']:+.1%})"
     if cfg.tp > 1:
         row["tp_collective_s"] = a.tp_collective_at(cfg.tp)
         row["tp_collective_source"] = "measured" if cfg.tp in dict(a.tp_collective_by_tp) else "fitted"
     if prof:
         row["roofline_s"], row["roofline_bytes"] = predict(shape, gpu, cfg, None, a)
     log(f"{cfg.label:40s} measured {row['measured_s']:.4f} s predicted {pred_s:.4f} s "
-        f"({row['time_error']:+.1%}); memory {row['measured_bytes'] / 2**30:.2f} GiB predicted "
+        f"({row['time_error']:+.1%}{paired}); memory {row['measured_bytes'] / 2**30:.2f} GiB predicted "
         f"{pred_mem / 2**30:.2f} GiB ({row['memory_error']:+.1%}); {row['tflops_per_gpu']:.1f} TFLOP/s")
     return row
 
 
+def has_steps(prof: str, gpu: str) -> bool:
+    """Whether the profile file ``prof`` has any ``step_s`` (what ``Assumptions.paired_steps`` uses)."""
+    from ..planner.measured import load_profile
+
+    return bool(load_profile(prof, gpu).steps)
+
+
 def summarize(rows: list[dict], rate: float) -> dict:
-    """The errors, rank correlation and best throughput of ``rows``; with several GPU counts, the same
-    for each count under ``by_gpus``."""
+    """The errors, rank correlation and best throughput of ``rows`` (and of their ``paired_s`` where
+    every row has one); with several GPU counts, the same for each count under ``by_gpus``."""
     best = max(rows, key=lambda r: r["tflops_per_gpu"])
     out = {"configs": len(rows), "time_mean_abs_error": statistics.fmean(abs(r["time_error"]) for r in rows),
            "time_worst_abs_error": max(abs(r["time_error"]) for r in rows),
@@ -433,6 +453,10 @@ def summarize(rows: list[dict], rate: float) -> dict:
            "spearman": spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]),
            "best": best["config"], "best_tflops_per_gpu": best["tflops_per_gpu"],
            "matmul_tflops": rate, "best_fraction_of_matmul": best["tflops_per_gpu"] / rate}
+    if all("paired_s" in r for r in rows):
+        out.update(paired_time_mean_abs_error=statistics.fmean(abs(r["paired_error"]) for r in rows),
+                   paired_time_worst_abs_error=max(abs(r["paired_error"]) for r in rows),
+                   paired_spearman=spearman([r["paired_s"] for r in rows], [r["measured_s"] for r in rows]))
     gpus = sorted({r["tp"] * r["pp"] * r["dp"] for r in rows})
     if len(gpus) > 1:
         out["by_gpus"] = {str(n): summarize([r for r in rows if r["tp"] * r["pp"] * r["dp"] == n], rate) for n in gpus}

@@ -6,7 +6,9 @@ GPUs here), then ``accuracy.run`` (or ``accuracy.rescore`` of a stored result) g
 dict, written as OUT.json, drawn as OUT.png (predicted against measured) and summarised on stdout:
 the errors (per GPU count too), the planner's pick against each group's fastest (``pick.py``) and
 the links against the planner's assumption (``links.py``) and the tensor-parallel per-collective
-cost measured and used (``tpcoll.py``).
+cost measured and used (``tpcoll.py``). Where the profiles have ``step_s`` the rows and the summary
+also give the predictions with ``Assumptions.paired_steps`` on (``paired_s``, drawn beside the
+default's), the rest staying on the default.
 """
 
 from __future__ import annotations
@@ -27,7 +29,11 @@ def plot(result: dict, path: str) -> None:
     rows = result["rows"]
     fig, ax = plt.subplots(figsize=(6.5, 6), dpi=110)
     x, y = [r["measured_s"] for r in rows], [r["predicted_s"] for r in rows]
-    ax.scatter(x, y, c="C0")
+    ax.scatter(x, y, c="C0", label="predicted")
+    if paired := [r for r in rows if "paired_s" in r]:
+        ax.scatter([r["measured_s"] for r in paired], [r["paired_s"] for r in paired], c="C1", marker="x",
+                   label="predicted, forward and backward as a step (paired_s)")
+        y = y + [r["paired_s"] for r in paired]
     for r in rows:
         ax.annotate(r["config"], (r["measured_s"], r["predicted_s"]), fontsize=6, xytext=(3, 3), textcoords="offset points")
     lo, hi = min(x + y) * 0.8, max(x + y) * 1.2
@@ -55,7 +61,9 @@ def add_bench_parser(bsub) -> None:
     p.add_argument("--gpu", default=None, help="the planner's GPU type of this device (default: detected)")
     p.add_argument("--profile", default=None,
                    help="a 'plan profile' JSON of this GPU, 'auto' (profile the trainer's layer here first, for every "
-                        "model and sequence length), or 'roofline' (no profile); default: auto on a GPU, else roofline")
+                        "model and sequence length), or 'roofline' (no profile); default: auto on a GPU, else "
+                        "roofline. Where the profile has step_s (forward and backward timed back to back), each row also gives "
+                        "paired_s: the prediction with Assumptions.paired_steps on")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"), help="default: bf16 on GPU, fp32 on CPU")
     p.add_argument("--warmup", type=int, default=2)
@@ -183,10 +191,16 @@ def _write(result: dict, out: str) -> int:
           f"worst; memory error {s['memory_mean_abs_error']:.1%} mean; rank correlation {s['spearman']:.2f}; best "
           f"{s['best']} at {s['best_tflops_per_gpu']:.1f} TFLOP/s = {s['best_fraction_of_matmul']:.0%} of the measured "
           f"{s['matmul_tflops']:.0f} TFLOP/s matrix rate; wrote {out}.json, {out}.png")
+    if "paired_time_mean_abs_error" in s:
+        print(f"  with each layer's forward and backward timed as a step (paired_steps, paired_s): time error "
+              f"{s['paired_time_mean_abs_error']:.1%} mean, {s['paired_time_worst_abs_error']:.1%} worst; rank "
+              f"correlation {s['paired_spearman']:.2f}")
     for n, g in s.get("by_gpus", {}).items():
         print(f"  on {n} GPU(s): {g['configs']} configurations, time error {g['time_mean_abs_error']:.1%} mean, "
               f"{g['time_worst_abs_error']:.1%} worst; memory error {g['memory_mean_abs_error']:.1%} mean; rank "
-              f"correlation {g['spearman']:.2f}; best {g['best']} at {g['best_tflops_per_gpu']:.1f} TFLOP/s")
+              f"correlation {g['spearman']:.2f}; best {g['best']} at {g['best_tflops_per_gpu']:.1f} TFLOP/s"
+              + (f"; paired_s time error {g['paired_time_mean_abs_error']:.1%} mean, "
+                 f"{g['paired_time_worst_abs_error']:.1%} worst" if "paired_time_mean_abs_error" in g else ""))
     if "pick" in result:
         from .pick import print_report
 

@@ -307,7 +307,8 @@ def arbiter_settings(phase: str) -> dict:
     return {"mode": mode, "yield_compute": YIELD_OF[extra]}
 
 
-HANDOVER_PARTS = ("wait", "signal", "release", "ack", "alloc", "swap", "free")  # free: from the request's arrival
+# free: from the request's arrival; release = reach (the job's loop gets to it) + empty (the release itself)
+HANDOVER_PARTS = ("wait", "signal", "release", "reach", "empty", "ack", "alloc", "swap", "free")
 
 
 def solo_latencies(runs: list[dict]) -> dict[str, float]:

@@ -152,3 +152,30 @@ def test_a_closed_server_takes_no_connection_and_the_job_finds_the_next_one(tmp_
         second.close()
     finally:
         colo.close()
+
+
+class Sent:
+    """A channel that keeps what the job sends."""
+
+    def __init__(self):
+        self.msgs = []
+
+    def send(self, msg):
+        self.msgs.append(msg)
+
+
+def test_an_ack_tells_when_the_loop_reached_the_release_and_when_it_ended():
+    """An order for memory the job holds is acknowledged at its next micro-batch: ``reached`` is when
+    the loop got there (here 50 ms after the order), ``released`` when the release (30 ms) ended; an
+    order for memory already free is acknowledged at once, reached as received."""
+    colo = Colocation(memory=MemoryModel(100, 10, rel_margin=0.0), release=lambda: time.sleep(0.03))
+    colo._chan = Sent()
+    assert colo.micro_batch(most=4) == 4  # committed: 100 + 4 * 10 bytes
+    colo.deliver({"t": "limit", "id": 1, "bytes": 125, "immediate": False})
+    assert colo._chan.msgs == []  # the memory is still held: acknowledged once released
+    time.sleep(0.05)
+    assert colo.micro_batch(most=4) == 2
+    (ack,) = colo._chan.msgs
+    assert ack["id"] == 1 and ack["received"] + 0.05 <= ack["reached"] <= ack["released"] - 0.03
+    colo.deliver({"t": "limit", "id": 2, "bytes": 10_000, "immediate": False})
+    assert colo._chan.msgs[-1]["id"] == 2 and colo._chan.msgs[-1]["reached"] == colo._chan.msgs[-1]["received"]

@@ -92,6 +92,7 @@ class Colocation:
         self._limit: int | None = None
         self._limit_id = self._acked_id = 0
         self._received = 0.0
+        self._reached: float | None = None  # when the loop reached the newest order's release (None: not yet)
         self._committed = 0  # bytes the job may be using now (its running or last micro-batch)
         self._running = 0
         self._abandon = self._immediate = False
@@ -127,6 +128,7 @@ class Colocation:
                 m = self._fit(most)
                 if m >= 1 and not self._paused:
                     if self._limit_id > self._acked_id:
+                        self._reached = time.monotonic()
                         self.release()
                         self._committed = self.memory.predict(m)
                         self._ack()
@@ -142,6 +144,7 @@ class Colocation:
                     self._committed = self.memory.predict(1)
                     self._resuming = True
             if m < 1:  # committed stays until the state is off: an order under it waits for the pause
+                self._reached = time.monotonic()
                 self.on_pause()
                 self.release()
                 with self._cond:
@@ -251,11 +254,16 @@ class Colocation:
     # ---- internals -----------------------------------------------------------------------------
 
     def _ack(self) -> None:
-        """Acknowledge the newest limit (the condition's lock is held)."""
+        """Acknowledge the newest limit (the condition's lock is held): when it was received, when the
+        loop reached its release (the order seen at a micro-batch's start, after an abandoned one's
+        unwinding; when nothing had to be freed, as received) and when the memory was released."""
         if self._limit_id > self._acked_id and self._chan is not None:
+            now = time.monotonic()
+            reached = self._received if self._reached is None or self._reached < self._received else self._reached
             self._chan.send({"t": "ack", "id": self._limit_id, "bytes": self._limit, "received": self._received,
-                             "released": time.monotonic()})
+                             "reached": min(reached, now), "released": now})
         self._acked_id = self._limit_id
+        self._reached = None
 
     def deliver(self, msg: dict) -> None:
         """Handle one message from the server (the receiving thread calls this)."""

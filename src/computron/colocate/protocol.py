@@ -129,8 +129,10 @@ class ArbiterServer:
     def demand(self, device: int, nbytes: int, timeout: float | None = None) -> dict:
         """Block until inference's budget on ``device`` is at least ``nbytes``; the handover's timing.
 
-        Returns ``{"t", "wait_s", "signal_s", "release_s", "ack_s", "granted", "alloc_s", "swap_s", "free_s"}``
-        (``t``: when it was asked; the parts are None when no training memory had to move; the
+        Returns ``{"t", "wait_s", "signal_s", "release_s", "reach_s", "empty_s", "ack_s", "granted", "alloc_s",
+        "swap_s", "free_s"}`` (``t``: when it was asked; ``release_s``, training's part, is ``reach_s``, until
+        its loop reached the release, plus ``empty_s``, the release itself (the allocator's cache emptied,
+        or the state parked); the parts are None when no training memory had to move; the
         engine fills ``alloc_s``, ``swap_s`` and ``free_s`` in, see ``serving.EngineLink``). Raises TimeoutError
         after ``timeout`` seconds.
         """
@@ -146,11 +148,13 @@ class ArbiterServer:
             t1 = time.monotonic()
             acks = [a for i, a in self._acks.items() if i > first_id and a["device"] == device]
         rec = {"t": t0, "device": device, "bytes": nbytes, "wait_s": t1 - t0, "granted": self.budgets[device],
-               "signal_s": None, "release_s": None, "ack_s": None, "alloc_s": None, "swap_s": None,
-               "free_s": None}
+               "signal_s": None, "release_s": None, "reach_s": None, "empty_s": None, "ack_s": None,
+               "alloc_s": None, "swap_s": None, "free_s": None}
         if acks:
             a = acks[-1]
+            reached = a.get("reached", a["received"])  # a job of an older client sends no "reached"
             rec.update(signal_s=a["received"] - a["sent"], release_s=a["released"] - a["received"],
+                       reach_s=reached - a["received"], empty_s=a["released"] - reached,
                        ack_s=a["arrived"] - a["released"])
             self.handovers.append(rec)
         return rec
@@ -267,6 +271,7 @@ class ArbiterServer:
                     sent = self._sent.get(msg["id"])
                     if sent is not None:
                         self._acks[msg["id"]] = dict(device=device, sent=sent[0], received=msg["received"],
+                                                     reached=msg.get("reached", msg["received"]),
                                                      released=msg["released"], arrived=time.monotonic())
                     self._dispatch(self.arbiter.train_ack(device, msg["id"], int(msg["bytes"]), time.monotonic()))
         with self._lock:

@@ -226,3 +226,17 @@ def test_together_never_beats_reading_every_weight():
     assert cal.together([0.002, 0.001], 3_000_000) == approx(0.003)  # 3 MB at 1 GB/s
     with pytest.raises(ValueError, match="concurrent_step_fraction must be at most 1, got 1.5"):
         replace(CAL, concurrent_step_fraction=1.5)
+
+
+def test_a_models_first_capture_of_a_bucket_adds_its_warm_up_once():
+    """Graphs cost ``graph_capture_s`` after every load, and a model's first capture of a bucket adds
+    ``graph_warmup_s`` (its kernels compiled and tuned): a second load captures again without it."""
+    cal = replace(CAL, graph_capture_s=0.004, graph_warmup_s=0.05)
+    cfg = replace(ONE_MODEL, cuda_graphs=True, max_batch_size=4)
+    trace = [(0.0, "tiny-opt", 16, 3), (1.0, "tiny-llama", 8, 2), (2.0, "tiny-opt", 16, 3)]
+    sim = Simulation(["tiny-opt", "tiny-llama"], cal, cfg)
+    a, _, c = sim.run(trace).records
+    step = CAL.decode_fixed_s + CAL.decode_seq_s
+    assert a.finish - a.first_token == approx(2 * step + 0.004 + 0.05)  # first capture of bucket 1
+    assert c.finish - c.first_token == approx(2 * step + 0.004)  # after its reload: captured again only
+    assert sim.executor.stats["graph_captures"] == 3

@@ -202,7 +202,7 @@ def run(models: list[str], device: str, batches: list[int], prompts: list[int], 
 
     eng = Engine(EngineConfig(device=device, gpu_memory_budget=budget, executor=executor))
     dev = eng.executor.device if hasattr(eng.executor, "device") else torch.device("cpu")
-    points = {"swap": [], "evict": [], "prefill": [], "decode": [], "floor": [], "capture": []}
+    points = {"swap": [], "evict": [], "prefill": [], "decode": [], "floor": [], "capture": [], "warmup": []}
     legacy = executor == "legacy"
     if legacy:  # the first swap-in (pageable host memory) and the evictions that allocate page-locked memory
         points["first_swap"], points["pin_evict"] = [], []
@@ -244,9 +244,13 @@ def run(models: list[str], device: str, batches: list[int], prompts: list[int], 
                 points["decode"].append((spec.name, nbytes, b, step))
             after = path.call(eng.executor.status).stats
             if after.get("graph_captures", 0) > before.get("graph_captures", 0):  # decode graphs (a GPU)
-                again = (after["graph_recapture_s"] - before["graph_recapture_s"]) / \
-                    (after["graph_captures"] - before["graph_captures"])
+                n = after["graph_captures"] - before["graph_captures"]  # each bucket's first for this model
+                again = (after["graph_recapture_s"] - before["graph_recapture_s"]) / n
                 points["capture"].append((spec.name, nbytes, again))
+                # what a first capture adds: the warm-up that compiles and tunes the bucket's kernels
+                warm = (after["graph_capture_s"] - before["graph_capture_s"]) / n - again
+                if warm > 0:
+                    points["warmup"].append((spec.name, nbytes, warm))
             path.call(eng.core.offload, spec.name)
     finally:
         path.close()
@@ -257,6 +261,7 @@ def run(models: list[str], device: str, batches: list[int], prompts: list[int], 
     ev = _fit([(b, 0, t) for _, b, t in points["evict"]])  # fixed + per byte (a copy back, if any)
     # a graph recorded again after a move: fixed + per byte (0 without graphs: the CPU, the legacy executor)
     gc = _fit([(b, 0, t) for _, b, t in points["capture"]]) if points["capture"] else (0.0, 0.0)
+    gw = _fit([(b, 0, t) for _, b, t in points["warmup"]]) if points["warmup"] else (0.0, 0.0)
     pageable = pin = 0.0
     if legacy:
         pageable = statistics.median(b / s for _, b, s in points["first_swap"])
@@ -271,6 +276,7 @@ def run(models: list[str], device: str, batches: list[int], prompts: list[int], 
                       decode_seq_s=dc[2], decode_seq_s_per_byte=dc[3],
                       evict_s=ev[0], evict_s_per_byte=ev[1], device_memory=int(mem),
                       graph_capture_s=gc[0], graph_capture_s_per_byte=gc[1],
+                      graph_warmup_s=gw[0], graph_warmup_s_per_byte=gw[1],
                       pageable_swap_bandwidth=pageable, evict_pin_s_per_byte=pin,
                       host_bandwidth=host_bandwidth(repeats) if dev.type == "cuda" else 0.0)
     checks = []

@@ -27,7 +27,9 @@ Every time is a simple affine model with a floor (no torch, no I/O except ``load
   the first decode step of each batch-size bucket (``engine/buckets.py``) after each load of the model. The
   executor keeps a model's graphs only while its weights stay at one address, and a model swapped back
   in usually lands elsewhere; 0 (no graphs) in a calibration of the CPU, of the legacy executor, and in
-  files written before the field existed.
+  files written before the field existed. The first capture of a bucket for a model also runs its
+  kernels twice first, compiling and tuning them: ``graph_warmup_s + graph_warmup_s_per_byte * B`` more,
+  once per bucket and model (0 in files written before the field existed).
 
 The weight-read floor ``B / hbm_bandwidth`` is the least any step can take: every weight is read once.
 """
@@ -59,6 +61,8 @@ class Calibration:
     server_seq_s: float = 0.0  # per sequence that makes a token in a step: the server's streaming work
     graph_capture_s: float = 0.0  # per decode graph captured after a load (the first step of a bucket)
     graph_capture_s_per_byte: float = 0.0  # the same, per weight byte (a deeper model records more kernels)
+    graph_warmup_s: float = 0.0  # more for a model's first capture of a bucket: its kernels run twice first
+    graph_warmup_s_per_byte: float = 0.0
     # legacy executor: bytes/s of a swap-in from pageable host memory (a model's loads before its first
     # eviction; 0: as swap_bandwidth), and seconds per byte of page-locked host memory an eviction allocates
     pageable_swap_bandwidth: float = 0.0
@@ -139,8 +143,10 @@ class Calibration:
         return batch_time(self, nbytes, prefill_tokens, decode_seqs, prefill_seqs)
 
     # ---- files ---------------------------------------------------------------------------------
-    def capture_time(self, nbytes: int) -> float:
-        return self.graph_capture_s + self.graph_capture_s_per_byte * nbytes
+    def capture_time(self, nbytes: int, first: bool = False) -> float:
+        """Seconds of capturing a decode graph (``first``: the model's first of that bucket, warm-up included)."""
+        t = self.graph_capture_s + self.graph_capture_s_per_byte * nbytes
+        return t + self.graph_warmup_s + self.graph_warmup_s_per_byte * nbytes if first else t
 
     def to_dict(self) -> dict:
         d = asdict(self)

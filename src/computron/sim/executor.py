@@ -69,7 +69,7 @@ class _Done:
 
 class _Model:
     __slots__ = ("info", "device", "groups", "nbytes", "block_bytes", "token", "ready", "load_start",
-                 "load_end", "reported", "kv_ready", "captured", "pinned", "decode_s")
+                 "load_end", "reported", "kv_ready", "captured", "warmed", "pinned", "decode_s")
 
     def __init__(self, info: ModelInfo, groups: list[int], block_bytes: int, token: int):
         self.info, self.groups, self.block_bytes, self.token = info, groups, block_bytes, token
@@ -80,6 +80,7 @@ class _Model:
         self.reported = True  # its last load was reported to the core as ended
         self.kv_ready = 0.0  # when the last cache moved back from host memory for it has landed
         self.captured: set[int] = set()  # batch-size buckets whose decode graph was captured since its load
+        self.warmed: set[int] = set()  # buckets ever captured (their kernels compiled and tuned): kept over loads
         self.pinned = False  # legacy executor: its host copy is page-locked (it was evicted once)
         self.decode_s: dict[int, float] = {}  # batch size -> seconds of one warm decode step (batch_time's)
 
@@ -114,7 +115,8 @@ class SimExecutor:
         self.together = cfg.models_per_step > 1  # batches of several models may share a device's step
         # decode graphs: the batch sizes that have one (none without graphs, with no capture cost, or
         # under the legacy executor, whose weights move at every load and whose decode runs eager)
-        capture = calibration.graph_capture_s or calibration.graph_capture_s_per_byte
+        capture = calibration.graph_capture_s or calibration.graph_capture_s_per_byte or \
+            calibration.graph_warmup_s or calibration.graph_warmup_s_per_byte
         self.graph_sizes = buckets(cfg.max_batch_size) if cfg.cuda_graphs and capture and not legacy else None
         self.pinned_free = 0  # legacy: bytes of page-locked host copies freed and cached for reuse (process-wide)
         self.models: dict[str, _Model] = {}
@@ -383,8 +385,10 @@ class SimExecutor:
         if bucket is None or bucket in m.captured:
             return 0.0
         m.captured.add(bucket)
+        first = bucket not in m.warmed
+        m.warmed.add(bucket)
         self.stats["graph_captures"] += 1
-        return self.cal.capture_time(m.nbytes)
+        return self.cal.capture_time(m.nbytes, first)
 
     def steps_before(self, model: str, batch: int, until: float, cap: int) -> int:
         """How many decode steps of ``batch`` sequences of a warm ``model``, one after another from
@@ -401,7 +405,7 @@ class SimExecutor:
         if self.graph_sizes:
             bucket = bucket_of(batch, self.graph_sizes)
             if bucket is not None and bucket not in m.captured:
-                first = self.cal.capture_time(m.nbytes)
+                first = self.cal.capture_time(m.nbytes, bucket not in m.warmed)
         k = math.ceil((until - now - first) / dt)
         return min(cap, max(k, 1))
 

@@ -195,8 +195,8 @@ class Deadlines:
                     for d in m.devices:
                         busy[d] = busy.get(d, 0) + 1
             for m in models:
-                k = min(self.models_per_step, max(max(busy.get(d, 0) for d in m.devices), 1))
-                share[m.name] = (1.0 + self.costs[m.name].shared_fraction * (k - 1)) / k
+                n = min(self.models_per_step, max(max(busy.get(d, 0) for d in m.devices), 1))
+                share[m.name] = (1.0 + self.costs[m.name].shared_fraction * (n - 1)) / n
         for m in models:
             cost = self.costs[m.name]
             step = cost.decode(max(len(m.running) + len(m.paused), 1))

@@ -364,7 +364,7 @@ def test_models_sharing_a_step_give_the_tokens_of_one_model_a_step(executor):
     """models_per_step 3: the three resident models' batches run in the same steps (fewer steps),
     each sequence's tokens those of an engine that steps one model at a time."""
     jobs = [(MODELS[i % 3], PROMPTS[i % len(PROMPTS)]) for i in range(9)]
-    out, steps = {}, {}
+    out, steps, shared = {}, {}, {}
     for per_step in (1, 3):
         eng = make_engine(64 * 2**20, models_per_step=per_step, executor=executor)
         try:
@@ -374,9 +374,11 @@ def test_models_sharing_a_step_give_the_tokens_of_one_model_a_step(executor):
             reqs = [eng.submit(m, p, GREEDY) for m, p in jobs]
             eng.run_until_done(reqs)
             out[per_step], steps[per_step] = [r.output_ids for r in reqs], eng.stats["steps"] - before
+            shared[per_step] = eng.stats["shared_steps"]
         finally:
             eng.executor.shutdown()
     assert out[3] == out[1]
     assert steps[1] == 3 * GREEDY.max_tokens and steps[3] == GREEDY.max_tokens
+    assert shared == {1: 0, 3: GREEDY.max_tokens}  # every step ran all three models' batches
     with pytest.raises(ValueError, match="models_per_step must be an integer of at least 1, got 0"):
         EngineConfig(models_per_step=0)

@@ -198,6 +198,7 @@ def test_engine_counters_of_preemption_are_exported():
     from computron.server.metrics import _EngineTotals
 
     totals = _EngineTotals()
-    totals.stats = {"preemptions": 3, "pauses": 2, "steps": 7}
+    totals.stats = {"preemptions": 3, "pauses": 2, "steps": 7, "shared_steps": 5}
     got = {m.name: m.samples[0].value for m in totals.collect()}
     assert (got["computron_preemptions"], got["computron_pauses"], got["computron_engine_steps"]) == (3, 2, 7)
+    assert got["computron_shared_steps"] == 5

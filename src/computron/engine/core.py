@@ -116,7 +116,9 @@ class EngineCore:
         self._to_free: list[str] = []
         self.stats = {"swap_ins": 0, "evictions": 0, "swap_in_bytes": 0, "swap_in_seconds": 0.0, "steps": 0,
                       "preemptions": 0, "pauses": 0,  # pauses: stopped with their caches kept (no recompute)
-                      "prefill_tokens": 0}  # tokens computed by prefills (recomputes included)
+                      "prefill_tokens": 0,  # tokens computed by prefills (recomputes included)
+                      "shared_steps": 0}  # steps that ran batches of several models on one device
+        self._shares = cfg.models_per_step > 1  # a step may run several models' batches on one device
         # listener(kind, model, seconds, nbytes), kind "load" (once its copies ended) or "evict"
         self.listeners: list[Callable[[str, str, float, int], None]] = []
         self.on_token: Callable[[CoreRequest, int], None] | None = None
@@ -309,6 +311,16 @@ class EngineCore:
             if self.colocation is not None:
                 self.colocation.after_step()
 
+    def _count_shared(self, batches) -> None:
+        """Count the step in ``shared_steps`` if two of its batches run on one device."""
+        seen: set[int] = set()
+        for b in batches:
+            devices = self.models[b.model].placement.devices
+            if not seen.isdisjoint(devices):
+                self.stats["shared_steps"] += 1
+                return
+            seen.update(devices)
+
     def _step(self, max_steps: int | Callable[[str, int], int] = 1) -> StepPlan:
         if self.colocation is not None:
             self.colocation.poll()
@@ -321,6 +333,8 @@ class EngineCore:
         if not batches:
             return plan
         self.stats["steps"] += plan.steps
+        if self._shares and len(batches) > 1:
+            self._count_shared(batches)
         # prefill: see _prefill; decode: the last token, after the tokens already in the cache
         msgs = [ExecuteBatch(b.model, [self._prefill(r) for r in map(reqs.__getitem__, b.prefill)] +
                              [SeqInput(r.id, r.output_ids[-1:], len(r.prompt_ids) + len(r.output_ids) - 1, r.params)

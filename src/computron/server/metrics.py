@@ -55,6 +55,8 @@ class _EngineTotals:
                 ("computron_swap_in_bytes", "swap_in_bytes", "Bytes of weights swapped in"),
                 ("computron_swap_in_seconds", "swap_in_seconds", "Seconds spent copying weights in"),
                 ("computron_engine_steps", "steps", "Engine steps run"),
+                ("computron_shared_steps", "shared_steps", "Steps that ran the batches of several models on one "
+                 "device (--models-per-step)"),
                 ("computron_preemptions", "preemptions", "Running requests stopped to recompute their caches later "
                  "(preempt policy, memory for a growing request, a restarted worker)"),
                 ("computron_pauses", "pauses", "Running requests stopped with their caches kept on the device "

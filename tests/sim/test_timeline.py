@@ -209,7 +209,7 @@ def test_batches_sharing_a_device_take_the_longest_plus_a_fraction_of_the_others
     trace = [(0.0, "tiny-opt", 16, 4), (0.0, "tiny-opt", 16, 4), (0.0, "tiny-llama", 8, 4)]
     sim = Simulation(["tiny-opt", "tiny-llama"], cal, both)
     sim.probe([(0.0, "tiny-opt", 1, 1), (0.0, "tiny-llama", 1, 1)])  # both resident and warm
-    start = sim.clock.t
+    start, probe_busy = sim.clock.t, sim.executor.stats["compute_s"]
     res = sim.run([(start + t, m, p, o) for t, m, p, o in trace])
     a, b, c = res.records
     prefill = cal.prefill_fixed_s + 32 * cal.prefill_token_s, cal.prefill_fixed_s + 8 * cal.prefill_token_s
@@ -218,6 +218,8 @@ def test_batches_sharing_a_device_take_the_longest_plus_a_fraction_of_the_others
     assert a.first_token == b.first_token == c.first_token == approx(start + first)
     step = max(decode) + fraction * min(decode)
     assert a.finish == b.finish == c.finish == approx(start + first + 3 * step)
+    busy = sim.executor.stats["compute_s"]
+    assert busy - probe_busy == approx(first + 3 * step)  # the device's compute, shared steps counted once
 
 
 def test_together_never_beats_reading_every_weight():

@@ -297,7 +297,7 @@ class SimExecutor:
         result = StepResult()
         tokens, end, bt, cap = result.tokens, now, self.block_tokens, self.capacity
         seqs, kv, steps = self.seqs, self.kv, 0
-        shared: dict[int, list] | None = {} if self.together else None  # device -> [(model, seconds, weight bytes)]
+        shared: dict[int, list] | None = {} if self.together else None  # device -> [(model, s, weight bytes, compute s)]
         for batch in batches:
             m = self.models[batch.model]
             if m.ready is None:
@@ -345,7 +345,7 @@ class SimExecutor:
             finish += capture
             result.compute_s[batch.model] = finish - now
             if shared is not None:
-                shared.setdefault(d, []).append((batch.model, finish - now, m.nbytes))
+                shared.setdefault(d, []).append((batch.model, finish - now, m.nbytes, compute + capture))
             self.stats["compute_s"] += compute + capture
             if not m.reported:
                 result.loaded[batch.model] = m.load_end - m.load_start
@@ -357,8 +357,9 @@ class SimExecutor:
             for runs in shared.values():
                 if len(runs) > 1:  # at once on one device: every batch ends with the last
                     t = self.cal.together([r[1] for r in runs], sum(r[2] for r in runs))
-                    self.stats["compute_s"] += t - sum(r[1] for r in runs)
-                    for name, _, _ in runs:
+                    busy = [r[3] for r in runs]  # the device's own compute: what each batch booked, shared
+                    self.stats["compute_s"] += self.cal.together(busy, sum(r[2] for r in runs)) - sum(busy)
+                    for name, _, _, _ in runs:
                         result.compute_s[name] = t
                     if now + t > end:
                         end = now + t

@@ -105,6 +105,8 @@ class WorkerExecutor:
         self._cause = ""  # why the workers were last restarted: the reason lost requests fail with
         self._closed = False
         self.restarts = 0
+        # Each model's last load on each of its devices, seconds (its report keeps the slowest rank's).
+        self.rank_loads: dict[str, dict[int, float]] = {}
         self._workers: dict[int, _Worker] = {}
         try:
             self._workers = self._start_world()
@@ -484,6 +486,7 @@ class WorkerExecutor:
                 continue
             for name, sec in part.loaded.items():  # a sharded model's load took its slowest rank's time
                 result.loaded[name] = max(sec, result.loaded.get(name, 0.0))
+                self.rank_loads.setdefault(name, {})[w.device] = sec
             if w.device in answers:
                 for field in ("tokens", "logprobs", "prompt_logprobs", "compute_s", "failed", "trace"):
                     getattr(result, field).update(getattr(part, field))
@@ -497,9 +500,10 @@ class WorkerExecutor:
     def wait_loads(self) -> dict[str, float]:
         """Seconds of each load that ended: its slowest rank's."""
         out: dict[str, float] = {}
-        for part in self._broadcast_all(self.devices, "wait_loads"):
+        for d, part in zip(self.devices, self._broadcast_all(self.devices, "wait_loads")):
             for name, sec in part.items():
                 out[name] = max(sec, out.get(name, 0.0))
+                self.rank_loads.setdefault(name, {})[d] = sec
         return out
 
     def free(self, req_ids: list[str]) -> None:

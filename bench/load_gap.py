@@ -23,6 +23,7 @@ same run. Medians over ``--rounds``.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 
@@ -31,6 +32,7 @@ import torch
 from computron.bench.common import machine, positive_int, print_table, write_json
 from computron.config import EngineConfig, ModelSpec
 from computron.engine import Engine, SamplingParams
+from computron.memory.host import HUGE_PAGES_ENV
 from computron.models import resolve_model
 from computron.parallel.dims import ParallelDims
 from computron.parallel.shard_model import rank_bytes
@@ -38,7 +40,21 @@ from computron.parallel.shard_model import rank_bytes
 KINDS = ("reload", "alternate", "request", "tiny")
 
 
-def run(model: str, tp: int, pp: int, rounds: int, prompt_len: int, max_tokens: int, device: str) -> dict:
+def huge_pages_in_use(pids) -> int:
+    """Bytes of transparent huge pages the processes ``pids`` hold (0 where the kernel says nothing)."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                total += sum(int(line.split()[1]) * 1024 for line in f if line.startswith("AnonHugePages:"))
+        except OSError:
+            pass
+    return total
+
+
+def run(model: str, tp: int, pp: int, rounds: int, prompt_len: int, max_tokens: int, device: str,
+        huge: bool = False) -> dict:
+    os.environ[HUGE_PAGES_ENV] = "1" if huge else "0"  # the workers, started now, inherit it
     cfg, _ = resolve_model(model)
     nbytes = max(rank_bytes(cfg, ParallelDims(tp=tp, pp=pp)))
     kv = (prompt_len + max_tokens + 32) * cfg.kv_bytes_per_token()
@@ -49,6 +65,7 @@ def run(model: str, tp: int, pp: int, rounds: int, prompt_len: int, max_tokens: 
     for i, name in enumerate(names):
         eng.register_model(ModelSpec(model, alias=name, seed=i, tp=tp, pp=pp))
     ex = eng.executor
+    thp = huge_pages_in_use(ex.worker_pids().values())
     raw = {name: ex.probe_link(name, rounds + 1)[1:] for name in names}
     loads: list[float] = []
     eng.listeners.append(lambda kind, name, s, n: loads.append(s) if kind == "load" else None)
@@ -57,12 +74,20 @@ def run(model: str, tp: int, pp: int, rounds: int, prompt_len: int, max_tokens: 
     cur = names[0]
     eng.load(cur, wait=True)
     times: dict[str, list[float]] = {k: [] for k in KINDS}
+    images: dict[str, list[int]] = {k: [] for k in KINDS}
     ranks: dict[str, list[dict[int, float]]] = {k: [] for k in KINDS}
 
-    def one(kind: str) -> None:
+    def switch(to: str) -> None:  # untimed: make ``to`` the resident copy
         nonlocal cur
-        other = next(n for n in names if n != cur)
-        target = cur if kind == "reload" else other
+        if cur != to:
+            eng.offload(cur)
+            eng.load(to, wait=True)
+            cur = to
+
+    def one(kind: str, image: int) -> None:
+        nonlocal cur
+        target = names[image]
+        switch(target if kind == "reload" else names[1 - image])  # reload: the copy just evicted
         if kind in ("reload", "alternate"):
             eng.offload(cur)
             loads.clear()
@@ -77,21 +102,29 @@ def run(model: str, tp: int, pp: int, rounds: int, prompt_len: int, max_tokens: 
             sec = req.load_s
         cur = target
         times[kind].append(sec)
+        images[kind].append(image)
         ranks[kind].append(dict(ex.rank_loads[target]))
 
-    for k in KINDS:  # warm-up: every path once (graph captures, first pins)
-        one(k)
-    for v in (*times.values(), *ranks.values()):
+    for k in KINDS:  # warm-up: every path once on each image (graph captures, first pins)
+        for i in (0, 1):
+            one(k, i)
+    for v in (*times.values(), *images.values(), *ranks.values()):
         v.clear()
-    for r in range(rounds):
+    for r in range(rounds):  # each kind loads each image alike, in an order that turns round by round
         for k in KINDS[r % len(KINDS):] + KINDS[:r % len(KINDS)]:
-            one(k)
+            one(k, (r + KINDS.index(k)) % 2)
     ex.shutdown()
     med = statistics.median
     ref = med(raw[names[0]] + raw[names[1]])
-    out = {"model": model, "tp": tp, "pp": pp, "rank_bytes_max": nbytes, "rounds": rounds,
-           "raw_concurrent_memcpy_s": raw, "raw_median_s": ref, "loads_s": times, "rank_loads_s": ranks,
+    by_image = {k: {names[i]: med([t for t, im in zip(times[k], images[k]) if im == i] or [float("nan")])
+                    for i in (0, 1)} for k in KINDS}
+    out = {"model": model, "tp": tp, "pp": pp, "rank_bytes_max": nbytes, "rounds": rounds, "huge_pages": huge,
+           "huge_page_bytes_in_workers": thp,
+           "raw_concurrent_memcpy_s": raw, "raw_median_s": ref,
+           "raw_median_by_image_s": {n: med(v) for n, v in raw.items()},
+           "loads_s": times, "load_images": images, "rank_loads_s": ranks,
            "median_s": {k: med(v) for k, v in times.items()},
+           "median_by_image_s": by_image,
            "median_over_raw": {k: med(v) / ref for k, v in times.items()},
            "rank_median_s": {k: {d: med(r[d] for r in rs) for d in rs[0]} for k, rs in ranks.items()}}
     return out
@@ -106,16 +139,27 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=positive_int, default=128)
     ap.add_argument("--max-tokens", type=positive_int, default=16)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--pages", nargs="+", choices=("small", "huge"), default=["small", "huge"],
+                    help="host images on 4 KiB pages, on transparent 2 MiB ones (COMPUTRON_HOST_HUGE_PAGES), "
+                         "each in an engine of its own, one after the other (default: both)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    res = {"machine": machine(), "settings": vars(a), **run(a.model, a.tp, a.pp, a.rounds, a.prompt_len,
-                                                          a.max_tokens, a.device)}
+    thp = "/sys/kernel/mm/transparent_hugepage/enabled"
+    res = {"machine": machine(), "settings": vars(a),
+           "transparent_hugepage": open(thp).read().strip() if os.path.exists(thp) else None, "pages": {}}
+    for pages in a.pages:
+        res["pages"][pages] = r = run(a.model, a.tp, a.pp, a.rounds, a.prompt_len, a.max_tokens, a.device,
+                                      huge=pages == "huge")
+        raw = r["raw_median_by_image_s"]
+        rows = [[k, r["median_s"][k] * 1e3, r["median_over_raw"][k],
+                 *(r["median_by_image_s"][k][n] * 1e3 for n in raw),
+                 " ".join(f"{v * 1e3:.1f}" for v in r["rank_median_s"][k].values())] for k in KINDS]
+        rows.append(["raw memcpy", r["raw_median_s"] * 1e3, 1.0, *(v * 1e3 for v in raw.values()), ""])
+        print_table(f"{a.model} tp={a.tp} pp={a.pp}, {pages} pages ({r['huge_page_bytes_in_workers'] / 2**30:.1f} "
+                    f"GiB huge in the workers): load (slowest rank), ms",
+                    ["kind", "ms", "over raw", *(f"{n} ms" for n in raw), "each rank's ms"], rows)
     out = a.out or f"bench/results/load_gap_{a.model}_tp{a.tp}_pp{a.pp}.json"
     write_json(out, res)
-    rows = [[k, res["median_s"][k] * 1e3, res["median_over_raw"][k],
-             " ".join(f"{v * 1e3:.1f}" for v in res["rank_median_s"][k].values())] for k in KINDS]
-    print_table(f"{a.model} tp={a.tp} pp={a.pp}: load (slowest rank), raw concurrent memcpy "
-                f"{res['raw_median_s'] * 1e3:.1f} ms", ["kind", "ms", "over raw", "each rank's ms"], rows)
     print(f"wrote {out}")
     return 0
 

@@ -259,5 +259,7 @@ def test_a_sharded_models_load_is_reported_as_its_slowest_ranks():
     ex._lock, ex._dead, ex._reset, ex.devices, ex.call_timeout = threading.Lock(), set(), set(), [0, 1], 5.0
     ex._descs = {"m": ModelDescription("m", "tiny-opt", None, 0, Placement(ParallelDims(tp=2), (0, 1)))}
     ex._worker = ranks.__getitem__
+    ex.rank_loads = {}
     result = ex._step([ExecuteBatch("m", [])])
     assert result.loaded == {"m": 0.25} and result.tokens == {"r": 7}
+    assert ex.rank_loads == {"m": {0: 0.10, 1: 0.25}}  # each rank's own, for benches that tell them apart

@@ -11,6 +11,9 @@ is much faster than the CPU's generator), so no transient full copy of the model
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import os
 import warnings
 import weakref
 import zlib
@@ -28,18 +31,49 @@ _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
 _HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly: the pages are mapped read-only (a helper's view)
 
 
-def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
+HUGE_PAGE = 2 * 2**20
+HUGE_PAGES_ENV = "COMPUTRON_HOST_HUGE_PAGES"
+
+
+def huge_pages_default() -> bool:
+    """Whether host images ask for transparent huge pages: ``$COMPUTRON_HOST_HUGE_PAGES`` (1/0), off
+    by default. Several GPUs copying at once from 4 KiB pages found one 26 GB image 10% slower than
+    another (bench/load_gap.py); 2 MiB pages are the candidate cure, off until measured."""
+    return os.environ.get(HUGE_PAGES_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def host_buffer(nbytes: int, pin: bool, huge: bool | None = None) -> torch.Tensor:
     """A flat uint8 host buffer; page-locked when ``pin`` so copies to the GPU run at full speed.
 
     Pinning registers an ordinary allocation with CUDA rather than taking memory from PyTorch's
     pinned-memory cache: that cache rounds each block up to a power of two (a 26 GB model would
     hold 32 GB) and keeps freed blocks for itself, so unregistered models would never give their
     memory back to the system. The registration ends when the buffer is garbage collected.
+
+    ``huge`` (default :func:`huge_pages_default`): fresh anonymous memory aligned to 2 MiB and
+    advised for transparent huge pages (``madvise(MADV_HUGEPAGE)``; the kernel gives them where its
+    setting is ``madvise`` or ``always`` and it has them), so a copy engine walks a few large pages
+    rather than many small ones.
     """
-    buf = torch.empty(nbytes, dtype=torch.uint8)
+    if huge is None:
+        huge = huge_pages_default()
+    buf = _huge_buffer(nbytes) if huge and nbytes >= HUGE_PAGE else torch.empty(nbytes, dtype=torch.uint8)
     if pin and nbytes:
         _pin(buf)
     return buf
+
+
+def _huge_buffer(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of anonymous memory starting on a 2 MiB boundary, advised for huge pages (the
+    tensor keeps the mapping alive)."""
+    size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+    mapping = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # not shmem: its own huge-page rules
+    anchor = ctypes.c_char.from_buffer(mapping)  # the mapping's address; released before the view is made
+    off = -ctypes.addressof(anchor) % HUGE_PAGE
+    del anchor
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux
+        mapping.madvise(mmap.MADV_HUGEPAGE, off, size)
+    return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=off)
 
 
 def _pin(buf: torch.Tensor, flags: int = _HOST_REGISTER_PORTABLE, must: bool = True) -> bool:
@@ -85,14 +119,15 @@ def param_seed(seed: int, name: str) -> int:
 
 
 class HostImage:
-    def __init__(self, layout: WeightLayout, pin: bool, shared_path: str | None = None):
+    def __init__(self, layout: WeightLayout, pin: bool, shared_path: str | None = None, huge: bool | None = None):
         """``shared_path``: build the image in that new file of shared memory, so other workers can
-        map it (``map_shared``: a striped swap-in's helpers); the file goes when the image does."""
+        map it (``map_shared``: a striped swap-in's helpers); the file goes when the image does.
+        ``huge``: ask for 2 MiB pages (``host_buffer``; not for a shared file, whose pages are tmpfs')."""
         self.layout = layout
         self.pinned = pin
         self.shared_path = shared_path
         if shared_path is None:
-            self.buffer = host_buffer(layout.nbytes, pin)
+            self.buffer = host_buffer(layout.nbytes, pin, huge)
         else:
             self.buffer = _over(shared.create(shared_path, layout.nbytes), layout.nbytes)
             self._unlink = weakref.finalize(self, shared.remove, shared_path)

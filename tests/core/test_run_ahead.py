@@ -11,6 +11,7 @@ import os
 import signal
 
 import pytest
+import torch
 
 from computron.config import EngineConfig, ModelSpec
 from computron.engine import Engine, SamplingParams
@@ -275,21 +276,21 @@ def test_every_call_between_steps_drops_the_in_process_step_run_ahead():
     for name, call in calls.items():
         for _ in range(3):
             eng.step()
-        assert ex._ahead is not None, name
+        assert ex._ahead, name
         before, dropped = kv_of(), ex.dropped
         call()
-        assert ex._ahead is None and ex.dropped == dropped + 1, name
+        assert not ex._ahead and ex.dropped == dropped + 1, name
         assert kv_of() <= before, name
     eng.run_until_done([req], max_steps=200)
     assert req.output_ids == want and eng.memory()["kv"] == 0
     eng.submit("tiny-llama", "b", SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
     for _ in range(3):
         eng.step()
-    assert ex._ahead is not None
+    assert ex._ahead
     ex.unregister("not-a-model-here")  # a model not on the device: nothing dropped (another thread may call it)
-    assert ex._ahead is not None
+    assert ex._ahead
     ex.shutdown()  # evicts the weights the step run ahead reads: dropped first
-    assert ex._ahead is None
+    assert not ex._ahead
 
 
 def test_make_executor_runs_ahead_in_process_on_a_cuda_gpu_only(monkeypatch):
@@ -312,3 +313,77 @@ def test_make_executor_runs_ahead_in_process_on_a_cuda_gpu_only(monkeypatch):
     assert type(make_executor(EngineConfig(device="cuda"))) is Ahead
     assert type(make_executor(EngineConfig(device="cuda", run_ahead=False))) is Plain
     assert type(make_executor(EngineConfig(device="cuda", executor="inprocess"))) is Ahead
+
+
+# ---- several models a step (``models_per_step``): the step of all their batches runs ahead ---------
+
+UNSEEDED = SamplingParams(max_tokens=30, temperature=0.7, ignore_eos=True)  # the default generator
+
+
+def two_models(eng: Engine) -> dict[str, list[int]]:
+    """tiny-llama and tiny-opt decode in the same steps; tiny-opt's b ends by length, d joins tiny-llama
+    at step 6, c (tiny-opt) is aborted at step 10; d and f (one of each model) sample from the default
+    generator, in turn. Each engine gets them at the same steps."""
+    jobs = {"a": "tiny-llama", "b": "tiny-opt", "c": "tiny-opt", "d": "tiny-llama", "f": "tiny-opt"}
+    params = {**PARAMS, "d": SamplingParams(max_tokens=25, temperature=0.9, ignore_eos=True), "f": UNSEEDED}
+    reqs = {k: eng.submit(jobs[k], PROMPTS.get(k, "zz"), params[k]) for k in "abcf"}
+    for step in range(200):
+        if step == 6:
+            reqs["d"] = eng.submit(jobs["d"], PROMPTS["d"], params["d"])
+        if step == 10:
+            eng.abort(reqs["c"].id)
+        if all(r.done for r in reqs.values()) and step > 10:
+            break
+        eng.step()
+    assert [reqs[k].finish_reason for k in "abcdf"] == ["length", "length", "abort", "length", "length"]
+    assert eng.memory()["kv"] == 0  # blocks taken for steps run ahead were all given back
+    return {k: r.output_ids for k, r in reqs.items()}
+
+
+class Counting(WorkerLike):
+    """Counts the steps of two batches answered by a step run ahead."""
+
+    shared_used = 0
+
+    def _step(self, batches):
+        used = self.used
+        result = super()._step(batches)
+        self.shared_used += len(batches) > 1 and self.used > used
+        return result
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_a_step_of_two_models_runs_ahead_and_gives_the_in_process_tokens(eager):
+    """Both models' batches in every step (``models_per_step`` 2): the step after is run ahead for
+    both at once and used while neither batch changes. Greedy, seeded and unseeded rows give the
+    in-process tokens, so a step run ahead and dropped sets every generator back."""
+    models = ("tiny-llama", "tiny-opt")
+    torch.manual_seed(11)
+    want = two_models(make("inprocess", models=models, models_per_step=2))
+    cfg = EngineConfig(device="cpu", gpu_memory_budget=64 * 2**20, workspace_bytes=50_000, models_per_step=2)
+    ex = Counting(cfg)
+    ex.eager = eager
+    eng = Engine(cfg, executor=ex)
+    for m in models:
+        eng.register_model(m)
+    torch.manual_seed(11)
+    assert two_models(eng) == want
+    # Dropped: when d joined, when c was aborted (its free), when b ended (the plan of the step
+    # where it made its last token expected no repeat, so nothing ran ahead there: not a drop).
+    assert ex.dropped == 2 and eng.stats["shared_steps"] >= 28
+    assert ex.shared_used >= 20  # most steps of both models were answered by a step run ahead
+
+
+def test_a_step_of_two_models_runs_ahead_in_a_worker():
+    models = ("tiny-llama", "tiny-opt")
+    torch.manual_seed(11)
+    want = two_models(make("inprocess", models=models, models_per_step=2))
+    eng = make("workers", models=models, models_per_step=2)
+    try:
+        got = two_models(eng)
+        used, dropped = ahead_stats(eng)
+    finally:
+        eng.executor.shutdown()
+    # d and f draw from the worker process's default generator, seeded apart from this one's
+    assert {k: got[k] for k in "abc"} == {k: want[k] for k in "abc"}
+    assert dropped == 2 and used >= 25

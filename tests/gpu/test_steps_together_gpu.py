@@ -1,6 +1,7 @@
 """Several models a step on a GPU (``models_per_step``): the in-process executor replays the decode
 graphs of a step's models each on its own stream, and every sequence's tokens, greedy and seeded,
-equal those of an engine that steps one model at a time (fp32)."""
+equal those of an engine that steps one model at a time (fp32), the steps of all three run ahead
+(``engine/ahead.py``) while their batches hold."""
 
 import pytest
 import torch
@@ -34,3 +35,5 @@ def test_models_stepped_together_on_streams_give_the_tokens_of_one_model_a_step(
     assert three == one and all(len(t) == 24 for t in one)
     assert stats_one["steps_together"] == 0
     assert stats["steps_together"] >= 15  # most of the 24 decode steps ran the three models' graphs at once
+    # the in-process executor on a GPU runs ahead: a step of the three models too, once the batches hold
+    assert stats["run_ahead_used"] >= 10 and stats_one["run_ahead_used"] >= 10

@@ -35,10 +35,16 @@ sequence's length until the real step writes it again. Hence every answer is the
 in-process executor gives, bit for bit: the same kernels on the same batch (the same CUDA graph
 or eager forward) and the same sampler.
 
+Several models a step (``models_per_step``): a step of several models' steady decode batches is run
+ahead as a whole, each model's step on a stream of its own as ``_run_together`` runs them, once every
+one has its decode graph captured; the next step uses it only if it is exactly those batches (in any
+order), each one token on, and drops all of it otherwise.
+
 Not run ahead (served as before): rows whose sampling needs the host between steps (penalties,
 min_tokens, a logit bias, logprobs: ``inprocess.hosted``), a trace, a copy in flight, prefills,
-runs of several steps, sharded models (every rank would need the token), steps of several batches.
-Counters in ``status().stats``: ``run_ahead_used``, ``run_ahead_dropped``.
+runs of several steps, sharded models (every rank would need the token), a step of several batches
+any one of which cannot be. Counters in ``status().stats``: ``run_ahead_used``, ``run_ahead_dropped``
+(steps, whatever the number of batches in them).
 """
 
 from __future__ import annotations
@@ -84,8 +90,11 @@ class RunAheadExecutor(InProcessExecutor):
         # The order: on a GPU starting a step does not compute it, so the next one is queued before a
         # step's tokens are read back; on the CPU it is run once the answer is sent (``run_ahead``).
         self.eager = self.device.type == "cuda"
-        self._ahead: _Ahead | None = None  # the step run ahead, neither used nor dropped yet
-        self._next: tuple[ExecuteBatch, list[int]] | None = None  # CPU: what to run ahead once the answer is sent
+        # The step run ahead, neither used nor dropped yet: one entry per batch (several models a step
+        # run ahead together, ``models_per_step``); empty when there is none.
+        self._ahead: list[_Ahead] = []
+        # CPU: what to run ahead once the answer is sent (the batches and the tokens each fed)
+        self._next: tuple[list[ExecuteBatch], list[list[int]]] | None = None
         self.used = self.dropped = 0
         self._failed = False
 
@@ -99,46 +108,49 @@ class RunAheadExecutor(InProcessExecutor):
         return fut
 
     def _step(self, batches: list[ExecuteBatch]) -> StepResult:
-        a, self._ahead, self._next = self._ahead, None, None
-        b = batches[0] if len(batches) == 1 else None
-        follow = b is not None and self._eligible(b)  # the engine expects the step after b, and it can be fed
-        if a is not None and b is not None and self._matches(a, b):
+        aheads, self._ahead, self._next = self._ahead, [], None
+        # the engine expects the step after this one, and each batch's can be fed (one batch a model)
+        follow = bool(batches) and len({b.model for b in batches}) == len(batches) and \
+            all(self._eligible(b) for b in batches)
+        used = self._matching(aheads, batches)
+        if used is not None:
             self.used += 1
-            nxt = self._launch(b, a.tokens) if follow and self.eager else None  # queued behind ``a`` on the device
+            if len(used) > 1 and self.device.type == "cuda":  # they ran on streams of their own
+                self.steps_together += 1
+            # queued behind the steps run ahead on the device
+            nxt = self._launch_all(batches, [a.tokens for a in used]) if follow and self.eager else []
             try:
-                tokens = self._read(a)
+                tokens = [self._read(a) for a in used]
             except BaseException:
-                if nxt is not None:
-                    self._drop(nxt)
+                self._drop_step(nxt)
                 raise
-            if nxt is not None:
-                nxt.inputs = tokens
-            result = StepResult(tokens=dict(zip(a.req_ids, tokens)), compute_s={b.model: a.compute_s})
+            for n, t in zip(nxt, tokens):
+                n.inputs = t
+            result = StepResult(tokens={rid: t for a, ts in zip(used, tokens) for rid, t in zip(a.req_ids, ts)},
+                                compute_s={a.model: a.compute_s for a in used})
             self._poll_loads(result)
         else:
-            if a is not None:
-                self._drop(a)
+            self._drop_step(aheads)
             result = super().execute(batches).result()
-            tokens = [result.tokens[s.req_id] for s in b.seqs] if follow else None
-            nxt = self._launch(b, tokens) if follow and self.eager else None
+            tokens = [[result.tokens[s.req_id] for s in b.seqs] for b in batches] if follow else None
+            nxt = self._launch_all(batches, tokens) if follow and self.eager else []
         self._ahead = nxt
         if follow and not self.eager:
-            self._next = (b, tokens)
+            self._next = (batches, tokens)
         return result
 
     def run_ahead(self) -> None:
         """After the step's answer was sent: on the CPU, run the next step ahead now (a GPU queued it)."""
         if self._next is not None:
-            b, tokens = self._next
+            batches, tokens = self._next
             self._next = None
-            self._ahead = self._launch(b, tokens)
+            self._ahead = self._launch_all(batches, tokens)
 
     def drop_ahead(self) -> None:
         """Before any other call: the step run ahead is not what comes next; undo it."""
         self._next = None
-        a, self._ahead = self._ahead, None
-        if a is not None:
-            self._drop(a)
+        aheads, self._ahead = self._ahead, []
+        self._drop_step(aheads)
 
     # ---- running ahead -------------------------------------------------------------------------
     def _eligible(self, b: ExecuteBatch) -> bool:
@@ -150,6 +162,58 @@ class RunAheadExecutor(InProcessExecutor):
             return False
         return all(s.past > 0 and len(s.tokens) == 1 and s.share is None and s.prompt_logprobs is None
                    and not hosted(s.params) and s.req_id in self.seqs for s in b.seqs)
+
+    def _matching(self, aheads: list[_Ahead], batches: list[ExecuteBatch]) -> list[_Ahead] | None:
+        """The steps run ahead in the order of ``batches``, if they are exactly this step (each batch
+        one of them, one token on), else None."""
+        if not aheads or len(aheads) != len(batches):
+            return None
+        by_model = {a.model: a for a in aheads}
+        used = [by_model.get(b.model) for b in batches]
+        if len(by_model) != len(aheads) or any(a is None or not self._matches(a, b) for a, b in zip(used, batches)):
+            return None
+        return used
+
+    def _launch_all(self, batches: list[ExecuteBatch], firsts: list) -> list[_Ahead]:
+        """Start the step after each of ``batches`` (``_launch``), all or none. Several models' steps
+        each go on a stream of their own, as a step of them does (``_run_together``), once every
+        one's decode graph is at hand: capturing one while the others run is never done."""
+        if len(batches) == 1:
+            a = self._launch(batches[0], firsts[0])
+            return [] if a is None else [a]
+        cuda = self.device.type == "cuda"
+        if cuda and not all(self._graph_ready(b) for b in batches):
+            return []
+        main = torch.cuda.current_stream(self.device) if cuda else None
+        if cuda:
+            while len(self._streams) < len(batches):
+                self._streams.append(torch.cuda.Stream(self.device))
+        out: list[_Ahead] = []
+        for i, (b, first) in enumerate(zip(batches, firsts)):
+            if cuda:
+                stream = self._streams[i]
+                stream.wait_stream(main)  # after every step before (and the tokens it feeds on)
+                if isinstance(first, torch.Tensor):
+                    first.record_stream(stream)  # made on another stream: kept until this one has read it
+                with torch.cuda.stream(stream):
+                    a = self._launch(b, first)
+            else:
+                a = self._launch(b, first)
+            if a is None:
+                for done in reversed(out):  # last first: generators they share go back to the first's state
+                    self._drop(done)
+                out = []
+                break
+            out.append(a)
+        if cuda:
+            for stream in self._streams[:len(batches)]:
+                main.wait_stream(stream)
+        return out
+
+    def _graph_ready(self, b: ExecuteBatch) -> bool:
+        """Does ``b``'s model hold a decode graph for its batch at its weights' address (none to capture)?"""
+        model, res = self.models[b.model], self.resident[b.model]
+        return model.graphs is not None and model.graphs.ready(len(b.seqs), res.region.tensor.data_ptr())
 
     @staticmethod
     def _matches(a: _Ahead, b: ExecuteBatch) -> bool:
@@ -228,11 +292,18 @@ class RunAheadExecutor(InProcessExecutor):
                         if self.device.type == "cuda" else torch.default_generator)
         return [(g, g.get_state()) for g in gens]
 
+    def _drop_step(self, aheads: list[_Ahead]) -> None:
+        """Undo a step run ahead (each of its batches', the last first: a generator several drew from,
+        the default one, goes back to its state before the first), counted once."""
+        for a in reversed(aheads):
+            self._drop(a)
+        if aheads:
+            self.dropped += 1
+
     def _drop(self, a: _Ahead) -> None:
         if a.done is not None:
             a.done.synchronize()  # its kernels may write KV blocks and read weights: done before memory moves
         self._undo(a.blocks, a.rng)
-        self.dropped += 1
 
     def _undo(self, kept: list[tuple[_Seq, int]], rng: list[tuple[torch.Generator, torch.Tensor]]) -> None:
         """Back to the state before a step run ahead: generators, then the blocks it took (each

@@ -137,6 +137,11 @@ class DecodeGraphs:
         self.captures, self.capture_s = 0, 0.0  # graphs captured so far, and the seconds it took
         self.recapture_s = 0.0  # of which all but the warm-ups: what captures again would cost
 
+    def ready(self, batch: int, address: int) -> bool:
+        """Is there a graph for ``batch`` rows at ``address`` (``get`` would capture none)?"""
+        bucket = bucket_of(batch, self.sizes)
+        return bucket is not None and address == self.address and bucket in self.graphs
+
     def get(self, runner: ModelRunner, pool: KVPool, batch: int, address: int) -> DecodeGraph | None:
         bucket = bucket_of(batch, self.sizes)
         if bucket is None:

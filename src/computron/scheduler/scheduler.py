@@ -345,7 +345,8 @@ class Scheduler(Memory):
         others, ``joins_queue``) or ends otherwise in between. A function of (model, batch size)
         may give the bound once the batch is known (a driver with a cost model: steps that end
         before the next arrival). With single steps (``max_steps`` 1), a steady batch none of whose
-        requests makes its last token in this step is marked ``plan.repeats``."""
+        requests makes its last token in this step is marked ``plan.repeats``, as is a step of several
+        models' steady decode batches (``models_per_step``) none of whose requests does."""
         self.step_count += 1
         steady = self._steady
         if steady is not None and steady[0] == (self._epoch, self._changes) and \
@@ -355,14 +356,16 @@ class Scheduler(Memory):
                 return plan
         plan = self._schedule(now)
         b = plan.batches
-        quiet = len(b) == 1 and not (b[0].prefill or plan.loads or plan.prefetch or plan.evictions or
-                                     plan.preempted or plan.failed or plan.kv_out)
+        quiet = bool(b) and not (plan.loads or plan.prefetch or plan.evictions or plan.preempted or plan.failed
+                                 or plan.kv_out or any(x.prefill for x in b))
         self._steady = None
-        if quiet:
+        if quiet and len(b) == 1:
             m = self.models[b[0].model]
             self._steady = ((self._epoch, self._changes), m)
             plan.steps = self._run(m, max_steps)
             plan.repeats = max_steps == 1 and self._lasts(m, 1)
+        elif quiet:  # several models' decode batches (models_per_step): each repeats if none of its ends
+            plan.repeats = max_steps == 1 and all(self._lasts(self.models[x.model], 1) for x in b)
         return plan
 
     def _run(self, m: ModelState, max_steps: int | Callable[[str, int], int]) -> int:

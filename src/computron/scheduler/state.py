@@ -114,7 +114,7 @@ class StepPlan:
     reason (the scheduler has already dropped them). ``steps``: decode steps the (single, decode-only)
     batch runs back to back; more than one only when ``schedule`` was allowed several. ``repeats``:
     the next plan is expected to be this same decode batch, one step on (a steady batch of single
-    steps in which no request makes its last token), unless something happens in between that the
+    steps in which no request makes its last token; or these same batches, several models' a step), unless something happens in between that the
     scheduler cannot know now: an arrival that does not only queue, an end of another kind (EOS, a
     stop string, an abort), a change of budget. A hint an executor may act on early (the workers'
     run-ahead); nothing depends on it being right.

@@ -11,6 +11,8 @@
 #            layouts named (rr:1,1 rr:2,2 ...)
 #   striped  bench/striped_swap.py on 2 and 4 GPUs: a tp=1 model's image striped over every GPU's host
 #            link and gathered over NVLink, against one link's memcpy and k concurrent memcpys
+#   gap      bench/load_gap.py at tp=4: loads of two host images of OPT-13B (reloaded, alternated, under a
+#            request), on 4 KiB pages then on 2 MiB ones (COMPUTRON_HOST_HUGE_PAGES)
 # Results land in $OUT/multi (or bench/results/multi when OUT is unset). NVLink multicast stays off.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -45,6 +47,8 @@ for st in "${stages[@]}"; do
       done ;;
     striped)
       python3 bench/striped_swap.py --model opt-13b --gpus 2 4 --out "$R/striped_swap.json" ;;
+    gap)
+      python3 bench/load_gap.py --model opt-13b --tp 4 --out "$R/load_gap_opt-13b_tp4_pp1.json" ;;
     *) echo "unknown stage $st" >&2; exit 2 ;;
   esac
 done

@@ -23,7 +23,9 @@ the K models' weights (one pass over as many bytes) measured in the same run.
 128 prompt tokens and ``--new-tokens`` greedy tokens at once, one engine stepping one model at a
 time (``models_per_step`` 1) and one stepping all K together (``models_per_step`` K: the in-process
 executor replays their graphs on separate streams), alternating; tokens per second of all K
-models from the submission to the last token (prefills included), the median of ``--repeats``.
+models from the submission to the last token (prefills included), the median of ``--repeats``, and
+the shared-step fraction that speed-up implies (``computron.bench.together``, as ``bench calibrate``
+measures it for the simulator).
 
     PYTHONPATH=src python3 bench/concurrent_steps.py [--model opt-1.3b] [--models 1 2 3 4]
         [--batch 1 8 32] [--context 256] [--out bench/results/concurrent_steps_<gpu>.json]
@@ -38,6 +40,7 @@ import time
 
 import torch
 
+from computron.bench import together
 from computron.bench.common import machine, positive_int, print_table, write_json
 from computron.bench.decode import weight_read_floor_s
 from computron.config import EngineConfig, ModelSpec
@@ -67,57 +70,27 @@ def _round_s(graphs, streams, rounds: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def _engine_tokens_per_s(eng: Engine, names: list[str], batch: int, new: int, prompts: list[list[int]]) -> float:
-    from computron.engine import SamplingParams
-
-    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
-    t0 = time.perf_counter()
-    reqs = [eng.submit(n, prompts[i], params) for n in names for i in range(batch)]
-    eng.run_until_done(reqs)
-    assert all(len(r.output_ids) == new for r in reqs)
-    return len(reqs) * new / (time.perf_counter() - t0)
-
-
 def main_engine(args, cfg, nbytes: int) -> int:
-    top, kmax = max(args.batch), max(args.models)
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(0, cfg.vocab_size, (top, 128), generator=g).tolist()
     res = {"machine": machine(), "settings": vars(args), "weight_bytes": nbytes, "engine_rows": []}
     rows = []
     for k in args.models:
         if k < 2:
             continue
-        engines = {}
-        for per_step in (1, k):
-            kv = k * top * (128 + args.new_tokens + 32) * cfg.kv_bytes_per_token()  # every request's cache at once
-            eng = engines[per_step] = Engine(EngineConfig(
-                device="cuda", gpu_memory_budget=2 * 2**30 + k * nbytes + kv + 2**30, workspace_bytes=2 * 2**30,
-                max_batch_size=top, models_per_step=per_step))
-            for i in range(k):
-                eng.register_model(ModelSpec(args.model, alias=f"m{i}", seed=i))
-                eng.load(f"m{i}", wait=True)
-        names = [f"m{i}" for i in range(k)]
+        engs = together.engines(args.model, k, max(args.batch), args.new_tokens, "cuda")
         for b in args.batch:
-            for eng in engines.values():  # warm-up: each batch size's graphs captured outside the timing
-                _engine_tokens_per_s(eng, names, b, 4, prompts)
-            got = {1: [], k: []}
-            for _ in range(args.repeats):
-                for per_step, eng in engines.items():
-                    got[per_step].append(_engine_tokens_per_s(eng, names, b, args.new_tokens, prompts))
-            one, together = statistics.median(got[1]), statistics.median(got[k])
-            res["engine_rows"].append({"models": k, "batch": b, "tokens_per_s_one_a_step": got[1],
-                                       "tokens_per_s_together": got[k], "speedup": together / one,
-                                       "steps_together": engines[k].executor.status().stats["steps_together"]})
-            rows.append([k, b, one, together, together / one])
-            print(f"engine K={k} batch={b}: {one:.0f} tokens/s one model a step, {together:.0f} together "
-                  f"({together / one:.2f}x)", flush=True)
-        for eng in engines.values():
+            row = together.measure(engs, k, b, args.new_tokens, args.repeats, cfg.vocab_size)
+            res["engine_rows"].append(row)
+            one, x = statistics.median(row["tokens_per_s_one_a_step"]), row["speedup"]
+            rows.append([k, b, one, one * x, x, row["fraction"]])
+            print(f"engine K={k} batch={b}: {one:.0f} tokens/s one model a step, {one * x:.0f} together "
+                  f"({x:.2f}x, shared-step fraction {row['fraction']:.2f})", flush=True)
+        for eng in engs.values():
             eng.executor.shutdown()
     gpu = torch.cuda.get_device_name(0).lower().replace("nvidia ", "").split()[0]
     out = args.out or f"bench/results/concurrent_steps_engine_{gpu}.json"
     write_json(out, res)
     print_table(f"decode tokens/s of K {args.model} models through the engine, batch B each",
-                ["K", "B", "one model a step", "K together", "x"], rows)
+                ["K", "B", "one model a step", "K together", "x", "fraction"], rows)
     print(f"wrote {out}")
     return 0
 

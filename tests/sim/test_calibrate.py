@@ -85,3 +85,46 @@ def test_the_cpus_a_run_may_use_count_a_containers_quota(tmp_path):
     quota.write_text("50000 100000\n")  # half a CPU
     assert cpus_usable(str(quota)) == 0.5
     assert cpus_usable(str(tmp_path / "none")) == mine  # no cgroup v2 file
+
+
+def test_shared_step_fraction_from_a_speed_up():
+    from computron.bench.together import fraction_from_speedup
+
+    assert fraction_from_speedup(2, 1.0) == 1.0  # nothing overlaps: each model's step costs in full
+    assert fraction_from_speedup(2, 2.0) == 0.0  # the second costs nothing
+    assert fraction_from_speedup(2, 1.28) == pytest.approx(0.5625)  # an H200's engine at batch 1
+    assert fraction_from_speedup(6, 6 / (1 + 0.33 * 5)) == pytest.approx(0.33)  # the graphs' overlap
+    assert fraction_from_speedup(3, 0.9) == 1.0 and fraction_from_speedup(3, 4.0) == 0.0  # clamped
+    with pytest.raises(ValueError, match="at least 2 models, got 1"):
+        fraction_from_speedup(1, 1.0)
+
+
+def test_shared_steps_measured_through_two_engines_on_the_cpu():
+    """Two copies of a model, one engine stepping one at a time and one both together: on the CPU
+    nothing runs at once (steps together 0), yet the measurement runs end to end and each request
+    makes its tokens."""
+    pytest.importorskip("torch")
+    from computron.bench.together import shared_step_fraction
+
+    got = shared_step_fraction("tiny-opt", "cpu", k=2, batch=2, new=6, repeats=2)
+    assert got["models"] == 2 and got["batch"] == 2 and got["steps_together"] == 0
+    assert len(got["tokens_per_s_one_a_step"]) == len(got["tokens_per_s_together"]) == 2
+    assert 0.0 <= got["fraction"] <= 1.0 and got["speedup"] > 0
+
+
+def test_calibrating_on_the_cpu_keeps_the_shared_step_fraction_at_one(tmp_path):
+    pytest.importorskip("torch")
+    from computron.bench.calibrate import run
+
+    res = run(["tiny-opt", "tiny-gpt2"], "cpu", [1, 2], [8, 16], 4, 1, None, shared_steps=2)
+    assert res["shared_steps"] is None and res["calibration"].concurrent_step_fraction == 1.0
+
+
+def test_the_shared_step_measurement_runs_in_a_process_of_its_own():
+    """So that its engines' device memory is returned before the calibration's own engine takes its
+    budget; the largest of the models is the one measured."""
+    pytest.importorskip("torch")
+    from computron.bench.calibrate import _shared_steps
+
+    got = _shared_steps(["tiny-gpt2", "tiny-opt=small"], "cpu", 2, 1)  # tiny-opt: 512 bytes more
+    assert got["model"] == "tiny-opt" and got["models"] == 2 and len(got["tokens_per_s_together"]) == 1

@@ -16,7 +16,10 @@ For each model (resident alone on the device, through the real engine):
 - on a GPU, the host time of capturing a decode graph (the mean over the batch sizes' captures,
   warm-up left out): what the executor pays again when a model swapped back in lands at another address;
 - on a machine of several GPUs, what the host side moves into all of them at once
-  (``host_bandwidth``: the cap of a striped swap-in in the simulator).
+  (``host_bandwidth``: the cap of a striped swap-in in the simulator);
+- on a GPU, with the in-process executor, how much each extra model's decode step adds to a step of
+  several models (``concurrent_step_fraction``, ``--shared-steps K``: K copies of the largest model
+  stepped together against one a step through the engine, batch 1; ``bench/together.py``).
 
 With ``--serve`` prefill and decode are timed through the HTTP server instead, as ``computron loadgen``
 times them against ``computron serve``: the engine on its own thread behind the server, the requests
@@ -191,7 +194,7 @@ def host_bandwidth(repeats: int, nbytes: int = 2**30) -> float:
 
 
 def run(models: list[str], device: str, batches: list[int], prompts: list[int], new: int, repeats: int,
-        budget: str | None, executor: str | None = None, serve: bool = False) -> dict:
+        budget: str | None, executor: str | None = None, serve: bool = False, shared_steps: int = 0) -> dict:
     import torch
 
     from ..config import EngineConfig, ModelSpec
@@ -200,6 +203,16 @@ def run(models: list[str], device: str, batches: list[int], prompts: list[int], 
     from .common import machine
     from .decode import weight_read_floor_s
 
+    shared = None
+    cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    if shared_steps >= 2 and cuda and executor != "legacy" and not serve:  # the path that steps models together
+        try:
+            shared = _shared_steps(models, device if device != "auto" else "cuda", shared_steps, repeats)
+        except Exception as e:  # noqa: BLE001 -- the rest of the calibration stands without it
+            import sys
+
+            print(f"computron bench calibrate: the shared-step fraction was not measured ({type(e).__name__}: {e}); "
+                  f"it stays 1 (one model's step after another)", file=sys.stderr)
     eng = Engine(EngineConfig(device=device, gpu_memory_budget=budget, executor=executor))
     dev = eng.executor.device if hasattr(eng.executor, "device") else torch.device("cpu")
     points = {"swap": [], "evict": [], "prefill": [], "decode": [], "floor": [], "capture": [], "warmup": []}
@@ -278,7 +291,8 @@ def run(models: list[str], device: str, batches: list[int], prompts: list[int], 
                       graph_capture_s=gc[0], graph_capture_s_per_byte=gc[1],
                       graph_warmup_s=gw[0], graph_warmup_s_per_byte=gw[1],
                       pageable_swap_bandwidth=pageable, evict_pin_s_per_byte=pin,
-                      host_bandwidth=host_bandwidth(repeats) if dev.type == "cuda" else 0.0)
+                      host_bandwidth=host_bandwidth(repeats) if dev.type == "cuda" else 0.0,
+                      concurrent_step_fraction=shared["fraction"] if shared else 1.0)
     checks = []
     for kind in ("prefill", "decode"):
         for name, b, n, t in points[kind]:
@@ -286,8 +300,25 @@ def run(models: list[str], device: str, batches: list[int], prompts: list[int], 
             checks.append({"kind": kind, "model": name, "n": n, "measured_s": t, "fit_s": pred,
                            "error": pred / t - 1})
     eng.executor.shutdown()
-    return {"calibration": cal, "points": {k: v for k, v in points.items()}, "fit": checks,
+    return {"calibration": cal, "points": {k: v for k, v in points.items()}, "fit": checks, "shared_steps": shared,
             "path": "served" if serve else "engine", "machine": machine()}
+
+
+def _shared_steps(models: list[str], device: str, k: int, repeats: int) -> dict:
+    """``together.shared_step_fraction`` of the largest of ``models`` at batch 1, in a process of its
+    own (its engines' device memory goes back before this one's engine takes the budget)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from ..config import ModelSpec
+    from ..memory.layout import layout_for
+    from ..models import resolve_model
+    from .together import shared_step_fraction
+
+    sources = [ModelSpec.parse(name).source for name in models]
+    largest = max(sources, key=lambda m: layout_for(resolve_model(m)[0]).nbytes)
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(shared_step_fraction, largest, device, k, 1, 64, repeats).result()
 
 
 def main(args) -> int:
@@ -302,7 +333,7 @@ def main(args) -> int:
 
     try:
         res = run(args.model, args.device, args.batch, args.prompt, args.new_tokens, args.repeats,
-                  args.gpu_memory_budget, args.executor, args.serve)
+                  args.gpu_memory_budget, args.executor, args.serve, getattr(args, "shared_steps", 0))
     except (ValueError, FileNotFoundError, MemoryError) as e:  # EngineError is a ValueError
         print(f"computron bench calibrate: {e.args[0] if e.args else e}", file=sys.stderr)
         return 2
@@ -320,5 +351,7 @@ def main(args) -> int:
           + (f"first swap-in (pageable) {cal.pageable_swap_bandwidth / 1e9:.1f} GB/s, page-locked host memory "
              f"allocated {cal.evict_pin_s_per_byte * 1e9 * 1e3:.0f} ms/GB; " if args.executor == "legacy" else "")
           + (f"all {torch_gpus()} GPUs at once {cal.host_bandwidth / 1e9:.0f} GB/s; " if cal.host_bandwidth else "")
+          + (f"{res['shared_steps']['models']} models a step {res['shared_steps']['speedup']:.2f}x one a step "
+             f"(shared-step fraction {cal.concurrent_step_fraction:.2f}); " if res["shared_steps"] else "")
           + f"wrote {out} and {out.with_suffix('.points.json')}")
     return 0

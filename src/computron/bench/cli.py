@@ -105,6 +105,9 @@ def add_calibrate_parser(sub) -> None:
     p.add_argument("--serve", action="store_true",
                    help="time prefill and decode through the HTTP server with loadgen's streamed client (what "
                         "loadgen measures against `computron serve`) instead of on the engine alone")
+    p.add_argument("--shared-steps", type=int, default=2, metavar="K",
+                   help="on a GPU, measure the shared-step fraction (concurrent_step_fraction) with K copies of "
+                        "the largest model stepped together against one a step (0: skip, keep 1; default 2)")
     p.add_argument("--out", default="bench/results/calibration.json", help="the calibration file to write")
     p.set_defaults(func=_calibrate)
 

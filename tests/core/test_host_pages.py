@@ -69,3 +69,13 @@ def test_same_weights_on_either_page_size():
 def test_a_small_buffer_stays_on_small_pages():
     buf = host_buffer(4096, pin=False, huge=True)  # under one huge page: nothing to gain
     assert buf.numel() == 4096
+
+
+def test_a_setting_that_is_neither_on_nor_off_is_refused(monkeypatch):
+    from computron.memory.host import huge_pages_default
+
+    monkeypatch.setenv(HUGE_PAGES_ENV, "maybe")
+    with pytest.raises(ValueError, match="COMPUTRON_HOST_HUGE_PAGES must be 1 or 0 .* got 'maybe'"):
+        huge_pages_default()
+    monkeypatch.setenv(HUGE_PAGES_ENV, "On")
+    assert huge_pages_default()

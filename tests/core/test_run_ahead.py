@@ -387,3 +387,42 @@ def test_a_step_of_two_models_runs_ahead_in_a_worker():
     # d and f draw from the worker process's default generator, seeded apart from this one's
     assert {k: got[k] for k in "abc"} == {k: want[k] for k in "abc"}
     assert dropped == 2 and used >= 25
+
+
+@pytest.mark.parametrize("how", ["cannot", "raises"])
+def test_a_shared_step_runs_ahead_all_or_none(how):
+    """When the second model's step cannot be run ahead (its blocks do not fit: None) or its launch
+    raises, the first model's is undone at once (its blocks back, its generator as before) and the
+    step itself is answered as usual: the tokens are still the in-process executor's."""
+    models = ("tiny-llama", "tiny-opt")
+    torch.manual_seed(11)
+    want = two_models(make("inprocess", models=models, models_per_step=2))
+    cfg = EngineConfig(device="cpu", gpu_memory_budget=64 * 2**20, workspace_bytes=50_000, models_per_step=2)
+    ex = WorkerLike(cfg)
+    ex.eager = True
+    launch, failed = ex._launch, []
+
+    def second_fails(b, first):
+        if b.model == "tiny-opt":
+            failed.append(b.model)
+            if how == "raises":
+                raise RuntimeError("no stream")
+            return None
+        return launch(b, first)
+
+    ex._launch = second_fails
+    step, partial = ex._step, []
+
+    def checked(batches):  # never a run-ahead of some of a step's batches only
+        result = step(batches)
+        partial.append(bool(ex._ahead) and len(ex._ahead) != len(batches))
+        return result
+
+    ex._step = checked
+    eng = Engine(cfg, executor=ex)
+    for m in models:
+        eng.register_model(m)
+    torch.manual_seed(11)
+    assert two_models(eng) == want
+    assert failed and not any(partial) and ex.dropped == 0  # nothing run ahead, so nothing dropped
+    assert eng.memory()["kv"] == 0

@@ -128,3 +128,13 @@ def test_the_shared_step_measurement_runs_in_a_process_of_its_own():
 
     got = _shared_steps(["tiny-gpt2", "tiny-opt=small"], "cpu", 2, 1)  # tiny-opt: 512 bytes more
     assert got["model"] == "tiny-opt" and got["models"] == 2 and len(got["tokens_per_s_together"]) == 1
+
+
+@pytest.mark.parametrize("value, why", [("1", "at least 2 models (0 skips it), got 1"),
+                                        ("-3", "got -3"), ("two", "got 'two'")])
+def test_shared_steps_must_be_zero_or_two_or_more(capsys, value, why):
+    from computron.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["bench", "calibrate", "tiny-opt", "--device", "cpu", "--shared-steps", value])
+    assert why in capsys.readouterr().err

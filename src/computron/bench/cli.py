@@ -87,6 +87,19 @@ def _calibrate(args) -> int:
     return calibrate.main(args)
 
 
+def _shared_steps_arg(text: str) -> int:
+    """``--shared-steps``: 0 (skip) or a number of models of at least 2."""
+    import argparse
+
+    try:
+        k = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 0 or a whole number of models of at least 2, got {text!r}")
+    if k == 1 or k < 0:
+        raise argparse.ArgumentTypeError(f"a shared step needs at least 2 models (0 skips it), got {k}")
+    return k
+
+
 def add_calibrate_parser(sub) -> None:
     from .calibrate import __doc__ as doc
 
@@ -105,7 +118,7 @@ def add_calibrate_parser(sub) -> None:
     p.add_argument("--serve", action="store_true",
                    help="time prefill and decode through the HTTP server with loadgen's streamed client (what "
                         "loadgen measures against `computron serve`) instead of on the engine alone")
-    p.add_argument("--shared-steps", type=int, default=2, metavar="K",
+    p.add_argument("--shared-steps", type=_shared_steps_arg, default=2, metavar="K",
                    help="on a GPU, measure the shared-step fraction (concurrent_step_fraction) with K copies of "
                         "the largest model stepped together against one a step (0: skip, keep 1; default 2)")
     p.add_argument("--out", default="bench/results/calibration.json", help="the calibration file to write")

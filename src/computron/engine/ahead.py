@@ -189,25 +189,32 @@ class RunAheadExecutor(InProcessExecutor):
             while len(self._streams) < len(batches):
                 self._streams.append(torch.cuda.Stream(self.device))
         out: list[_Ahead] = []
-        for i, (b, first) in enumerate(zip(batches, firsts)):
-            if cuda:
-                stream = self._streams[i]
-                stream.wait_stream(main)  # after every step before (and the tokens it feeds on)
-                if isinstance(first, torch.Tensor):
-                    first.record_stream(stream)  # made on another stream: kept until this one has read it
-                with torch.cuda.stream(stream):
+        try:
+            for i, (b, first) in enumerate(zip(batches, firsts)):
+                if cuda:
+                    stream = self._streams[i]
+                    stream.wait_stream(main)  # after every step before (and the tokens it feeds on)
+                    if isinstance(first, torch.Tensor):
+                        first.record_stream(stream)  # made on another stream: kept until this one has read it
+                    with torch.cuda.stream(stream):
+                        a = self._launch(b, first)
+                else:
                     a = self._launch(b, first)
-            else:
-                a = self._launch(b, first)
-            if a is None:
-                for done in reversed(out):  # last first: generators they share go back to the first's state
-                    self._drop(done)
-                out = []
-                break
-            out.append(a)
-        if cuda:
-            for stream in self._streams[:len(batches)]:
-                main.wait_stream(stream)
+                if a is None:
+                    break
+                out.append(a)
+        except Exception as e:  # noqa: BLE001 -- as in _launch: running ahead never fails the step it follows
+            log.warning("device %d: running a step of %d models ahead failed: %s: %s", self.index, len(batches),
+                        type(e).__name__, e)
+            a = None
+        finally:
+            if cuda:
+                for stream in self._streams[:len(batches)]:
+                    main.wait_stream(stream)
+        if a is None:  # all or none
+            for done in reversed(out):  # last first: generators they share go back to the first's state
+                self._drop(done)
+            return []
         return out
 
     def _graph_ready(self, b: ExecuteBatch) -> bool:

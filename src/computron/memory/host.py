@@ -39,7 +39,10 @@ def huge_pages_default() -> bool:
     """Whether host images ask for transparent huge pages: ``$COMPUTRON_HOST_HUGE_PAGES`` (1/0), off
     by default. Several GPUs copying at once from 4 KiB pages found one 26 GB image 10% slower than
     another (bench/load_gap.py); 2 MiB pages are the candidate cure, off until measured."""
-    return os.environ.get(HUGE_PAGES_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+    value = os.environ.get(HUGE_PAGES_ENV, "0").strip().lower()
+    if value not in ("", "0", "1", "false", "true", "no", "yes", "off", "on"):
+        raise ValueError(f"${HUGE_PAGES_ENV} must be 1 or 0 (or true/false, yes/no, on/off), got {value!r}")
+    return value in ("1", "true", "yes", "on")
 
 
 def host_buffer(nbytes: int, pin: bool, huge: bool | None = None) -> torch.Tensor:

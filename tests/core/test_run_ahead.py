@@ -352,21 +352,37 @@ class Counting(WorkerLike):
         return result
 
 
+MODELS2 = ("tiny-llama", "tiny-opt")
+
+
+def two_models_in_process() -> dict[str, list[int]]:
+    """``two_models`` on the plain in-process executor, the default generator seeded as before each run."""
+    torch.manual_seed(11)
+    return two_models(make("inprocess", models=MODELS2, models_per_step=2))
+
+
+def ahead_engine(ex: RunAheadExecutor, eager: bool) -> Engine:
+    """An engine of ``CFG2`` over the run-ahead executor ``ex`` (``eager``: a GPU's order), both models registered,
+    the default generator seeded as ``two_models_in_process`` seeds it."""
+    ex.eager = eager
+    eng = Engine(CFG2, executor=ex)
+    for m in MODELS2:
+        eng.register_model(m)
+    torch.manual_seed(11)
+    return eng
+
+
+CFG2 = EngineConfig(device="cpu", gpu_memory_budget=64 * 2**20, workspace_bytes=50_000, models_per_step=2)
+
+
 @pytest.mark.parametrize("eager", [False, True])
 def test_a_step_of_two_models_runs_ahead_and_gives_the_in_process_tokens(eager):
     """Both models' batches in every step (``models_per_step`` 2): the step after is run ahead for
     both at once and used while neither batch changes. Greedy, seeded and unseeded rows give the
     in-process tokens, so a step run ahead and dropped sets every generator back."""
-    models = ("tiny-llama", "tiny-opt")
-    torch.manual_seed(11)
-    want = two_models(make("inprocess", models=models, models_per_step=2))
-    cfg = EngineConfig(device="cpu", gpu_memory_budget=64 * 2**20, workspace_bytes=50_000, models_per_step=2)
-    ex = Counting(cfg)
-    ex.eager = eager
-    eng = Engine(cfg, executor=ex)
-    for m in models:
-        eng.register_model(m)
-    torch.manual_seed(11)
+    want = two_models_in_process()
+    ex = Counting(CFG2)
+    eng = ahead_engine(ex, eager)
     assert two_models(eng) == want
     # Dropped: when d joined, when c was aborted (its free), when b ended (the plan of the step
     # where it made its last token expected no repeat, so nothing ran ahead there: not a drop).
@@ -375,10 +391,8 @@ def test_a_step_of_two_models_runs_ahead_and_gives_the_in_process_tokens(eager):
 
 
 def test_a_step_of_two_models_runs_ahead_in_a_worker():
-    models = ("tiny-llama", "tiny-opt")
-    torch.manual_seed(11)
-    want = two_models(make("inprocess", models=models, models_per_step=2))
-    eng = make("workers", models=models, models_per_step=2)
+    want = two_models_in_process()
+    eng = make("workers", models=MODELS2, models_per_step=2)
     try:
         got = two_models(eng)
         used, dropped = ahead_stats(eng)
@@ -394,12 +408,8 @@ def test_a_shared_step_runs_ahead_all_or_none(how):
     """When the second model's step cannot be run ahead (its blocks do not fit: None) or its launch
     raises, the first model's is undone at once (its blocks back, its generator as before) and the
     step itself is answered as usual: the tokens are still the in-process executor's."""
-    models = ("tiny-llama", "tiny-opt")
-    torch.manual_seed(11)
-    want = two_models(make("inprocess", models=models, models_per_step=2))
-    cfg = EngineConfig(device="cpu", gpu_memory_budget=64 * 2**20, workspace_bytes=50_000, models_per_step=2)
-    ex = WorkerLike(cfg)
-    ex.eager = True
+    want = two_models_in_process()
+    ex = WorkerLike(CFG2)
     launch, failed = ex._launch, []
 
     def second_fails(b, first):
@@ -419,10 +429,7 @@ def test_a_shared_step_runs_ahead_all_or_none(how):
         return result
 
     ex._step = checked
-    eng = Engine(cfg, executor=ex)
-    for m in models:
-        eng.register_model(m)
-    torch.manual_seed(11)
+    eng = ahead_engine(ex, eager=True)
     assert two_models(eng) == want
     assert failed and not any(partial) and ex.dropped == 0  # nothing run ahead, so nothing dropped
     assert eng.memory()["kv"] == 0

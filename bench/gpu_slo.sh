@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the lent GPU machine: the slo policy against the default one on the real server, same trace.
-#   bash bench/gpu_slo.sh            (about 3 minutes a rate; RATES, DURATION, SHAPE, BUDGET, SLO_CAL, PORT
-#                                     override the defaults)
+#   bash bench/gpu_slo.sh            (about 3 minutes a rate; RATES, DURATION, SHAPE, BUDGET, SLO_CAL, PORT,
+#                                     POLICIES and MPS override the defaults)
 # Six OPT-1.3B-shaped models on one GPU under a 10.5 GiB budget (at most three resident): `hot` takes
 # 10/15 of the requests, c1..c5 1/15 each, Gamma CV 2, prompts 32-512 and outputs 16-256 tokens, as
 # the simulator's hot/cold sweep (bench/results/preempt/README.md). Per total rate (RATES, requests/s,
@@ -11,6 +11,8 @@
 # the slo policy is told the SLO loadgen measures, as `computron sim` tells it: each model's latency
 # within 5x its solo latency, the solo latency from that calibration (the server's default otherwise:
 # 5x the built-in calibration's prefill and decode step).
+# MPS (default 1): the engine's models_per_step, the decode batches of different models one step runs
+# together on the GPU. POLICIES (default "default slo"): the policies run at each rate.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ -d .whl ] && ! python3 -c "import fastapi" 2>/dev/null; then python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site; fi
@@ -42,8 +44,8 @@ specs = [ModelSpec.parse('$SHAPE=' + n) for n in '${NAMES[*]}'.split()]
 solo = Simulation(specs, calibration('$SLO_CAL'), EngineConfig(device='cpu')).solo_latency(Trace.read_jsonl('$TRACE'))
 print('  slos:'); [print(f'    {n}: {{latency_s: {5 * s:.4f}}}') for n, s in solo.items()]")
   fi
-  for policy in default slo; do
-    printf 'engine:\n  policy: %s\n  max_loaded: 3\n  gpu_memory_budget: %s\n' "$policy" "${BUDGET:-10.5GiB}" > /tmp/slo_${policy}_$PORT.yaml
+  for policy in ${POLICIES:-default slo}; do
+    printf 'engine:\n  policy: %s\n  max_loaded: 3\n  gpu_memory_budget: %s\n  models_per_step: %s\n' "$policy" "${BUDGET:-10.5GiB}" "${MPS:-1}" > /tmp/slo_${policy}_$PORT.yaml
     [ "$policy" = slo ] && [ -n "$SLOS" ] && echo "$SLOS" >> /tmp/slo_${policy}_$PORT.yaml
     $C serve --config /tmp/slo_${policy}_$PORT.yaml $M --port $PORT --log-level warning > "$D/serve_$policy.log" 2>&1 &
     pid=$!

@@ -235,6 +235,16 @@ def test_in_process_run_ahead_gives_the_in_process_tokens_while_the_batch_change
     # Dropped: when d joined, when c was aborted (its free), when e joined; used: nearly every other step.
     assert ex.dropped == 3 and ex.used >= 30
     assert ex.status().stats["run_ahead_used"] == ex.used
+    # and the server's /metrics reads both counters from the executor
+    from prometheus_client import generate_latest
+
+    from computron.server.metrics import Metrics, engine_snapshot
+
+    metrics = Metrics()
+    metrics.update(engine_snapshot(eng))
+    text = generate_latest(metrics.registry).decode()
+    assert f"computron_run_ahead_used_total {float(ex.used)}" in text
+    assert f"computron_run_ahead_dropped_total {float(ex.dropped)}" in text
 
 
 def test_in_process_run_ahead_with_a_model_evicted_and_resumed_between_steps():

@@ -24,7 +24,10 @@ def engine_snapshot(engine) -> dict:
         st = engine.model_stats(name)
         models[name] = {k: st[k] for k in ("waiting", "running", "state", "pinned", "slo_met", "slo_requests")
                         if k in st}
-    return {"models": models, "memory": engine.memory(), "stats": dict(engine.stats)}
+    ahead = engine.executor.status().stats  # the executor's own counters (run-ahead)
+    stats = dict(engine.stats)
+    stats.update({k: ahead[k] for k in ("run_ahead_used", "run_ahead_dropped") if k in ahead})
+    return {"models": models, "memory": engine.memory(), "stats": stats}
 
 
 class _EngineTotals:
@@ -66,7 +69,11 @@ class _EngineTotals:
                 ("computron_kv_moved_bytes", "kv_moved_bytes", "Bytes of stopped requests' caches moved between "
                  "device and host memory, both ways"),
                 ("computron_prefill_tokens", "prefill_tokens", "Prompt tokens computed by prefills (recomputes "
-                 "after preemption included; the choices of one prompt share its prefill)")):
+                 "after preemption included; the choices of one prompt share its prefill)"),
+                ("computron_run_ahead_used", "run_ahead_used", "Decode steps started before the engine asked for "
+                 "them that were its next step (run-ahead)"),
+                ("computron_run_ahead_dropped", "run_ahead_dropped", "Decode steps started ahead and then dropped: "
+                 "the engine's next step was another (device time spent for nothing)")):
             yield CounterMetricFamily(name, doc, value=s.get(key, 0))
 
 

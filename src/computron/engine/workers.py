@@ -571,7 +571,9 @@ class WorkerExecutor:
             restarts = list(self._restarts)
         for t in restarts:
             t.join(self.start_timeout)
-        for w in list(self._workers.values()):
+        # device 0's worker hosts the process group's store: stopped last, so no other rank's NCCL
+        # watchdog is left polling a store that has gone (a burst of broken-pipe warnings at exit)
+        for _, w in sorted(self._workers.items(), reverse=True):
             w.stop()
         remove_images(os.getpid())  # those of workers that could not remove their own
         if self._nodes is not None:

@@ -7,10 +7,15 @@ when there is none. Per run: the attainment at ``--scale`` times each model's so
 curve loadgen wrote), requests refused or failed, mean and p99 latency, and the longest time to
 first token of any request to a model other than ``--hot`` (the wait the issue bounds). The rate at
 which each (policy, models a step) holds ``--target`` attainment is interpolated between the two
-measured rates around it. ``--sim FILE`` (a ``computron sim --sweep rate`` JSON) adds its curves,
-dashed, labelled with ``--sim-label``.
+measured rates around it (runs of one rate on one trace averaged). ``--simulate CAL`` also simulates every run on its own trace with the
+calibration CAL and the server's settings (``computron sim``; written beside the measurement as
+``sim_<policy>.json``, reused when there), in the table and dashed on the chart in the run's colour;
+the ``computron`` policy's runs with ``--simulate-legacy CAL``, a calibration of its executor
+(``bench calibrate --executor legacy``), and not at all without one.
 
     python3 bench/preempt_gpu_report.py bench/results/preempt_gpu_h200 bench/results/preempt_gpu_h200_mps3 \\
+        --simulate bench/results/preempt_gpu_h200_mps3/calibration_served_f036.json \\
+        --simulate-legacy bench/results/sim_validate_h200/calibration_gpu_legacy_served.json \\
         --plot bench/results/preempt_gpu_h200_mps3/attainment_rate.png
 """
 
@@ -38,17 +43,41 @@ def runs(roots: list[Path], scale: float, hot: str) -> list[dict]:
             rate = float(f.parent.name.removeprefix("rate_"))
             policy = f.stem.removeprefix("measured_")
             d = json.loads(f.read_text())
-            s, slo = d["summary"], d["summary"]["slo"]
-            if scale not in slo["scales"]:
-                raise SystemExit(f"{f}: no attainment at {scale}x (has {slo['scales']})")
+            s = d["summary"]
+            if scale not in s["slo"]["scales"]:
+                raise SystemExit(f"{f}: no attainment at {scale}x (has {s['slo']['scales']})")
             cold = [r["first_token"] - r["arrival"] for r in d["records"]
                     if r["model"] != hot and r.get("first_token") is not None]
-            out.append({"rate": rate, "policy": policy, "mps": _mps(f), "path": str(f),
-                        "attained": slo["all"][slo["scales"].index(scale)],
+            out.append({"rate": rate, "policy": policy, "mps": _mps(f), "path": str(f), "trace": f.parent / "trace.jsonl",
+                        "attained": _attained(s, scale),
                         "requests": s["all"]["requests"], "failed": s["all"]["failed"],
                         "mean_s": s["all"]["latency"]["mean"], "p99_s": s["all"]["latency"]["p99"],
                         "cold_ttft_max_s": max(cold) if cold else float("nan")})
     return sorted(out, key=lambda r: (r["policy"], r["mps"], r["rate"]))
+
+
+def _attained(summary: dict, scale: float) -> float:
+    slo = summary["slo"]
+    return slo["all"][slo["scales"].index(scale)]
+
+
+def simulate(r: dict, args) -> float | None:
+    """The run's attainment simulated on its trace (None when the trace was not kept, or for the
+    ``computron`` policy without ``--simulate-legacy``: its executor's costs are not in a calibration
+    of the default one)."""
+    cal = args.simulate_legacy if r["policy"] == "computron" else args.simulate
+    out = Path(r["path"]).with_name(f"sim_{r['policy']}.json")
+    if not out.exists():
+        if not r["trace"].exists() or cal is None:
+            return None
+        from computron.cli import main as cli
+
+        flags = ["sim", "--models", args.models, "--trace", str(r["trace"]), "--calibration", str(cal),
+                 "--policy", r["policy"], "--models-per-step", str(r["mps"]), "--budget", args.budget,
+                 "--max-loaded", str(args.max_loaded), "--slo-scale", f"{args.scale:g}", "--out", str(out)]
+        if cli(flags) != 0:
+            raise SystemExit(f"computron {' '.join(flags)} failed")
+    return _attained(json.loads(out.read_text())["summary"], args.scale)
 
 
 def rate_at(points: list[tuple[float, float]], target: float) -> str:
@@ -63,20 +92,14 @@ def rate_at(points: list[tuple[float, float]], target: float) -> str:
     return f"<{points[0][0]:g}" if points else "-"
 
 
-def curves(rs: list[dict]) -> dict[tuple[str, int], list[tuple[float, float]]]:
-    out: dict[tuple[str, int], list[tuple[float, float]]] = {}
+def curves(rs: list[dict], key: str = "attained") -> dict[tuple[str, int], list[tuple[float, float]]]:
+    """Per (policy, models a step): (rate, ``key``) points, runs of one rate (a trace measured again)
+    averaged."""
+    got: dict[tuple[str, int], dict[float, list[float]]] = {}
     for r in rs:
-        out.setdefault((r["policy"], r["mps"]), []).append((r["rate"], r["attained"]))
-    return out
-
-
-def sim_curves(path: Path) -> dict[str, list[tuple[float, float]]]:
-    d = json.loads(path.read_text())
-    out: dict[str, list[tuple[float, float]]] = {}
-    for run in d["runs"]:
-        slo = run["summary"]["slo"]
-        out.setdefault(run["policy"], []).append((float(run["rate"]), slo["all"][slo["scales"].index(5)]))
-    return out
+        if r.get(key) is not None:
+            got.setdefault((r["policy"], r["mps"]), {}).setdefault(r["rate"], []).append(r[key])
+    return {k: [(rate, sum(v) / len(v)) for rate, v in sorted(by_rate.items())] for k, by_rate in got.items()}
 
 
 def main(argv=None) -> int:
@@ -85,40 +108,54 @@ def main(argv=None) -> int:
     ap.add_argument("--scale", type=float, default=5.0, help="SLO as this many times the solo latency")
     ap.add_argument("--target", type=float, default=0.99)
     ap.add_argument("--hot", default="hot", help="the hot model (its requests are left out of the cold wait)")
-    ap.add_argument("--sim", type=Path, nargs="*", default=[])
-    ap.add_argument("--sim-label", nargs="*", default=[])
+    ap.add_argument("--simulate", type=Path, default=None, metavar="CAL", help="simulate each run with this calibration")
+    ap.add_argument("--simulate-legacy", type=Path, default=None, metavar="CAL",
+                    help="--simulate: the calibration of the computron policy's (legacy) executor")
+    ap.add_argument("--models", default=",".join(f"opt-1.3b={n}" for n in ("hot", "c1", "c2", "c3", "c4", "c5")),
+                    help="--simulate: the server's models (bench/gpu_slo.sh's)")
+    ap.add_argument("--budget", default="10.5GiB", help="--simulate: the server's budget")
+    ap.add_argument("--max-loaded", type=int, default=3, help="--simulate: the server's max_loaded")
     ap.add_argument("--plot", type=Path, default=None)
     args = ap.parse_args(argv)
     rs = runs(args.roots, args.scale, args.hot)
     if not rs:
         print(f"no rate_*/measured_*.json under {', '.join(map(str, args.roots))}", file=sys.stderr)
         return 2
+    for r in rs:
+        r["simulated"] = simulate(r, args) if args.simulate else None
+    sim = lambda r: "-" if r["simulated"] is None else f"{r['simulated'] * 100:.1f}%"  # noqa: E731
     print(f"| policy | models a step | rate (req/s) | requests | refused or failed | attained at {args.scale:g}x "
-          "| latency mean / p99 (s) | longest cold TTFT (s) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| simulated | latency mean / p99 (s) | longest cold TTFT (s) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rs:
         print(f"| {r['policy']} | {r['mps']} | {r['rate']:g} | {r['requests']} | {r['failed']} | "
-              f"{r['attained'] * 100:.1f}% | {r['mean_s']:.2f} / {r['p99_s']:.2f} | {r['cold_ttft_max_s']:.2f} |")
+              f"{r['attained'] * 100:.1f}% | {sim(r)} | {r['mean_s']:.2f} / {r['p99_s']:.2f} | {r['cold_ttft_max_s']:.2f} |")
     print()
+    simulated = curves(rs, "simulated")
     for (policy, mps), pts in curves(rs).items():
-        print(f"{policy}, {mps} a step: {args.target * 100:g}% held to {rate_at(pts, args.target)} req/s")
+        also = f" (simulated: {rate_at(simulated[policy, mps], args.target)})" if (policy, mps) in simulated else ""
+        print(f"{policy}, {mps} a step: {args.target * 100:g}% held to {rate_at(pts, args.target)} req/s{also}")
     if args.plot:
         from computron.workload.report import _pyplot
 
         plt = _pyplot()
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for (policy, mps), pts in curves(rs).items():
-            ax.plot(*zip(*sorted(pts)), marker="o", label=f"measured: {policy}, {mps} model(s) a step")
-        for i, f in enumerate(args.sim):
-            label = args.sim_label[i] if i < len(args.sim_label) else f.stem
-            for policy, pts in sim_curves(f).items():
-                ax.plot(*zip(*sorted(pts)), ls="--", alpha=0.6, label=f"simulated: {policy}, {label}")
-        ax.axhline(args.target, color="grey", lw=0.8)
-        ax.set_xlabel("total rate (requests/s)")
-        ax.set_ylabel(f"SLO attainment at {args.scale:g}x solo latency")
-        ax.set_ylim(0.8, 1.005)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        measured = curves(rs)
+        low = min(r["attained"] for r in rs)
+        # the whole range when some policy falls far (the computron policy), beside a close-up of the top
+        panels = [(0.0, 1.02), (0.85, 1.005)] if low < 0.8 else [(0.8, 1.005)]
+        fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.5), squeeze=False)
+        for ax, (lo, hi) in zip(axes[0], panels):
+            for (policy, mps), pts in measured.items():
+                line, = ax.plot(*zip(*pts), marker="o", label=f"measured: {policy}, {mps} a step")
+                if (policy, mps) in simulated:
+                    ax.plot(*zip(*simulated[policy, mps]), ls="--", marker="x", color=line.get_color(),
+                            alpha=0.7, label=f"simulated: {policy}, {mps} a step")
+            ax.axhline(args.target, color="grey", lw=0.8)
+            ax.set_xlabel("total rate (requests/s)")
+            ax.set_ylabel(f"SLO attainment at {args.scale:g}x solo latency")
+            ax.set_ylim(lo, hi)
+            ax.grid(alpha=0.3)
+        axes[0][-1].legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(args.plot, dpi=120)
         print(f"wrote {args.plot}")

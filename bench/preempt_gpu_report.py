@@ -61,8 +61,8 @@ def _attained(summary: dict, scale: float) -> float:
     return slo["all"][slo["scales"].index(scale)]
 
 
-def simulate(r: dict, args) -> float | None:
-    """The run's attainment simulated on its trace (None when the trace was not kept, or for the
+def simulate(r: dict, args) -> dict | None:
+    """The run simulated on its trace: attainment, mean and p99 latency (None when the trace was not kept, or for the
     ``computron`` policy without ``--simulate-legacy``: its executor's costs are not in a calibration
     of the default one)."""
     cal = args.simulate_legacy if r["policy"] == "computron" else args.simulate
@@ -77,7 +77,9 @@ def simulate(r: dict, args) -> float | None:
                  "--max-loaded", str(args.max_loaded), "--slo-scale", f"{args.scale:g}", "--out", str(out)]
         if cli(flags) != 0:
             raise SystemExit(f"computron {' '.join(flags)} failed")
-    return _attained(json.loads(out.read_text())["summary"], args.scale)
+    s = json.loads(out.read_text())["summary"]
+    return {"attained": _attained(s, args.scale), "mean_s": s["all"]["latency"]["mean"],
+            "p99_s": s["all"]["latency"]["p99"]}
 
 
 def rate_at(points: list[tuple[float, float]], target: float) -> str:
@@ -122,14 +124,18 @@ def main(argv=None) -> int:
         print(f"no rate_*/measured_*.json under {', '.join(map(str, args.roots))}", file=sys.stderr)
         return 2
     for r in rs:
-        r["simulated"] = simulate(r, args) if args.simulate else None
+        got = simulate(r, args) if args.simulate else None
+        r["simulated"] = got and got["attained"]
+        r["sim_latency"] = got and (got["mean_s"], got["p99_s"])
     sim = lambda r: "-" if r["simulated"] is None else f"{r['simulated'] * 100:.1f}%"  # noqa: E731
+    err = lambda r: "-" if not r["sim_latency"] else "{:+.0f}% / {:+.0f}%".format(  # noqa: E731
+        *(100 * (x / m - 1) for x, m in zip(r["sim_latency"], (r["mean_s"], r["p99_s"]))))
     print(f"| policy | models a step | rate (req/s) | requests | refused or failed | attained at {args.scale:g}x "
-          "| simulated | latency mean / p99 (s) | longest cold TTFT (s) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| simulated | latency mean / p99 (s) | simulated latency's error, mean / p99 | longest cold TTFT (s) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rs:
         print(f"| {r['policy']} | {r['mps']} | {r['rate']:g} | {r['requests']} | {r['failed']} | "
-              f"{r['attained'] * 100:.1f}% | {sim(r)} | {r['mean_s']:.2f} / {r['p99_s']:.2f} | {r['cold_ttft_max_s']:.2f} |")
+              f"{r['attained'] * 100:.1f}% | {sim(r)} | {r['mean_s']:.2f} / {r['p99_s']:.2f} | {err(r)} | {r['cold_ttft_max_s']:.2f} |")
     print()
     simulated = curves(rs, "simulated")
     for (policy, mps), pts in curves(rs).items():

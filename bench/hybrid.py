@@ -28,6 +28,11 @@ samples/s relative to training alone, the handovers (``GET /colocation`` of the 
 demand that took training's memory) split into signal, training release, ack, inference
 allocation (the arena mapping the memory again) and swap-in, how often training was told to
 shrink and to yield, and a PNG timeline of memory by owner (with the yields). Writes bench/results/hybrid_<tag>.json (and .png).
+With ``--profile-job N`` the job (``--job gpt``) profiles N of its steps in every run, a third of the
+way in (``computron train --profile``): its step time, its host operators' time and, on a GPU, its
+kernels' time and the share of the window the GPU worked for it (``job_*`` in each row; the whole
+window in the run's ``job_profile``): whether the job beside inference runs slower kernels (sharing
+the SMs) or the same kernels with gaps between them.
 
     PYTHONPATH=src python bench/hybrid.py --duration 10 --repeats 2 --job-timeout 120 --fresh --tag h100_engine
     PYTHONPATH=src python bench/hybrid.py --job resnet --duration 10 --repeats 2 --fresh --tag h100_engine_resnet
@@ -96,8 +101,43 @@ def job_command(args, ckpt: str | None, addr: str | None) -> list[str]:
         cmd = [sys.executable, "-m", "computron.cli", "train", "--model", ckpt, "--steps", "1000000",
                "--seq-len", str(args.seq_len), "--device", args.device]
         cmd += ["--colocate", addr, "--colocate-run-ahead", str(args.run_ahead)] if addr else []
+        if args.profile_job:  # a window of steps profiled in each run (run_phase asks for it)
+            cmd += ["--profile", str(profile_dir(args, addr)), "--profile-steps", str(args.profile_job)]
     return cmd + ["--global-batch", str(args.global_batch), "--micro-batch", str(args.micro_batch),
                   *shlex.split(args.train_args)]
+
+
+def profile_dir(args, addr: str | None) -> Path:
+    """Where the job alone (``addr`` None) or the colocated job writes its step profiles."""
+    return Path(args.profile_root) / ("colocated" if addr else "alone")
+
+
+def ask_profile(job: "Job", after_s: float) -> threading.Timer:
+    """Ask the job for a window of profiled steps ``after_s`` seconds from now (train/profile.py)."""
+    def ask():
+        (job.profile / "request").write_text("")
+    t = threading.Timer(after_s, ask)
+    t.daemon = True
+    t.start()
+    return t
+
+
+def take_profile(job: "Job", before: set[str], run: tuple[float, float], timeout_s: float) -> dict | None:
+    """The window the job wrote since ``before`` (the files there then), waiting up to ``timeout_s``
+    (a job paused by the arbiter takes the request only when it steps again); ``inside_run``: whether
+    the window lay within ``run`` (its start and end, ``time.time()``). None, and the request taken
+    back, when none came."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        new = sorted(set(p.name for p in job.profile.glob("profile_*.json")) - before)
+        if new:
+            d = json.loads((job.profile / new[0]).read_text())
+            return {**d, "top_device": d["top_device"][:5], "top_host": d["top_host"][:5],
+                    "inside_run": run[0] <= d["start_unix"] and d["end_unix"] <= run[1]}
+        if time.monotonic() > deadline or job.p.poll() is not None:
+            (job.profile / "request").unlink(missing_ok=True)  # not left for the next run to answer
+            return None
+        time.sleep(0.05)
 
 
 def model_names(args) -> list[str]:
@@ -161,8 +201,11 @@ class Proc:
 class Job(Proc):
     """The training job's process; its step lines are timed as they come."""
 
-    def __init__(self, cmd: list[str], timeout_s: float = 300.0):
+    def __init__(self, cmd: list[str], timeout_s: float = 300.0, profile: Path | None = None):
         self.steps: list[float] = []  # when each step line came
+        self.profile = profile  # its --profile directory (None: not profiled)
+        if profile is not None:
+            profile.mkdir(parents=True, exist_ok=True)
         super().__init__(cmd, timeout_s, "trainer")
 
     def line(self, line: str) -> None:
@@ -271,17 +314,27 @@ def run_phase(args, phase: str, trace, server: Server | None, job: Job | None) -
     if job is not None:  # a step under this arbiter (after the reset) before the run
         job.wait_steps(1, time.monotonic(), phase)
     before = server.report(time.monotonic()) if server is not None else None
-    t0 = time.monotonic()
+    profiled = job is not None and job.profile is not None
+    if profiled:
+        seen = {p.name for p in job.profile.glob("profile_*.json")}
+        timer = ask_profile(job, args.duration / 3)  # a window mid-run, where the trace is under way
+    t0, unix0 = time.monotonic(), time.time()
     records = asyncio.run(replay(server.url, trace, timeout=args.request_timeout)) if server is not None else []
     while time.monotonic() - t0 < args.duration:
         time.sleep(0.05)
     t1 = time.monotonic()
+    profile = None
+    if profiled:
+        timer.join()
+        profile = take_profile(job, seen, (unix0, unix0 + (t1 - t0)), args.job_timeout)
+        if profile is None:
+            print(f"{phase}: the job wrote no profile", file=sys.stderr)
     out = {"mode": phase, "start": t0, "seconds": t1 - t0,
            "requests": [{"model": r.model, "latency": None if not r.ok else r.finish - r.arrival,
                          "ttft": None if not r.ok else r.first_token - r.arrival,
                          "tokens": r.completion_tokens, "error": r.error} for r in records],
            "train_samples_per_s": job.samples_per_s(t0, t1, args.global_batch) if job else None,
-           "handovers": [], "limits": [], "timeline": [], "used": []}
+           "handovers": [], "limits": [], "timeline": [], "used": [], "job_profile": profile}
     if server is not None and phase != "inference-alone":
         rep = server.report(t0)
         rel = lambda rows: [[r[0] - t0, *r[2:]] for r in rows if r[1] == 0]  # device 0, from the run's start
@@ -347,6 +400,12 @@ def phase_row(r: dict, solo: dict[str, float] | None, train_alone: float | None)
             prev = nbytes
         row.update(train_limits=len(r["limits"]), train_shrinks=shrinks, handovers=len(r["handovers"]),
                    train_yields=sum(on for _, on in r.get("yields", [])))
+    prof = r.get("job_profile")
+    if prof and prof["inside_run"]:  # the job's own view of a window of its steps (--profile-job)
+        row.update(job_step_ms=1e3 * prof["wall_s_per_step"], job_host_ms_per_step=1e3 * prof["host_self_s"] / prof["steps"])
+        if prof["device_busy_share"] is not None:
+            row.update(job_device_busy_share=prof["device_busy_share"],
+                       job_kernel_ms_per_step=1e3 * prof["device_kernel_s"] / prof["steps"])
     for part in HANDOVER_PARTS:
         vals = [h[f"{part}_s"] for h in r["handovers"] if h.get(f"{part}_s") is not None]
         if vals:
@@ -459,6 +518,9 @@ def main(argv=None) -> int:
     p.add_argument("--micro-batch", type=int, default=None, help="default: gpt 16, resnet 64")
     p.add_argument("--run-ahead", type=int, default=8, help="the colocated job's run-ahead bound (0: unbounded)")
     p.add_argument("--warmup-steps", type=int, default=3, help="job steps before its first measured run")
+    p.add_argument("--profile-job", type=int, default=0, metavar="STEPS",
+                   help="gpt: profile this many of the job's steps in each run, a third of the way in (its "
+                        "kernels' time, the GPU's busy share from the job's side; 0: off)")
     p.add_argument("--modes", default=",".join((*REFERENCES, *MODES, "colocate+yield", "colocate+yield-first")),
                    help="phases to run now, of inference-alone, training-alone, the modes, static+yield and "
                         "colocate+yield (training yields the compute while inference has work), colocate+yield-first "
@@ -477,6 +539,8 @@ def main(argv=None) -> int:
     for k, v in JOBS[args.job].items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    if args.profile_job and args.job != "gpt":
+        p.error("--profile-job profiles computron train (--job gpt)")
     phases = args.modes.split(",")
     unknown = [m for m in phases if m not in (*REFERENCES, *ARBITER_PHASES)]
     if unknown or args.repeats < 1:
@@ -487,6 +551,7 @@ def main(argv=None) -> int:
     except ValueError:
         p.error("--prompt and --output take N or LO:HI")
     settings = {k: v for k, v in vars(args).items() if k not in ("modes", "repeats", "fresh", "tag", "out")}
+    args.profile_root = tempfile.mkdtemp(prefix="computron-hybrid-profiles-")  # the jobs' --profile folders
     results = Path(args.out)
     results.mkdir(parents=True, exist_ok=True)
     store = results / f"hybrid_{args.tag}_runs.json"
@@ -523,7 +588,8 @@ def main(argv=None) -> int:
         ckpt = args.train_model or timed("checkpoint_s", lambda: gpt2_medium_checkpoint(
             Path(tempfile.gettempdir()) / "computron-gpt2-medium"))
     if "training-alone" in phases:  # first, while no server holds the device
-        job = Job(job_command(args, ckpt, None), args.job_timeout)
+        job = Job(job_command(args, ckpt, None), args.job_timeout,
+                  profile_dir(args, None) if args.profile_job else None)
         startup["alone_job_warmup_s"] = job.wait_steps(args.warmup_steps, 0, "training-alone")
         for _ in range(args.repeats):
             record(run_phase(args, "training-alone", trace, None, job))
@@ -545,7 +611,8 @@ def main(argv=None) -> int:
                 for mode in modes:  # repeats go round the modes: drift spreads over all of them
                     switches.append(server.switch(mode))
                     if job is None:
-                        job = Job(job_command(args, ckpt, addr), args.job_timeout)
+                        job = Job(job_command(args, ckpt, addr), args.job_timeout,
+                                  profile_dir(args, addr) if args.profile_job else None)
                         startup["colocated_job_warmup_s"] = job.wait_steps(args.warmup_steps, 0, mode)
                     record(run_phase(args, mode, trace, server, job))
         finally:

@@ -39,6 +39,12 @@ def add_parser(sub) -> None:
     p.add_argument("--colocate-run-ahead", type=int, default=d.colocate_run_ahead,
                    help="module calls the host may queue ahead of the GPU, so that a handover is acted on within that much queued work (0: unbounded)")
     p.add_argument("--json", default=None, help="write per-step records to this JSON file")
+    g = p.add_argument_group("profiling (torch.profiler over a window of steps; train/profile.py)")
+    g.add_argument("--profile", default=None, metavar="DIR",
+                   help="write step profiles here: at --profile-at, and whenever DIR/request appears")
+    g.add_argument("--profile-at", type=int, default=None, metavar="STEP", help="profile from this step (1-based)")
+    g.add_argument("--profile-steps", type=int, default=d.profile_steps, help="steps in a profile window")
+    g.add_argument("--profile-trace", action="store_true", help="also write each window's timeline (chrome trace)")
     g = p.add_argument_group("parallelism (one process per rank: --nproc, or torchrun's environment)")
     g.add_argument("--nproc", type=int, default=1, help="processes to start on this machine")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")

@@ -533,25 +533,48 @@ class Trainer:
                 "tflops_per_gpu": self.flops_per_sample * len(ids) / dt / dims.world_size / 1e12,
                 "peak_bytes": self._peak_bytes()}
 
+    def _profiler(self):
+        cfg = self.cfg
+        if cfg.profile is None:
+            return None
+        from .profile import StepProfiler
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return StepProfiler(cfg.profile, cfg.profile_at, cfg.profile_steps, self.device.type == "cuda",
+                            cfg.profile_trace, rank, self.log)
+
     def run(self, on_step=None) -> list[dict]:
         cfg, out = self.cfg, []
         t0, done = time.perf_counter(), 0
-        while self.step_no < cfg.steps:
-            rec = self.train_step()
-            done += cfg.global_batch
-            rec["samples_per_s"] = done / (time.perf_counter() - t0)
-            out.append(rec)
-            self.log(f"step {rec['step']}/{cfg.steps} loss {rec['loss']:.4f} micro-batches {rec['micro_batches']} "
-                     f"{rec['time_s'] * 1e3:.0f} ms {rec['tokens_per_s']:,.0f} tokens/s "
-                     f"{rec['tflops_per_gpu']:.3g} TFLOP/s per GPU, peak {max(rec['peak_bytes']) / 2**20:,.0f} MiB "
-                     f"(max over {len(rec['peak_bytes'])} ranks)")
-            if on_step is not None:
-                on_step(rec)
-            if cfg.checkpoint and cfg.checkpoint_every and self.step_no % cfg.checkpoint_every == 0:
-                self.save(cfg.checkpoint)
+        prof = self._profiler()
+        try:
+            while self.step_no < cfg.steps:
+                rec = self._profiled_step(prof)
+                done += cfg.global_batch
+                rec["samples_per_s"] = done / (time.perf_counter() - t0)
+                out.append(rec)
+                self.log(f"step {rec['step']}/{cfg.steps} loss {rec['loss']:.4f} micro-batches {rec['micro_batches']} "
+                         f"{rec['time_s'] * 1e3:.0f} ms {rec['tokens_per_s']:,.0f} tokens/s "
+                         f"{rec['tflops_per_gpu']:.3g} TFLOP/s per GPU, peak {max(rec['peak_bytes']) / 2**20:,.0f} MiB "
+                         f"(max over {len(rec['peak_bytes'])} ranks)")
+                if on_step is not None:
+                    on_step(rec)
+                if cfg.checkpoint and cfg.checkpoint_every and self.step_no % cfg.checkpoint_every == 0:
+                    self.save(cfg.checkpoint)
+        finally:
+            if prof is not None:
+                prof.close()
         if cfg.checkpoint:
             self.save(cfg.checkpoint)
         return out
+
+    def _profiled_step(self, prof) -> dict:
+        if prof is None:
+            return self.train_step()
+        prof.before(self.step_no + 1)
+        rec = self.train_step()
+        prof.after(self.step_no)
+        return rec
 
     def full_params(self, grads: bool = False) -> dict[str, torch.Tensor]:
         """Every parameter of the full model (``grads``: its gradient), on the CPU, joined from all

@@ -1,0 +1,90 @@
+"""Step profiles of a training job (``computron train --profile``, ``train/profile.py``): a window at a
+given step and one asked for by another process through the request file, each written as a summary
+whose figures come from the profiler (the host operators the step really ran), the request taken
+once; bad settings refused with their reason; and ``bench/hybrid.py --profile-job`` profiling the job
+in a run."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from computron.train.config import TrainConfig
+from computron.train.job import Trainer
+from computron.train.profile import REQUEST, StepProfiler, _union_s
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_union_of_device_intervals():
+    # microseconds: [0, 10] and [5, 20] overlap, [30, 31] apart, [12, 18] inside
+    assert _union_s([(5, 20), (0, 10), (30, 31), (12, 18)]) == pytest.approx(21e-6)
+    assert _union_s([]) == 0.0
+
+
+def test_a_window_at_a_step_and_one_asked_for_by_a_file(tmp_path):
+    out = tmp_path / "prof"
+    cfg = TrainConfig(model="tiny-llama", seq_len=16, global_batch=4, micro_batch=2, steps=6, profile=str(out),
+                      profile_at=2, profile_steps=2)
+    tr = Trainer(cfg)
+    asked = []
+
+    def on_step(rec):
+        if rec["step"] == 3:  # as bench/hybrid.py asks mid-run: one step, from the next one
+            (out / REQUEST).write_text("1")
+            asked.append(rec["step"])
+
+    recs = tr.run(on_step)
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6] and asked == [3]
+    first = json.loads((out / "profile_0_0.json").read_text())
+    second = json.loads((out / "profile_0_1.json").read_text())
+    assert not (out / REQUEST).exists()  # taken once
+    assert sorted(p.name for p in out.iterdir()) == ["profile_0_0.json", "profile_0_1.json"]
+    assert (first["steps"], first["last_step"], second["steps"], second["last_step"]) == (2, 3, 1, 4)
+    for d in (first, second):
+        # two micro-batches a step: the projections' matrix products dominate the host's operators
+        names = [h["name"] for h in d["top_host"]]
+        assert "aten::mm" in names or "aten::addmm" in names, names
+        assert d["wall_s"] > 0 and d["wall_s_per_step"] == pytest.approx(d["wall_s"] / d["steps"])
+        assert d["end_unix"] - d["start_unix"] == pytest.approx(d["wall_s"])
+        assert d["device_busy_share"] is None and d["device_events"] == 0  # the CPU: no device timeline
+        assert sum(h["self_s"] for h in d["top_host"]) <= d["host_self_s"] <= 2 * d["wall_s"]
+    mm = {h["name"]: h["calls"] for h in first["top_host"]}
+    one = {h["name"]: h["calls"] for h in second["top_host"]}
+    assert mm["aten::mm"] == 2 * one["aten::mm"]  # two steps' operators against one step's
+
+
+def test_a_request_that_is_not_a_number_profiles_the_default(tmp_path):
+    logs = []
+    prof = StepProfiler(tmp_path, steps=2, log=logs.append)
+    (tmp_path / REQUEST).write_text("soon")
+    assert prof._asked(1) == 2 and "not a number of steps" in logs[0]
+    assert prof._asked(2) == 0  # taken
+
+
+def test_bad_settings_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="at least one step"):
+        StepProfiler(tmp_path, steps=0)
+    with pytest.raises(ValueError, match="counts steps from 1"):
+        StepProfiler(tmp_path, at=0)
+
+
+def test_hybrid_profiles_the_job_in_each_run(tmp_path):
+    cmd = [sys.executable, str(ROOT / "bench" / "hybrid.py"), "--device", "cpu", "--train-model", "tiny-opt",
+           "--seq-len", "16", "--global-batch", "4", "--micro-batch", "4", "--duration", "4", "--repeats", "1",
+           "--warmup-steps", "1", "--job-timeout", "60", "--modes", "training-alone", "--profile-job", "2",
+           "--tag", "p", "--out", str(tmp_path)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    run = json.loads((tmp_path / "hybrid_p_runs.json").read_text())["runs"]["training-alone"][0]
+    prof = run["job_profile"]
+    assert prof["steps"] == 2 and prof["inside_run"] and len(prof["top_host"]) == 5
+    row = json.loads((tmp_path / "hybrid_p.json").read_text())["rows"][0]
+    assert row["job_step_ms"] == pytest.approx(1e3 * prof["wall_s_per_step"])
+    assert row["job_host_ms_per_step"] == pytest.approx(1e3 * prof["host_self_s"] / 2)
+    bad = subprocess.run([*cmd[:2], "--job", "resnet", "--profile-job", "2", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--profile-job profiles computron train" in bad.stderr

@@ -91,8 +91,9 @@ def gpt2_medium_checkpoint(path: Path) -> str:
 
 
 
-def job_command(args, ckpt: str | None, addr: str | None) -> list[str]:
-    """The training job's command line (``--job``), colocated under ``addr`` when given."""
+def job_command(args, ckpt: str | None, addr: str | None, profile: Path | None = None) -> list[str]:
+    """The training job's command line (``--job``), colocated under ``addr`` when given; ``profile``:
+    its ``--profile`` folder (``--job gpt``; windows asked for by ``run_phase``)."""
     if args.job == "resnet":
         cmd = [sys.executable, str(ROOT / "examples" / "resnet_colocated.py"), "--steps", "1000000",
                "--device", args.device]
@@ -101,8 +102,8 @@ def job_command(args, ckpt: str | None, addr: str | None) -> list[str]:
         cmd = [sys.executable, "-m", "computron.cli", "train", "--model", ckpt, "--steps", "1000000",
                "--seq-len", str(args.seq_len), "--device", args.device]
         cmd += ["--colocate", addr, "--colocate-run-ahead", str(args.run_ahead)] if addr else []
-        if args.profile_job:  # a window of steps profiled in each run (run_phase asks for it)
-            cmd += ["--profile", str(profile_dir(args, addr)), "--profile-steps", str(args.profile_job)]
+        if profile is not None:
+            cmd += ["--profile", str(profile), "--profile-steps", str(args.profile_job)]
     return cmd + ["--global-batch", str(args.global_batch), "--micro-batch", str(args.micro_batch),
                   *shlex.split(args.train_args)]
 
@@ -588,8 +589,8 @@ def main(argv=None) -> int:
         ckpt = args.train_model or timed("checkpoint_s", lambda: gpt2_medium_checkpoint(
             Path(tempfile.gettempdir()) / "computron-gpt2-medium"))
     if "training-alone" in phases:  # first, while no server holds the device
-        job = Job(job_command(args, ckpt, None), args.job_timeout,
-                  profile_dir(args, None) if args.profile_job else None)
+        prof = profile_dir(args, None) if args.profile_job else None
+        job = Job(job_command(args, ckpt, None, prof), args.job_timeout, prof)
         startup["alone_job_warmup_s"] = job.wait_steps(args.warmup_steps, 0, "training-alone")
         for _ in range(args.repeats):
             record(run_phase(args, "training-alone", trace, None, job))
@@ -611,8 +612,8 @@ def main(argv=None) -> int:
                 for mode in modes:  # repeats go round the modes: drift spreads over all of them
                     switches.append(server.switch(mode))
                     if job is None:
-                        job = Job(job_command(args, ckpt, addr), args.job_timeout,
-                                  profile_dir(args, addr) if args.profile_job else None)
+                        prof = profile_dir(args, addr) if args.profile_job else None
+                        job = Job(job_command(args, ckpt, addr, prof), args.job_timeout, prof)
                         startup["colocated_job_warmup_s"] = job.wait_steps(args.warmup_steps, 0, mode)
                     record(run_phase(args, mode, trace, server, job))
         finally:

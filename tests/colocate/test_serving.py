@@ -138,3 +138,26 @@ def test_colocate_command_starts_both_and_stops_both(tmp_path):
         except subprocess.TimeoutExpired:
             p.kill()
     assert p.p.returncode == 0, p.lines[-30:]
+
+
+def test_stopping_signals_every_process_at_once_and_kills_what_ignores_it():
+    """``computron colocate`` stops the server and the job together: each gets Ctrl-C at once (the
+    server's does not wait for the job's to end), and whatever ignores it is killed when the one
+    timeout runs out, not one timeout after another."""
+    import sys
+
+    from computron.colocate.cli import stop_all
+
+    ignore = "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"
+    obey = "import time; print('ready', flush=True); time.sleep(60)"
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+             for code in (ignore, ignore, obey)]
+    for p in procs:
+        assert p.stdout.readline().strip() == "ready"  # their handlers are in place
+    t = time.monotonic()
+    rcs = stop_all(procs, timeout=1.5)
+    took = time.monotonic() - t
+    assert rcs == [-signal.SIGKILL, -signal.SIGKILL, -signal.SIGINT]  # Python ends by the Ctrl-C it did not catch
+    assert 1.4 < took < 2.9, took  # one timeout for all, not 1.5 s each
+    for p in procs:
+        p.stdout.close()

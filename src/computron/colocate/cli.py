@@ -49,15 +49,21 @@ def commands(args, address: str) -> tuple[list[str], list[str]]:
     return serve, train
 
 
-def _stop(p: subprocess.Popen, timeout: float = 20.0) -> int:
-    if p.poll() is None:
-        p.send_signal(signal.SIGINT)
+def stop_all(procs: list[subprocess.Popen], timeout: float = 20.0) -> list[int]:
+    """Ctrl-C to every process at once, then the ones still running after ``timeout`` seconds killed:
+    each gets its signal without waiting for another to end, and the whole stop takes ``timeout`` at
+    most, however many ignore it. Their exit statuses, in order."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + timeout
+    for p in procs:
         try:
-            p.wait(timeout)
+            p.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
-    return p.returncode
+    return [p.returncode for p in procs]
 
 
 def run(args) -> int:
@@ -79,7 +85,5 @@ def run(args) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        if trainer is not None:
-            _stop(trainer)
-        rc = _stop(server)
+        rc = stop_all([server] + ([trainer] if trainer is not None else []))[0]
     return 0 if stop else rc

@@ -8,6 +8,7 @@ job finds it again; the job is killed and the server hands its share to inferenc
 
 import json
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -23,8 +24,11 @@ TRAIN = dict(model="tiny-opt", seq_len=16, global_batch=8, micro_batch=8)
 
 class Proc:
     def __init__(self, args, stdin=False):
+        # Ctrl-C at its default in the child: tests stop it with SIGINT, and a pytest started in the
+        # background (``&``) ignores SIGINT, which its children would inherit
         self.p = subprocess.Popen([sys.executable, "-m", *args], stdin=subprocess.PIPE if stdin else None,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                  preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         self.lines: list[str] = []
         self._new = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()

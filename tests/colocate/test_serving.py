@@ -150,7 +150,8 @@ def test_stopping_signals_every_process_at_once_and_kills_what_ignores_it():
 
     ignore = "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"
     obey = "import time; print('ready', flush=True); time.sleep(60)"
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as under a shell
              for code in (ignore, ignore, obey)]
     for p in procs:
         assert p.stdout.readline().strip() == "ready"  # their handlers are in place

@@ -66,12 +66,19 @@ def stop_all(procs: list[subprocess.Popen], timeout: float = 20.0) -> list[int]:
     return [p.returncode for p in procs]
 
 
+def _own_sigint() -> None:
+    """In each child before it runs: Ctrl-C back to its default. A command started in the background
+    (``&``) ignores SIGINT, and its children would inherit that and ignore the Ctrl-C that stops
+    them; this one's children are stopped by it, so they must hear it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run(args) -> int:
     address = args.address or os.path.join(tempfile.mkdtemp(prefix="computron-colocate-"), "arbiter.sock")
     serve_cmd, train_cmd = commands(args, address)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
-    server = subprocess.Popen(serve_cmd)
+    server = subprocess.Popen(serve_cmd, preexec_fn=_own_sigint)
     trainer = None
     try:
         # a Unix socket: start the job once the server listens (a TCP one: the job finds it later)
@@ -79,7 +86,7 @@ def run(args) -> int:
         while unix and not os.path.exists(address) and server.poll() is None and not stop:
             time.sleep(0.1)
         if server.poll() is None and not stop:
-            trainer = subprocess.Popen(train_cmd)
+            trainer = subprocess.Popen(train_cmd, preexec_fn=_own_sigint)
         while server.poll() is None and not stop:
             time.sleep(0.2)
     except KeyboardInterrupt:

@@ -19,7 +19,8 @@ For each model (resident alone on the device, through the real engine):
   (``host_bandwidth``: the cap of a striped swap-in in the simulator);
 - on a GPU, with the in-process executor, how much each extra model's decode step adds to a step of
   several models (``concurrent_step_fraction``, ``--shared-steps K``: K copies of the largest model
-  stepped together against one a step through the engine, batch 1; ``bench/together.py``).
+  stepped together against one a step through the engine, batch 1; ``bench/together.py``; with
+  ``--serve`` too, through the engine all the same).
 
 With ``--serve`` prefill and decode are timed through the HTTP server instead, as ``computron loadgen``
 times them against ``computron serve``: the engine on its own thread behind the server, the requests
@@ -205,7 +206,9 @@ def run(models: list[str], device: str, batches: list[int], prompts: list[int], 
 
     shared = None
     cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
-    if shared_steps >= 2 and cuda and executor != "legacy" and not serve:  # the path that steps models together
+    # the path that steps models together; through the engine also for a served calibration (the
+    # fraction is of the device's step, which the server does not change)
+    if shared_steps >= 2 and cuda and executor != "legacy":
         try:
             shared = _shared_steps(models, device if device != "auto" else "cuda", shared_steps, repeats)
         except Exception as e:  # noqa: BLE001 -- the rest of the calibration stands without it

@@ -9,7 +9,7 @@ first token of any request to a model other than ``--hot`` (the wait the issue b
 which each (policy, models a step) holds ``--target`` attainment is interpolated between the two
 measured rates around it (runs of one rate on one trace averaged). ``--simulate CAL`` also simulates every run on its own trace with the
 calibration CAL and the server's settings (``computron sim``; written beside the measurement as
-``sim_<policy>.json``, reused when there), in the table and dashed on the chart in the run's colour;
+``sim_<policy>.json``, reused when one of the same calibration and settings is there), in the table and dashed on the chart in the run's colour;
 the ``computron`` policy's runs with ``--simulate-legacy CAL``, a calibration of its executor
 (``bench calibrate --executor legacy``), and not at all without one.
 
@@ -67,7 +67,9 @@ def simulate(r: dict, args) -> dict | None:
     of the default one)."""
     cal = args.simulate_legacy if r["policy"] == "computron" else args.simulate
     out = Path(r["path"]).with_name(f"sim_{r['policy']}.json")
-    if not out.exists():
+    want = {"calibration": str(cal), "models_per_step": r["mps"], "budget": args.budget,
+            "max_loaded": args.max_loaded, "models": args.models}
+    if not out.exists() or {k: json.loads(out.read_text())["settings"].get(k) for k in want} != want:
         if not r["trace"].exists() or cal is None:
             return None
         from computron.cli import main as cli

@@ -23,12 +23,13 @@ TRAIN = dict(model="tiny-opt", seq_len=16, global_batch=8, micro_batch=8)
 
 
 class Proc:
-    def __init__(self, args, stdin=False):
+    def __init__(self, args, stdin=False, sigint=signal.SIG_DFL):
         # Ctrl-C at its default in the child: tests stop it with SIGINT, and a pytest started in the
-        # background (``&``) ignores SIGINT, which its children would inherit
+        # background (``&``) ignores SIGINT, which its children would inherit (``sigint=SIG_IGN``
+        # starts it as a shell starts a background command)
         self.p = subprocess.Popen([sys.executable, "-m", *args], stdin=subprocess.PIPE if stdin else None,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                  preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                                  preexec_fn=lambda: signal.signal(signal.SIGINT, sigint))
         self.lines: list[str] = []
         self._new = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()

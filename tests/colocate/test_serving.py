@@ -140,6 +140,30 @@ def test_colocate_command_starts_both_and_stops_both(tmp_path):
     assert p.p.returncode == 0, p.lines[-30:]
 
 
+def test_colocate_started_in_the_background_stops_both_on_sigterm(tmp_path):
+    """Started as a shell starts a background command (SIGINT ignored, which children inherit), the
+    command is stopped with SIGTERM, and its server and job still hear the Ctrl-C it sends them: they
+    end on their own at once, not killed when its timeout runs out."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    train = " ".join(["--device", "cpu", "--steps", "100000", *[f"--{k.replace('_', '-')}={v}" for k, v in
+                                                                TRAIN.items()]])
+    p = Proc(["computron.cli", "colocate", "--serve", " ".join(serve_args(port)[1:]), "--train", train,
+              "--address", str(tmp_path / "arb.sock")], sigint=signal.SIG_IGN)
+    try:
+        wait_health(url, p.p)
+        p.wait_line("micro-batches")
+        t = time.monotonic()
+        p.p.send_signal(signal.SIGTERM)
+        p.p.wait(60)
+        took = time.monotonic() - t
+    finally:
+        if p.p.poll() is None:
+            p.kill()
+    assert p.p.returncode == 0 and took < 15, (took, p.lines[-10:])  # killing one would take the 20 s timeout
+    p.wait_line("Application shutdown complete")  # the server shut down as Ctrl-C does
+
+
 def test_stopping_signals_every_process_at_once_and_kills_what_ignores_it():
     """``computron colocate`` stops the server and the job together: each gets Ctrl-C at once (the
     server's does not wait for the job's to end), and whatever ignores it is killed when the one

@@ -263,3 +263,22 @@ def test_a_sharded_models_load_is_reported_as_its_slowest_ranks():
     result = ex._step([ExecuteBatch("m", [])])
     assert result.loaded == {"m": 0.25} and result.tokens == {"r": 7}
     assert ex.rank_loads == {"m": {0: 0.10, 1: 0.25}}  # each rank's own, for benches that tell them apart
+
+
+def test_device_0s_worker_which_hosts_the_store_stops_last(alive):
+    """Device 0's worker hosts the process group's store: the others stop first, so none is left with
+    a watchdog polling a store that has gone (NCCL prints a burst of broken-pipe warnings then)."""
+    eng = Engine(EngineConfig(device="cpu", executor="workers", devices=3, gpu_memory_budget=2**24,
+                              workspace_bytes=50_000))
+    ex = eng.executor
+    pids = ex.worker_pids()
+    order = []
+    for d, w in ex._workers.items():
+        stop = w.stop
+
+        def recorded(*a, d=d, stop=stop, **kw):
+            stop(*a, **kw)
+            order.append((d, [dev for dev, pid in pids.items() if alive(pid)]))
+        w.stop = recorded
+    ex.shutdown()
+    assert order == [(2, [0, 1]), (1, [0]), (0, [])]  # each gone when its stop returns, device 0's last

@@ -540,6 +540,8 @@ def main(argv=None) -> int:
     for k, v in JOBS[args.job].items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    if args.profile_job < 0:
+        p.error(f"--profile-job takes a number of steps, or 0 for none; got {args.profile_job}")
     if args.profile_job and args.job != "gpt":
         p.error("--profile-job profiles computron train (--job gpt)")
     phases = args.modes.split(",")

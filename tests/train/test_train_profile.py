@@ -85,6 +85,21 @@ def test_hybrid_profiles_the_job_in_each_run(tmp_path):
     row = json.loads((tmp_path / "hybrid_p.json").read_text())["rows"][0]
     assert row["job_step_ms"] == pytest.approx(1e3 * prof["wall_s_per_step"])
     assert row["job_host_ms_per_step"] == pytest.approx(1e3 * prof["host_self_s"] / 2)
-    bad = subprocess.run([*cmd[:2], "--job", "resnet", "--profile-job", "2", "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "--profile-job profiles computron train" in bad.stderr
+    for flags, why in [(["--job", "resnet", "--profile-job", "2"], "--profile-job profiles computron train"),
+                       (["--profile-job", "-1"], "--profile-job takes a number of steps, or 0 for none")]:
+        bad = subprocess.run([*cmd[:2], *flags, "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 2 and why in bad.stderr, bad.stderr
+
+
+def test_the_command_line_refuses_bad_profile_settings_before_building_anything(tmp_path, capsys):
+    from computron.cli import main
+
+    for flags, why in [(["--profile-steps", "0"], "--profile-steps: must be at least 1, got 0"),
+                       (["--profile-at", "-2"], "--profile-at: must be at least 1, got -2")]:
+        with pytest.raises(SystemExit) as e:
+            main(["train", *flags])
+        assert e.value.code == 2 and why in capsys.readouterr().err
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert main(["train", "--device", "cpu", "--profile", str(blocker / "profiles")]) == 2
+    assert f"--profile {blocker / 'profiles'}: Not a directory" in capsys.readouterr().err

@@ -14,6 +14,7 @@ from dataclasses import fields
 
 
 def add_parser(sub) -> None:
+    from ..bench.common import positive_int
     from .config import TrainConfig
 
     p = sub.add_parser("train", help="train a model (AdamW, gradient accumulation), colocated with serving or not",
@@ -42,8 +43,9 @@ def add_parser(sub) -> None:
     g = p.add_argument_group("profiling (torch.profiler over a window of steps; train/profile.py)")
     g.add_argument("--profile", default=None, metavar="DIR",
                    help="write step profiles here: at --profile-at, and whenever DIR/request appears")
-    g.add_argument("--profile-at", type=int, default=None, metavar="STEP", help="profile from this step (1-based)")
-    g.add_argument("--profile-steps", type=int, default=d.profile_steps, help="steps in a profile window")
+    g.add_argument("--profile-at", type=positive_int, default=None, metavar="STEP",
+                   help="profile from this step (1-based)")
+    g.add_argument("--profile-steps", type=positive_int, default=d.profile_steps, help="steps in a profile window")
     g.add_argument("--profile-trace", action="store_true", help="also write each window's timeline (chrome trace)")
     g = p.add_argument_group("parallelism (one process per rank: --nproc, or torchrun's environment)")
     g.add_argument("--nproc", type=int, default=1, help="processes to start on this machine")
@@ -106,6 +108,12 @@ def run_rank(args) -> int:
     skip = ("device", "dtype", "dims", "partition")
     kw = {k: getattr(args, k) for k in args._fields if hasattr(args, k) and k not in skip}
     rank0 = int(os.environ.get("RANK", "0")) == 0
+    if args.profile:  # before the model is built: a folder it cannot write is said at once
+        try:
+            os.makedirs(args.profile, exist_ok=True)
+        except OSError as e:
+            print(f"error: --profile {args.profile}: {e.strerror}", file=sys.stderr)
+            return 2
     try:
         partition = [int(x) for x in args.partition.split(",")] if args.partition else None
         cfg = TrainConfig(**kw, device=device, dtype=dtype, dims=_dims(args, world),

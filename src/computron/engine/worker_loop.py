@@ -53,6 +53,9 @@ def worker_main(conn, config, device: int, world: int = 1, port: int = 0, steps=
             conn.send(msg)
 
     try:
+        from .. import cuda_sync
+
+        cuda_sync.apply()  # each process's own contexts (the parent checked the value)
         if world > 1:
             import datetime
 

@@ -252,8 +252,13 @@ def serve_main(args) -> int:
 
             if cfg.engine.slo_calibration is not None:
                 calibration(cfg.engine.slo_calibration)
+        from .. import cuda_sync
+
+        waits = cuda_sync.apply()  # before the engine first uses CUDA
+        if cuda_sync.policy() != "auto":
+            log.info("%s", waits)
         _check_port(cfg.server.host, cfg.server.port)  # before building host images, not after
-    except (ValueError, KeyError, FileNotFoundError) as e:
+    except (ValueError, KeyError, FileNotFoundError, RuntimeError) as e:
         print(f"computron serve: {e.args[0] if e.args else e}", file=sys.stderr)
         return 2
     import uvicorn

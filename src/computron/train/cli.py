@@ -99,6 +99,13 @@ def run_rank(args) -> int:
     from .config import TrainConfig
     from .job import Trainer
 
+    from .. import cuda_sync
+
+    try:  # before anything touches CUDA
+        waits = cuda_sync.apply()
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if hasattr(signal, "SIGUSR1") and sys.__stderr__ is not None:
         faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)  # `kill -USR1 PID`: where it waits
     world = max(dist.env_world(), args.nproc)
@@ -108,6 +115,8 @@ def run_rank(args) -> int:
     skip = ("device", "dtype", "dims", "partition")
     kw = {k: getattr(args, k) for k in args._fields if hasattr(args, k) and k not in skip}
     rank0 = int(os.environ.get("RANK", "0")) == 0
+    if rank0 and cuda_sync.policy() != "auto":
+        print(waits, flush=True)
     if args.profile:  # before the model is built: a folder it cannot write is said at once
         try:
             os.makedirs(args.profile, exist_ok=True)

@@ -204,6 +204,7 @@ class Job(Proc):
 
     def __init__(self, cmd: list[str], timeout_s: float = 300.0, profile: Path | None = None):
         self.steps: list[float] = []  # when each step line came
+        self.micro: list[list[int]] = []  # each step's micro-batch sizes, as its line says
         self.profile = profile  # its --profile directory (None: not profiled)
         if profile is not None:
             profile.mkdir(parents=True, exist_ok=True)
@@ -212,6 +213,8 @@ class Job(Proc):
     def line(self, line: str) -> None:
         if re.match(r"step (\d+)/", line):
             self.steps.append(time.monotonic())
+            sizes = re.search(r"micro-batches \[([\d, ]*)\]", line)
+            self.micro.append([int(x) for x in sizes.group(1).split(",") if x.strip()] if sizes else [])
         else:
             super().line(line)
 
@@ -228,8 +231,18 @@ class Job(Proc):
             time.sleep(0.02)
         return time.monotonic() - self.t0
 
-    def samples_per_s(self, t0: float, t1: float, batch: int) -> float:
-        return sum(t0 <= t <= t1 for t in self.steps) * batch / (t1 - t0)
+    def samples_per_s(self, t0: float, t1: float, batch: int, skip: tuple[float, float] | None = None) -> float:
+        """The rate of samples over ``t0``..``t1``, leaving out ``skip`` (a span of it, its steps and
+        its time: the profiled window and the profiler's own work after it)."""
+        if skip is None:
+            return sum(t0 <= t <= t1 for t in self.steps) * batch / (t1 - t0)
+        a, b = max(skip[0], t0), min(skip[1], t1)
+        kept = sum(t0 <= t <= t1 and not a <= t <= b for t in self.steps)
+        return kept * batch / (t1 - t0 - max(0.0, b - a))
+
+    def micro_batches(self, t0: float, t1: float) -> list[int]:
+        """Every micro-batch size of the steps that ended between ``t0`` and ``t1``."""
+        return [m for t, sizes in zip(self.steps, self.micro) if t0 <= t <= t1 for m in sizes]
 
     def stop(self) -> None:
         self.p.terminate()
@@ -330,11 +343,17 @@ def run_phase(args, phase: str, trace, server: Server | None, job: Job | None) -
         profile = take_profile(job, seen, (unix0, unix0 + (t1 - t0)), args.job_timeout)
         if profile is None:
             print(f"{phase}: the job wrote no profile", file=sys.stderr)
+    # the training rate leaves out the profiled window and the profiler's work after it (the job trains
+    # slower under the profiler, and not at all while it collects): on this run's clock
+    skip = None if not profile else (t0 + profile["start_unix"] - unix0,
+                                     t0 + profile["end_unix"] + profile.get("post_s", 0.0) - unix0)
     out = {"mode": phase, "start": t0, "seconds": t1 - t0,
            "requests": [{"model": r.model, "latency": None if not r.ok else r.finish - r.arrival,
                          "ttft": None if not r.ok else r.first_token - r.arrival,
                          "tokens": r.completion_tokens, "error": r.error} for r in records],
-           "train_samples_per_s": job.samples_per_s(t0, t1, args.global_batch) if job else None,
+           "train_samples_per_s": job.samples_per_s(t0, t1, args.global_batch, skip) if job else None,
+           "train_rate_left_out": None if skip is None else [skip[0] - t0, skip[1] - t0],  # from the run's start
+           "train_micro_batches": job.micro_batches(t0, t1) if job else None,
            "handovers": [], "limits": [], "timeline": [], "used": [], "job_profile": profile}
     if server is not None and phase != "inference-alone":
         rep = server.report(t0)
@@ -403,7 +422,8 @@ def phase_row(r: dict, solo: dict[str, float] | None, train_alone: float | None)
                    train_yields=sum(on for _, on in r.get("yields", [])))
     prof = r.get("job_profile")
     if prof and prof["inside_run"]:  # the job's own view of a window of its steps (--profile-job)
-        row.update(job_step_ms=1e3 * prof["wall_s_per_step"], job_host_ms_per_step=1e3 * prof["host_self_s"] / prof["steps"])
+        row.update(job_step_ms=1e3 * prof["wall_s_per_step"], job_host_ms_per_step=1e3 * prof["host_self_s"] / prof["steps"],
+                   job_profile_left_out_s=prof["wall_s"] + prof.get("post_s", 0.0))
         if prof["device_busy_share"] is not None:
             row.update(job_device_busy_share=prof["device_busy_share"],
                        job_kernel_ms_per_step=1e3 * prof["device_kernel_s"] / prof["steps"])

@@ -50,6 +50,7 @@ def test_a_window_at_a_step_and_one_asked_for_by_a_file(tmp_path):
         assert "aten::mm" in names or "aten::addmm" in names, names
         assert d["wall_s"] > 0 and d["wall_s_per_step"] == pytest.approx(d["wall_s"] / d["steps"])
         assert d["end_unix"] - d["start_unix"] == pytest.approx(d["wall_s"], abs=1e-6)  # float seconds since 1970
+        assert 0 < d["post_s"] < 60  # the profiler's own work after the window, timed
         assert d["device_busy_share"] is None and d["device_events"] == 0  # the CPU: no device timeline
         assert sum(h["self_s"] for h in d["top_host"]) <= d["host_self_s"] <= 2 * d["wall_s"]
     mm = {h["name"]: h["calls"] for h in first["top_host"]}
@@ -82,9 +83,12 @@ def test_hybrid_profiles_the_job_in_each_run(tmp_path):
     run = json.loads((tmp_path / "hybrid_p_runs.json").read_text())["runs"]["training-alone"][0]
     prof = run["job_profile"]
     assert prof["steps"] == 2 and prof["inside_run"] and len(prof["top_host"]) == 5
+    a, b = run["train_rate_left_out"]  # the rate's left-out span: the window and the profiler's work after it
+    assert 0 < a < b < run["seconds"] and b - a == pytest.approx(prof["wall_s"] + prof["post_s"], abs=0.05)
     row = json.loads((tmp_path / "hybrid_p.json").read_text())["rows"][0]
     assert row["job_step_ms"] == pytest.approx(1e3 * prof["wall_s_per_step"])
     assert row["job_host_ms_per_step"] == pytest.approx(1e3 * prof["host_self_s"] / 2)
+    assert row["job_profile_left_out_s"] == pytest.approx(prof["wall_s"] + prof["post_s"])
     for flags, why in [(["--job", "resnet", "--profile-job", "2"], "--profile-job profiles computron train"),
                        (["--profile-job", "-1"], "--profile-job takes a number of steps, or 0 for none")]:
         bad = subprocess.run([*cmd[:2], *flags, "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
@@ -103,3 +107,18 @@ def test_the_command_line_refuses_bad_profile_settings_before_building_anything(
     blocker.write_text("")
     assert main(["train", "--device", "cpu", "--profile", str(blocker / "profiles")]) == 2
     assert f"--profile {blocker / 'profiles'}: Not a directory" in capsys.readouterr().err
+
+
+def test_the_training_rate_leaves_out_the_profiled_span():
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from hybrid import Job
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    job = Job.__new__(Job)  # its step times only, no process
+    job.steps = [float(t) for t in range(1, 11)]  # a step ending every second
+    assert job.samples_per_s(0.0, 10.0, 4) == pytest.approx(4.0)
+    # the window and the profiler's work after it: its 3 steps and 3 seconds left out
+    assert job.samples_per_s(0.0, 10.0, 4, (3.5, 6.5)) == pytest.approx(7 * 4 / 7.0)
+    # a span reaching past the run counts only its part inside
+    assert job.samples_per_s(0.0, 10.0, 4, (8.5, 14.0)) == pytest.approx(8 * 4 / 8.5)

@@ -17,7 +17,10 @@ profiles the same job alone and beside a server, mid-run. Each window writes
 - ``top_device``: the kernels taking the most device time; ``top_host``: the host-side operators
   taking the most self time (both with counts);
 - with ``--profile-trace``, ``trace_<rank>_<k>.json``, the window's timeline for chrome://tracing
-  or Perfetto.
+  or Perfetto;
+- ``post_s``: the seconds the profiler's own work took after the window (collecting and summarising
+  its events, on the training thread: the job trains none of that time; several seconds for a GPU
+  job's window of thousands of kernels).
 
 The request file is looked at between steps (one ``stat`` a step); nothing is profiled otherwise.
 """
@@ -135,19 +138,23 @@ class StepProfiler:
             import torch
 
             torch.cuda.synchronize()
-        wall = time.perf_counter() - self._t0
+        end = time.perf_counter()
+        wall = end - self._t0
         prof, self._prof = self._prof, None
         prof.__exit__(None, None, None)
         k = self.windows
         self.windows += 1
         out = summarize(prof, self._n, wall)
-        out.update(rank=self.rank, window=k, last_step=step, start_unix=self._unix0, end_unix=self._unix0 + wall)
+        if self.trace:
+            prof.export_chrome_trace(str(self.dir / f"trace_{self.rank}_{k}.json"))
+        # the profiler's own work after the window (seconds of it, on this thread, for a GPU's
+        # thousands of kernels): the job trains none of that time, which a rate taken over a run must leave out
+        out.update(rank=self.rank, window=k, last_step=step, start_unix=self._unix0, end_unix=self._unix0 + wall,
+                   post_s=time.perf_counter() - end)
         path = self.dir / f"profile_{self.rank}_{k}.json"
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(out, indent=1))
         os.replace(tmp, path)  # whole or absent for a reader polling the folder
-        if self.trace:
-            prof.export_chrome_trace(str(self.dir / f"trace_{self.rank}_{k}.json"))
         busy = f", device busy {out['device_busy_share']:.0%}" if out["device_busy_share"] is not None else ""
         self.log(f"profile: steps {step - self._n + 1}-{step}, {wall / self._n * 1e3:.1f} ms a step{busy} -> {path}")
 

@@ -59,8 +59,8 @@ def profile_step(tr, device: str, trace: str | None = None) -> dict:
     nccl = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" in e.name.lower()]
     compute = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower()]
     families: dict[str, list[float]] = {}
-    for e in kernels:
-        if "nccl" in e.name.lower():
+    for e in kernels:  # kernels only (the GPU timeline also carries annotations such as nccl:all_reduce)
+        if e.name.startswith(("ncclDevKernel_", "ncclKernel_")):
             families.setdefault(_family(e.name), []).append(e.time_range.end - e.time_range.start)
     launches = sum(e.cpu_time_total for e in events if e.name in ("cudaLaunchKernel", "cudaLaunchKernelExC",
                                                                   "cuLaunchKernel", "cudaMemcpyAsync"))

@@ -122,3 +122,26 @@ def test_the_training_rate_leaves_out_the_profiled_span():
     assert job.samples_per_s(0.0, 10.0, 4, (3.5, 6.5)) == pytest.approx(7 * 4 / 7.0)
     # a span reaching past the run counts only its part inside
     assert job.samples_per_s(0.0, 10.0, 4, (8.5, 14.0)) == pytest.approx(8 * 4 / 8.5)
+
+
+def test_bench_train_profile_on_two_ranks_writes_each_ranks_timeline(tmp_path):
+    out, traces = tmp_path / "p.json", tmp_path / "traces"
+    cmd = [sys.executable, str(ROOT / "bench" / "train_profile.py"), "--device", "cpu", "--config",
+           "tiny-opt:2:8:64@pp=2", "--warmup", "1", "--trace", str(traces), "--out", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    ranks = json.loads(out.read_text())["runs"][0]["ranks"]
+    assert len(ranks) == 2 and all(r["nccl_kernels"] == {} and r["compute_busy_s"] == 0.0 for r in ranks)  # gloo, no GPU
+    names = sorted(f.name for f in traces.iterdir())
+    assert names == [f"tiny-opt_mbs=2_gb=8_s=64_tp1_pp2_dp1_rank{r}.json.gz" for r in (0, 1)]
+    import gzip
+    for n in names:  # Chrome trace format: the step's host operators, the stage's send or receive among them
+        ev = json.load(gzip.open(traces / n))["traceEvents"]
+        assert any(e.get("name") in ("c10d::send", "c10d::recv_") for e in ev)
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from train_profile import _family
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    assert [_family(n) for n in ("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)",
+                                 "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(x)")] == ["SendRecv", "AllReduce"]

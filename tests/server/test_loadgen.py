@@ -49,3 +49,28 @@ def test_loadgen_refuses_an_unreachable_server_at_once(tmp_path, capsys):
     assert main(["loadgen", "--url", f"http://127.0.0.1:{port}", "--models", "a", "--rate", "2", "--duration", "1",
                  "--out", str(out)]) == 2
     assert f"no server answers at http://127.0.0.1:{port}" in capsys.readouterr().err and not out.exists()
+
+
+def test_a_replay_sends_with_the_client_it_is_given_and_leaves_it_open(live):
+    import asyncio
+
+    import httpx
+
+    from computron.workload.loadgen import replay
+
+    ports = []
+
+    async def seen(resp):  # the local port of the connection each response came on
+        ports.append(resp.extensions["network_stream"].get_extra_info("client_addr")[1])
+
+    async def twice():
+        async with httpx.AsyncClient(event_hooks={"response": [seen]}) as client:
+            trace = [Request(0.0, "tiny-opt", 4, 2)]
+            first = await replay(live.url, trace, client=client)
+            second = await replay(live.url, trace, client=client)
+            return first + second, client.is_closed
+
+    recs, closed = asyncio.run(twice())
+    assert [r.error for r in recs] == [None, None] and [r.completion_tokens for r in recs] == [2, 2]
+    assert not closed  # the caller's to close
+    assert len(ports) == 2 and ports[0] == ports[1]  # the second replay reused the first one's connection

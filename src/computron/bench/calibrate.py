@@ -138,21 +138,31 @@ class _Served:
         self.ae.shutdown()
 
 
+_CLIENT: list = []  # in the client process: its event loop and HTTP client, kept across replays
+
+
 def _replay(url: str, reqs: list[tuple[float, str, int, int]]) -> list[tuple[float, float, float]]:
     """In the client process: loadgen's replay of ``reqs`` (time, model, prompt tokens, new tokens)
-    against ``url``; (sent, first token, end) of each, in seconds from the replay's start."""
+    against ``url``; (sent, first token, end) of each, in seconds from the replay's start. One client
+    serves every replay of the process, its connections kept alive between them as in one long
+    loadgen run (a client made per replay put its connection's set-up into each lone request's time
+    to first token)."""
     import asyncio
 
     import httpx
 
-    from ..workload.loadgen import replay
+    from ..workload.loadgen import async_client, replay
     from ..workload.trace import Request
 
-    for _ in range(3000):  # the server answers 503 until its start-up is done
-        if httpx.get(f"{url}/health", timeout=10).status_code == 200:
-            break
-        time.sleep(0.01)
-    recs = asyncio.run(replay(url, [Request(*r) for r in reqs]))
+    if not _CLIENT:
+        for _ in range(3000):  # the server answers 503 until its start-up is done
+            if httpx.get(f"{url}/health", timeout=10).status_code == 200:
+                break
+            time.sleep(0.01)
+        loop = asyncio.new_event_loop()
+        _CLIENT.extend([loop, async_client()])
+    loop, client = _CLIENT
+    recs = loop.run_until_complete(replay(url, [Request(*r) for r in reqs], client=client))
     bad = [r.error for r in recs if not r.ok]
     if bad:
         raise RuntimeError(f"a calibration request failed: {bad[0]}")

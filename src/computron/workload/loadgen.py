@@ -18,6 +18,7 @@ per model and the SLO-attainment curve come out. Imports no torch.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 import time
@@ -64,12 +65,12 @@ async def _one(client, url: str, headers: dict, rec: LoadRecord, t0: float) -> N
                     pass
                 rec.error = f"HTTP {resp.status_code}: {text[:300]}"
                 return
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: "):
+            async for line in resp.aiter_lines():  # read to its end: a response read whole leaves its
+                if not line.startswith("data: "):    # connection to the next request
                     continue
                 data = line[6:]
                 if data == "[DONE]":
-                    break
+                    continue
                 msg = json.loads(data)
                 if "error" in msg:
                     rec.error = f"stream error: {msg['error'].get('message', msg['error'])}"
@@ -86,16 +87,25 @@ async def _one(client, url: str, headers: dict, rec: LoadRecord, t0: float) -> N
         rec.error = f"{type(e).__name__}: {e}"
 
 
-async def replay(url: str, trace, api_key: str | None = None, timeout: float = 600.0,
-                 on_done=None) -> list[LoadRecord]:
-    """Send every request of ``trace`` at its time; return one record per request, in trace order."""
+def async_client(timeout: float = 600.0):
+    """The HTTP client a replay sends with: no cap on connections, up to 256 kept alive."""
     import httpx
 
+    return httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30.0),
+                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+
+
+async def replay(url: str, trace, api_key: str | None = None, timeout: float = 600.0,
+                 on_done=None, client=None) -> list[LoadRecord]:
+    """Send every request of ``trace`` at its time; return one record per request, in trace order.
+    ``client``: an open ``async_client()`` to send with (its connections kept alive from earlier
+    replays, and left open); default: one of its own for this replay."""
     url = url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     records = [LoadRecord(i, a.model, a.time, a.prompt_tokens, a.output_tokens) for i, a in enumerate(trace)]
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30.0), limits=limits) as client:
+    async with contextlib.AsyncExitStack() as stack:
+        if client is None:
+            client = await stack.enter_async_context(async_client(timeout))
         t0 = time.perf_counter()
 
         async def fire(rec: LoadRecord) -> None:

@@ -74,3 +74,20 @@ def test_a_replay_sends_with_the_client_it_is_given_and_leaves_it_open(live):
     assert [r.error for r in recs] == [None, None] and [r.completion_tokens for r in recs] == [2, 2]
     assert not closed  # the caller's to close
     assert len(ports) == 2 and ports[0] == ports[1]  # the second replay reused the first one's connection
+
+
+def test_the_served_calibration_replays_through_one_client(live):
+    from computron.bench import calibrate
+
+    try:
+        a = calibrate._replay(live.url, [(0.0, "tiny-opt", 4, 2)])
+        loop, client = calibrate._CLIENT
+        b = calibrate._replay(live.url, [(0.0, "tiny-opt", 4, 2), (0.01, "tiny-opt", 4, 2)])
+        assert calibrate._CLIENT == [loop, client] and not client.is_closed  # the same client, still open
+        for sent, first, end in a + b:
+            assert 0 <= sent < first <= end
+    finally:
+        loop, client = calibrate._CLIENT
+        loop.run_until_complete(client.aclose())
+        loop.close()
+        calibrate._CLIENT.clear()

@@ -354,6 +354,7 @@ def run_phase(args, phase: str, trace, server: Server | None, job: Job | None) -
            "train_samples_per_s": job.samples_per_s(t0, t1, args.global_batch, skip) if job else None,
            "train_rate_left_out": None if skip is None else [skip[0] - t0, skip[1] - t0],  # from the run's start
            "train_micro_batches": job.micro_batches(t0, t1) if job else None,
+           "train_step_ends": [t - t0 for t in job.steps if t0 <= t <= t1] if job else None,  # from the run's start
            "handovers": [], "limits": [], "timeline": [], "used": [], "job_profile": profile}
     if server is not None and phase != "inference-alone":
         rep = server.report(t0)

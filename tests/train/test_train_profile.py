@@ -85,6 +85,8 @@ def test_hybrid_profiles_the_job_in_each_run(tmp_path):
     assert prof["steps"] == 2 and prof["inside_run"] and len(prof["top_host"]) == 5
     a, b = run["train_rate_left_out"]  # the rate's left-out span: the window and the profiler's work after it
     assert 0 < a < b < run["seconds"] and b - a == pytest.approx(prof["wall_s"] + prof["post_s"], abs=0.05)
+    kept = [t for t in run["train_step_ends"] if not a <= t <= b]  # the rate: steps outside it over the time outside it
+    assert kept and run["train_samples_per_s"] == pytest.approx(len(kept) * 4 / (run["seconds"] - (b - a)))
     row = json.loads((tmp_path / "hybrid_p.json").read_text())["rows"][0]
     assert row["job_step_ms"] == pytest.approx(1e3 * prof["wall_s_per_step"])
     assert row["job_host_ms_per_step"] == pytest.approx(1e3 * prof["host_self_s"] / 2)

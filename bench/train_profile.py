@@ -153,7 +153,9 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    res = {"machine": machine(), "settings": vars(args), "runs": []}
+    from computron.train.dist import PIN_RANKS
+
+    res = {"machine": machine(), "settings": vars(args), "pin_ranks": os.environ.get(PIN_RANKS) == "1", "runs": []}
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.cuda_graphs]
     for label, graphs in ((c, g) for c in args.config for g in modes):
         if args.trace:

@@ -184,3 +184,31 @@ def test_the_last_stage_emits_contiguous_padded_logits_and_the_loss_ignores_the_
     want = torch.nn.functional.cross_entropy(logits[..., :500].flatten(0, 1).double(), targets.flatten(),
                                              reduction="sum") / (BASE.global_batch * BASE.seq_len)
     assert tr._loss(logits, targets).item() == pytest.approx(want.item(), rel=1e-5)
+
+
+def _affinity(path):
+    import os
+
+    with open(f"{path}/cpus{os.environ['RANK']}.json", "w") as f:
+        json.dump({"cpus": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads()}, f)
+    return 0
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "sched_setaffinity"), reason="CPU affinity is Linux's")
+def test_pinned_ranks_take_disjoint_slices_of_the_cpus(tmp_path, monkeypatch):
+    import os
+
+    from computron.train.dist import PIN_RANKS, rank_cpus
+
+    assert rank_cpus([0, 1, 2, 3, 4], 1, 2) == [2, 3] and rank_cpus([5, 7], 1, 4) == [5, 7]
+    monkeypatch.setenv(PIN_RANKS, "1")
+    spawn(2, _affinity, str(tmp_path))
+    got = [json.loads((tmp_path / f"cpus{r}.json").read_text()) for r in (0, 1)]
+    mine = sorted(os.sched_getaffinity(0))
+    for r, g in enumerate(got):
+        assert g["cpus"] == rank_cpus(mine, r, 2) and g["threads"] == len(g["cpus"])
+    if len(mine) >= 2:
+        assert not set(got[0]["cpus"]) & set(got[1]["cpus"])  # no core shared
+    monkeypatch.delenv(PIN_RANKS)
+    spawn(2, _affinity, str(tmp_path))  # unset: every rank may run anywhere
+    assert all(json.loads((tmp_path / f"cpus{r}.json").read_text())["cpus"] == mine for r in (0, 1))

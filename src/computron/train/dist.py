@@ -114,10 +114,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+PIN_RANKS = "COMPUTRON_PIN_RANKS"  # "1": each spawned rank on its own slice of the CPUs
+
+
+def rank_cpus(cpus: list[int], local_rank: int, nproc: int) -> list[int]:
+    """The CPUs rank ``local_rank`` of ``nproc`` takes under ``$COMPUTRON_PIN_RANKS=1``: its equal,
+    contiguous slice of ``cpus`` (all of them, shared, when there are fewer CPUs than ranks)."""
+    per = len(cpus) // nproc
+    return cpus[local_rank * per:(local_rank + 1) * per] if per else list(cpus)
+
+
 def _entry(local_rank: int, nproc: int, port: int, fn, args) -> None:
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nproc),
                       LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
+    threads = max(1, (os.cpu_count() or 1) // nproc)
+    if os.environ.get(PIN_RANKS) == "1" and hasattr(os, "sched_setaffinity"):
+        # no rank's host thread shares a core with another rank's (a straggling host holds every
+        # collective of a tensor-parallel step; bench/results/train_profile_pipes/README.md)
+        mine = rank_cpus(sorted(os.sched_getaffinity(0)), local_rank, nproc)
+        os.sched_setaffinity(0, mine)
+        threads = len(mine)
+    torch.set_num_threads(threads)
     code = fn(*args)
     if code:
         raise SystemExit(code)

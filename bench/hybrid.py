@@ -60,7 +60,7 @@ import numpy as np
 
 from computron.colocate.arbiter import MODES
 from computron.server.background import free_port
-from computron.workload.loadgen import replay
+from computron.workload.loadgen import replay, server_counters
 from computron.workload.make import make_workload
 
 GB = 1 << 30
@@ -333,6 +333,7 @@ def run_phase(args, phase: str, trace, server: Server | None, job: Job | None) -
         seen = {p.name for p in job.profile.glob("profile_*.json")}
         timer = ask_profile(job, args.duration / 3)  # a window mid-run, where the trace is under way
     t0, unix0 = time.monotonic(), time.time()
+    swaps0 = server_counters(server.url) if server is not None else {}
     records = asyncio.run(replay(server.url, trace, timeout=args.request_timeout)) if server is not None else []
     while time.monotonic() - t0 < args.duration:
         time.sleep(0.05)
@@ -355,6 +356,8 @@ def run_phase(args, phase: str, trace, server: Server | None, job: Job | None) -
            "train_rate_left_out": None if skip is None else [skip[0] - t0, skip[1] - t0],  # from the run's start
            "train_micro_batches": job.micro_batches(t0, t1) if job else None,
            "train_step_ends": [t - t0 for t in job.steps if t0 <= t <= t1] if job else None,  # from the run's start
+           # the server's swap-ins during the run (and their bytes and seconds), from its /metrics
+           "server_swaps": {k: v - swaps0.get(k, 0.0) for k, v in server_counters(server.url).items()} if server else None,
            "handovers": [], "limits": [], "timeline": [], "used": [], "job_profile": profile}
     if server is not None and phase != "inference-alone":
         rep = server.report(t0)

@@ -33,12 +33,18 @@ def test_one_command_runs_every_phase_against_the_real_server(tmp_path):
     assert set(out["solo_latency_by_model_s"]) == {"a", "b"}  # the trace asks both served copies
     runs = json.loads((tmp_path / "hybrid_t_runs.json").read_text())["runs"]
     n = out["requests"]
+    per_swap = set()
     for mode, row in rows.items():  # every request of the trace answered, in every phase with inference
         assert row["repeats"] == 1 and row["failures"] == 0, (mode, row)
         if mode != "training-alone":
             reqs = runs[mode][0]["requests"]
             assert len(reqs) == n and all(q["tokens"] == 4 and q["error"] is None for q in reqs), (mode, reqs)
+            # the server's swap-ins during this run: each run starts with both copies off the device
+            sw = runs[mode][0]["server_swaps"]
+            assert sw["computron_model_swaps_total"] >= 2, (mode, sw)
+            per_swap.add(sw["computron_model_swap_bytes_total"] / sw["computron_model_swaps_total"])
             assert 0 < row["p50_s"] <= row["p99_s"] and set(row["slo"]) == {str(k) for k in range(1, 9)}
+    assert len(per_swap) == 1 and per_swap.pop() > 0  # one tiny-opt copy's bytes a swap, in every run
     assert rows["inference-alone"]["slo"]["8"] == 1.0  # within 8 x its model's median latency, alone
     for mode, row in rows.items():  # every request of the phase's repeats pooled, at 5 x solo
         if mode != "training-alone":

@@ -13,11 +13,8 @@
 #    the trace's start); the legacy calibration also times the first (pageable) swap-in and the
 #    eviction that allocates page-locked host memory (bench/results/sim_validate_h100/README.md).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site; fi
-export PYTHONPATH=src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+source "$(dirname "$0")/gpu_env.sh"
 OUT=${OUT:-bench/results}
-C="python3 -m computron.cli"
 PORT=${PORT:-8100}  # the server's port (another for each run side by side on one machine)
 WHICH=${1:-all}
 TRACE="$OUT/validate_trace.jsonl"

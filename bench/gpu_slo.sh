@@ -14,12 +14,9 @@
 # MPS (default 1): the engine's models_per_step, the decode batches of different models one step runs
 # together on the GPU. POLICIES (default "default slo"): the policies run at each rate.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-if [ -d .whl ] && ! python3 -c "import fastapi" 2>/dev/null; then python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site; fi
-export PYTHONPATH=src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+source "$(dirname "$0")/gpu_env.sh"
 OUT=${OUT:-bench/results/preempt_gpu}
 mkdir -p "$OUT"
-C="python3 -m computron.cli"
 PORT=${PORT:-8101}  # the server's port (another for each run side by side on one machine)
 SHAPE=${SHAPE:-opt-1.3b}
 NAMES=(hot c1 c2 c3 c4 c5)

@@ -2,9 +2,7 @@
 # On the lent GPU machine: GPU tests, then `bench swap` on OPT-1.3B, OPT-13B and Llama-3-8B.
 # Results land in $OUT (or bench/results when OUT is unset).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site; fi
-export PYTHONPATH=src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+source "$(dirname "$0")/gpu_env.sh"
 OUT=${OUT:-bench/results}
 nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv
 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu 2>&1 | tail -15

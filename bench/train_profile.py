@@ -25,16 +25,6 @@ import time
 TOP = 12
 
 
-def _busy(intervals: list[tuple[float, float]]) -> float:
-    """Length of the union of ``intervals`` (microseconds)."""
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(intervals):
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total
-
-
 def _family(name: str) -> str:
     """An NCCL kernel's family without its type and algorithm suffixes (``ncclDevKernel_SendRecv``,
     ``ncclDevKernel_AllReduce_Sum_bf16_RING_LL`` -> ``AllReduce``)."""
@@ -47,6 +37,8 @@ def profile_step(tr, device: str, trace: str | None = None) -> dict:
     timeline, written there (Chrome trace format, gzipped)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
+
+    from computron.train.profile import union_s
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
     with profile(activities=acts) as prof:
@@ -79,8 +71,8 @@ def profile_step(tr, device: str, trace: str | None = None) -> dict:
         with open(trace, "rb") as f, gzip.open(trace + ".gz", "wb") as g:
             shutil.copyfileobj(f, g)
         os.remove(trace)
-    return {"step_s": rec["time_s"], "kernels": len(kernels), "gpu_busy_s": _busy(spans) / 1e6,
-            "nccl_busy_s": _busy(nccl) / 1e6, "compute_busy_s": _busy(compute) / 1e6,
+    return {"step_s": rec["time_s"], "kernels": len(kernels), "gpu_busy_s": union_s(spans),
+            "nccl_busy_s": union_s(nccl), "compute_busy_s": union_s(compute),
             "nccl_kernels": {k: {"calls": len(v), "device_ms": sum(v) / 1e3, "p50_us": sorted(v)[len(v) // 2]}
                              for k, v in sorted(families.items())}, "launch_cpu_s": launches / 1e6,
             "top_device": top("self_device_time_total"), "top_cpu": top("self_cpu_time_total")}

@@ -14,15 +14,15 @@ import pytest
 
 from computron.train.config import TrainConfig
 from computron.train.job import Trainer
-from computron.train.profile import REQUEST, StepProfiler, _union_s
+from computron.train.profile import REQUEST, StepProfiler, union_s
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_union_of_device_intervals():
     # microseconds: [0, 10] and [5, 20] overlap, [30, 31] apart, [12, 18] inside
-    assert _union_s([(5, 20), (0, 10), (30, 31), (12, 18)]) == pytest.approx(21e-6)
-    assert _union_s([]) == 0.0
+    assert union_s([(5, 20), (0, 10), (30, 31), (12, 18)]) == pytest.approx(21e-6)
+    assert union_s([]) == 0.0
 
 
 def test_a_window_at_a_step_and_one_asked_for_by_a_file(tmp_path):

@@ -35,7 +35,7 @@ from pathlib import Path
 REQUEST = "request"
 
 
-def _union_s(intervals: list[tuple[float, float]]) -> float:
+def union_s(intervals: list[tuple[float, float]]) -> float:
     """Seconds covered by (start, end) intervals in microseconds."""
     total, end = 0.0, -1.0
     for a, b in sorted(intervals):
@@ -59,7 +59,7 @@ def summarize(prof, steps: int, wall_s: float, top: int = 15) -> dict:
             h[0] += 1
             h[1] += e.self_cpu_time_total / 1e6
     intervals = [(e.time_range.start, e.time_range.end) for e in device]
-    busy = _union_s(intervals)
+    busy = union_s(intervals)
     kernels: dict[str, list] = {}
     for e in device:
         k = kernels.setdefault(e.name, [0, 0.0])

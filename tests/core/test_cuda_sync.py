@@ -39,3 +39,11 @@ def test_serve_refuses_a_bad_value():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert "$COMPUTRON_CUDA_SYNC='fast': expected one of" in out.stderr
+
+
+def test_train_with_several_ranks_refuses_a_bad_value_once(capsys, monkeypatch):
+    from computron.cli import main
+
+    monkeypatch.setenv("COMPUTRON_CUDA_SYNC", "fast")
+    assert main(["train", "--model", "tiny-opt", "--steps", "1", "--device", "cpu", "--nproc", "2", "--dp", "2"]) == 2
+    assert capsys.readouterr().err.count("$COMPUTRON_CUDA_SYNC='fast'") == 1

@@ -212,3 +212,12 @@ def test_pinned_ranks_take_disjoint_slices_of_the_cpus(tmp_path, monkeypatch):
     monkeypatch.delenv(PIN_RANKS)
     spawn(2, _affinity, str(tmp_path))  # unset: every rank may run anywhere
     assert all(json.loads((tmp_path / f"cpus{r}.json").read_text())["cpus"] == mine for r in (0, 1))
+
+
+def test_a_bad_pin_setting_is_refused_before_any_rank_starts(monkeypatch, capsys):
+    from computron.cli import main
+    from computron.train.dist import PIN_RANKS
+
+    monkeypatch.setenv(PIN_RANKS, "yes")
+    assert main(["train", "--model", "tiny-opt", "--steps", "1", "--device", "cpu", "--nproc", "2", "--dp", "2"]) == 2
+    assert "$COMPUTRON_PIN_RANKS must be 1 (pin each rank to its own CPUs) or 0, got 'yes'" in capsys.readouterr().err

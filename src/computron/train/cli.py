@@ -74,16 +74,21 @@ def _dims(args, world: int) -> dict:
 
 
 def run(args) -> int:
+    from .. import cuda_sync
     from .dist import RankFailed, env_world, spawn
 
     if args.nproc > 1 and env_world() == 1:
         try:
             _dims(args, args.nproc)
+            cuda_sync.policy()  # a bad value said once, not by every rank
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         try:
             spawn(args.nproc, run_rank, args)
+        except ValueError as e:  # the environment's settings for the ranks ($COMPUTRON_PIN_RANKS)
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         except RankFailed as e:
             print(f"error: {e}", file=sys.stderr)
             return 1

@@ -155,6 +155,9 @@ def spawn(nproc: int, fn, *args) -> None:
     raises, exits non-zero or dies ends the others and raises :class:`RankFailed` naming it."""
     import torch.multiprocessing as mp
 
+    if os.environ.get(PIN_RANKS, "0") not in ("0", "1"):
+        raise ValueError(f"${PIN_RANKS} must be 1 (pin each rank to its own CPUs) or 0, "
+                         f"got {os.environ[PIN_RANKS]!r}")
     try:
         mp.start_processes(_entry, args=(nproc, free_port(), fn, args), nprocs=nproc, join=True, start_method="spawn")
     except mp.ProcessRaisedException as e:

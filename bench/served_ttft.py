@@ -44,14 +44,15 @@ def _kept(url: str, model: str, prompt: int, n: int) -> list[float]:
 
 
 def main(argv=None) -> int:
+    from computron.bench.common import machine, positive_int, write_json
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="tiny-opt")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--prompt", type=int, default=128, help="prompt tokens")
-    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--prompt", type=positive_int, default=128, help="prompt tokens")
+    ap.add_argument("--repeats", type=positive_int, default=20)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    from computron.bench.common import machine, write_json
     from computron.config import ComputronConfig, EngineConfig, ServerConfig
     from computron.engine import AsyncEngine, Engine, SamplingParams
     from computron.server.app import create_app

@@ -91,3 +91,23 @@ def test_the_served_calibration_replays_through_one_client(live):
         loop.run_until_complete(client.aclose())
         loop.close()
         calibrate._CLIENT.clear()
+
+
+def test_bench_served_ttft_times_all_three_paths(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "t.json"
+    cmd = [sys.executable, str(root / "bench" / "served_ttft.py"), "--prompt", "16", "--repeats", "3", "--out", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(root / "src")})
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert {k: len(v) for k, v in res["samples_s"].items()} == {"engine": 3, "served_kept": 3, "served_fresh": 3}
+    assert all(0 < t < 5 for v in res["samples_s"].values() for t in v)
+    # through the server takes longer than the engine alone (HTTP, the engine thread, the client)
+    assert res["median_s"]["served_kept"] > res["median_s"]["engine"]
+    bad = subprocess.run([*cmd[:2], "--repeats", "0"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--repeats: must be at least 1, got 0" in bad.stderr

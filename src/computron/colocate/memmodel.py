@@ -4,7 +4,7 @@ Pure (no torch). Training's peak in a micro-batch of ``m`` samples is close to a
 part (weights, gradients, optimizer state, the gradient buffer of the micro-batch) plus
 activations per sample. The trainer records the measured peak of each micro-batch; the model
 fits ``peak(m) = fixed + per_sample * m`` by least squares over the recorded points, adds a
-margin (the largest under-prediction seen, and a relative one), and answers the question the
+margin (the largest under-prediction seen, and a relative one on the activations), and answers the question the
 arbiter asks: the largest micro-batch whose peak fits a limit. Before two distinct sizes have
 been measured it answers from a prior (an estimate from the model's shape) scaled to the
 measurement it has.
@@ -14,6 +14,13 @@ keeps the largest seen per size, so two sizes close together can fit a slope of 
 then looks as large as the largest: a limit the job could run in at a smaller size paused it for
 good. Activations do grow with the micro-batch; a size measured after that shows its own peak, and
 the margin (the largest under-prediction seen) takes in any that the floor made optimistic.
+
+The relative margin covers the activations (``per_sample * m``), not the whole peak: the fixed part
+is weights, gradients and optimizer state, the same bytes at every size, and what the fit gets wrong
+there shows up as an under-prediction at a measured size. A margin on the whole peak (800 MiB of a
+GPT-2-medium job's 16 GiB) put the job's usual micro-batch of 16 on a knife's edge in the hybrid
+bench: the same 16.41 GiB limit kept it at 16 on one lease and cut it to 11 on the next, a third of
+its throughput gone (bench/results/hybrid_h200_s34/README.md).
 """
 
 from __future__ import annotations
@@ -52,9 +59,8 @@ class MemoryModel:
     def predict(self, micro_batch: int) -> int:
         """Peak bytes of a micro-batch of that size, margin included."""
         fixed, per = self.coefficients()
-        fit = fixed + per * micro_batch
         under = max((p - (fixed + per * m) for m, p in self.points.items()), default=0.0)
-        return int(fit * (1 + self.rel_margin) + max(0.0, under))
+        return int(fixed + per * micro_batch * (1 + self.rel_margin) + max(0.0, under))
 
     def largest(self, limit: int, most: int) -> int:
         """The largest micro-batch in 1..``most`` predicted to fit ``limit`` bytes; 0 if none does."""

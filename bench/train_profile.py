@@ -145,9 +145,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    from computron.train.dist import PIN_RANKS
-
-    res = {"machine": machine(), "settings": vars(args), "pin_ranks": os.environ.get(PIN_RANKS) == "1", "runs": []}
+    res = {"machine": machine(), "settings": vars(args), "runs": []}
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.cuda_graphs]
     for label, graphs in ((c, g) for c in args.config for g in modes):
         if args.trace:

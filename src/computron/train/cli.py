@@ -86,9 +86,6 @@ def run(args) -> int:
             return 2
         try:
             spawn(args.nproc, run_rank, args)
-        except ValueError as e:  # the environment's settings for the ranks ($COMPUTRON_PIN_RANKS)
-            print(f"error: {e}", file=sys.stderr)
-            return 2
         except RankFailed as e:
             print(f"error: {e}", file=sys.stderr)
             return 1

@@ -114,27 +114,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-PIN_RANKS = "COMPUTRON_PIN_RANKS"  # "1": each spawned rank on its own slice of the CPUs
-
-
-def rank_cpus(cpus: list[int], local_rank: int, nproc: int) -> list[int]:
-    """The CPUs rank ``local_rank`` of ``nproc`` takes under ``$COMPUTRON_PIN_RANKS=1``: its equal,
-    contiguous slice of ``cpus`` (all of them, shared, when there are fewer CPUs than ranks)."""
-    per = len(cpus) // nproc
-    return cpus[local_rank * per:(local_rank + 1) * per] if per else list(cpus)
-
-
 def _entry(local_rank: int, nproc: int, port: int, fn, args) -> None:
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nproc),
                       LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    threads = max(1, (os.cpu_count() or 1) // nproc)
-    if os.environ.get(PIN_RANKS) == "1" and hasattr(os, "sched_setaffinity"):
-        # no rank's host thread shares a core with another rank's (a straggling host holds every
-        # collective of a tensor-parallel step; bench/results/train_profile_pipes/README.md)
-        mine = rank_cpus(sorted(os.sched_getaffinity(0)), local_rank, nproc)
-        os.sched_setaffinity(0, mine)
-        threads = len(mine)
-    torch.set_num_threads(threads)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
     code = fn(*args)
     if code:
         raise SystemExit(code)
@@ -155,9 +138,6 @@ def spawn(nproc: int, fn, *args) -> None:
     raises, exits non-zero or dies ends the others and raises :class:`RankFailed` naming it."""
     import torch.multiprocessing as mp
 
-    if os.environ.get(PIN_RANKS, "0") not in ("0", "1"):
-        raise ValueError(f"${PIN_RANKS} must be 1 (pin each rank to its own CPUs) or 0, "
-                         f"got {os.environ[PIN_RANKS]!r}")
     try:
         mp.start_processes(_entry, args=(nproc, free_port(), fn, args), nprocs=nproc, join=True, start_method="spawn")
     except mp.ProcessRaisedException as e:

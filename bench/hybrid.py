@@ -160,19 +160,30 @@ def serve_command(args, port: int, addr: str) -> list[str]:
     return cmd + shlex.split(args.serve_args)
 
 
-def _env() -> dict:
+def _env(extra: dict[str, str] | None = None) -> dict:
     path = os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))
-    return {**os.environ, "PYTHONPATH": path}
+    return {**os.environ, "PYTHONPATH": path, **(extra or {})}
+
+
+def env_pairs(pairs: list[str]) -> dict[str, str]:
+    """``KEY=VALUE`` strings as a dict (``--colocated-job-env``); a string without ``=`` is an error."""
+    out = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq or not key:
+            raise ValueError(f"--colocated-job-env takes KEY=VALUE, got {pair!r}")
+        out[key] = value
+    return out
 
 
 class Proc:
     """A child process whose output is read as it comes (kept for when it fails)."""
 
-    def __init__(self, cmd: list[str], timeout_s: float, name: str):
+    def __init__(self, cmd: list[str], timeout_s: float, name: str, env: dict[str, str] | None = None):
         self.timeout_s, self.name = timeout_s, name  # for its start-up, or settling into a new run
         self.t0 = time.monotonic()
         self.p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                  env=_env())
+                                  env=_env(env))
         self.last_lines = collections.deque(maxlen=120)  # what it said last, shown if it never gets going
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -202,13 +213,14 @@ class Proc:
 class Job(Proc):
     """The training job's process; its step lines are timed as they come."""
 
-    def __init__(self, cmd: list[str], timeout_s: float = 300.0, profile: Path | None = None):
+    def __init__(self, cmd: list[str], timeout_s: float = 300.0, profile: Path | None = None,
+                 env: dict[str, str] | None = None):
         self.steps: list[float] = []  # when each step line came
         self.micro: list[list[int]] = []  # each step's micro-batch sizes, as its line says
         self.profile = profile  # its --profile directory (None: not profiled)
         if profile is not None:
             profile.mkdir(parents=True, exist_ok=True)
-        super().__init__(cmd, timeout_s, "trainer")
+        super().__init__(cmd, timeout_s, "trainer", env)
 
     def line(self, line: str) -> None:
         if re.match(r"step (\d+)/", line):
@@ -542,6 +554,9 @@ def main(argv=None) -> int:
     p.add_argument("--global-batch", type=int, default=None, help="default: gpt 32, resnet 128")
     p.add_argument("--micro-batch", type=int, default=None, help="default: gpt 16, resnet 64")
     p.add_argument("--run-ahead", type=int, default=8, help="the colocated job's run-ahead bound (0: unbounded)")
+    p.add_argument("--colocated-job-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="an environment variable for the colocated job's process only, not the job alone's "
+                        "(e.g. CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 under MPS: bench/gpu_hybrid_mps.sh); repeatable")
     p.add_argument("--warmup-steps", type=int, default=3, help="job steps before its first measured run")
     p.add_argument("--profile-job", type=int, default=0, metavar="STEPS",
                    help="gpt: profile this many of the job's steps in each run, a third of the way in (its "
@@ -577,6 +592,10 @@ def main(argv=None) -> int:
         lengths = [tuple(int(x) for x in v.split(":")) if ":" in v else int(v) for v in (args.prompt, args.output)]
     except ValueError:
         p.error("--prompt and --output take N or LO:HI")
+    try:
+        env_pairs(args.colocated_job_env)
+    except ValueError as e:
+        p.error(str(e))
     settings = {k: v for k, v in vars(args).items() if k not in ("modes", "repeats", "fresh", "tag", "out")}
     args.profile_root = tempfile.mkdtemp(prefix="computron-hybrid-profiles-")  # the jobs' --profile folders
     results = Path(args.out)
@@ -639,7 +658,8 @@ def main(argv=None) -> int:
                     switches.append(server.switch(mode))
                     if job is None:
                         prof = profile_dir(args, addr) if args.profile_job else None
-                        job = Job(job_command(args, ckpt, addr, prof), args.job_timeout, prof)
+                        job = Job(job_command(args, ckpt, addr, prof), args.job_timeout, prof,
+                                  env_pairs(args.colocated_job_env))
                         startup["colocated_job_warmup_s"] = job.wait_steps(args.warmup_steps, 0, mode)
                     record(run_phase(args, mode, trace, server, job))
         finally:

@@ -84,3 +84,38 @@ def test_the_release_bench_compares_bounds_against_unbounded(tmp_path):
     for r in rows:  # every demand took memory from the job: each one a timed release
         assert r["handovers"] == 3 and r["samples_per_s"] > 0 and r["release_p99_ms"] >= r["release_p50_ms"] >= 0
     assert rows[0]["relative"] == 1.0
+
+
+def _hybrid_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hybrid_bench", ROOT / "bench" / "hybrid.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_colocated_jobs_environment_reaches_its_process_and_a_bad_pair_is_refused(capsys):
+    """--colocated-job-env (e.g. CUDA_MPS_ACTIVE_THREAD_PERCENTAGE under MPS) is the colocated job's
+    alone: the process gets it on top of the bench's own environment."""
+    import time
+
+    import pytest
+
+    hybrid = _hybrid_module()
+    assert hybrid.env_pairs(["A=1", "B=x=y", "C="]) == {"A": "1", "B": "x=y", "C": ""}
+    code = "import os; print('step 1/1 micro-batches [2] ' + os.environ['HYBRID_T'] + ' ' + os.environ['PYTHONPATH'])"
+    job = hybrid.Job([sys.executable, "-c", code], env=hybrid.env_pairs(["HYBRID_T=yes"]))
+    job.p.wait(30)
+    deadline = time.monotonic() + 10
+    while not job.steps and time.monotonic() < deadline:  # the reader thread sees the line
+        time.sleep(0.01)
+    assert job.micro == [[2]] and job.last_lines[0].startswith("step 1/1 micro-batches [2] yes ")
+    assert str(ROOT / "src") in job.last_lines[0]  # the bench's own environment is kept under it
+    job = hybrid.Job([sys.executable, "-c", "import os; print(os.environ.get('HYBRID_T', 'unset'))"])
+    job.p.wait(30)
+    time.sleep(0.2)
+    assert list(job.last_lines) == ["unset"]
+    with pytest.raises(SystemExit):
+        hybrid.main(["--colocated-job-env", "NOEQUALS", "--out", "/nonexistent-never-made"])
+    assert "--colocated-job-env takes KEY=VALUE, got 'NOEQUALS'" in capsys.readouterr().err

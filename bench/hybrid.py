@@ -47,6 +47,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -174,6 +175,59 @@ def env_pairs(pairs: list[str]) -> dict[str, str]:
             raise ValueError(f"--colocated-job-env takes KEY=VALUE, got {pair!r}")
         out[key] = value
     return out
+
+
+GPU_QUERY = "clocks.sm,temperature.gpu,power.draw"
+
+
+def parse_gpu_sample(line: str) -> tuple[float, float, float] | None:
+    """One line of ``nvidia-smi --query-gpu=GPU_QUERY --format=csv,noheader,nounits``: (SM clock MHz,
+    temperature C, power W); None for a line that is not three numbers ("[N/A]" where a field is not read)."""
+    try:
+        sm, temp, power = (float(x) for x in line.split(","))
+    except ValueError:
+        return None
+    return sm, temp, power
+
+
+class GpuSampler:
+    """The GPU's SM clock, temperature and power draw every half second while a run lasts (from
+    ``nvidia-smi``, the first visible GPU), to tell a job slowed by the other process from one slowed
+    by a GPU that clocks down as it heats. Samples nothing on the CPU or without ``nvidia-smi``."""
+
+    def __init__(self, device: str):
+        self.samples: list[tuple[float, float, float, float]] = []  # (seconds from start, MHz, C, W)
+        self.p = None
+        if not device.startswith("cuda") or not shutil.which("nvidia-smi"):
+            return
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+        self.t0 = time.monotonic()
+        self.p = subprocess.Popen(["nvidia-smi", f"--query-gpu={GPU_QUERY}", "--format=csv,noheader,nounits",
+                                   "-lms", "500", "-i", visible or "0"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.p.stdout:
+            got = parse_gpu_sample(line)
+            if got is not None:
+                self.samples.append((time.monotonic() - self.t0, *got))
+
+    def stop(self) -> dict | None:
+        """The run's samples and their summary (None when nothing was sampled)."""
+        if self.p is not None and self.p.poll() is None:
+            self.p.terminate()
+            self.p.wait(10)
+        return gpu_summary(self.samples)
+
+
+def gpu_summary(samples: list[tuple[float, float, float, float]]) -> dict | None:
+    if not samples:
+        return None
+    sm, temp, power = (np.array([s[i] for s in samples]) for i in (1, 2, 3))
+    return {"sm_clock_mhz_median": float(np.median(sm)), "sm_clock_mhz_min": float(sm.min()),
+            "temperature_c_max": float(temp.max()), "power_w_median": float(np.median(power)),
+            "samples": [list(s) for s in samples]}
 
 
 class Proc:
@@ -345,11 +399,13 @@ def run_phase(args, phase: str, trace, server: Server | None, job: Job | None) -
         seen = {p.name for p in job.profile.glob("profile_*.json")}
         timer = ask_profile(job, args.duration / 3)  # a window mid-run, where the trace is under way
     t0, unix0 = time.monotonic(), time.time()
+    gpu = GpuSampler(args.device)
     swaps0 = server_counters(server.url) if server is not None else {}
     records = asyncio.run(replay(server.url, trace, timeout=args.request_timeout)) if server is not None else []
     while time.monotonic() - t0 < args.duration:
         time.sleep(0.05)
     t1 = time.monotonic()
+    gpu_state = gpu.stop()
     profile = None
     if profiled:
         timer.join()
@@ -370,7 +426,8 @@ def run_phase(args, phase: str, trace, server: Server | None, job: Job | None) -
            "train_step_ends": [t - t0 for t in job.steps if t0 <= t <= t1] if job else None,  # from the run's start
            # the server's swap-ins during the run (and their bytes and seconds), from its /metrics
            "server_swaps": {k: v - swaps0.get(k, 0.0) for k, v in server_counters(server.url).items()} if server else None,
-           "handovers": [], "limits": [], "timeline": [], "used": [], "job_profile": profile}
+           "handovers": [], "limits": [], "timeline": [], "used": [], "job_profile": profile,
+           "gpu": gpu_state}  # the GPU's clock, temperature and power through the run (None on the CPU)
     if server is not None and phase != "inference-alone":
         rep = server.report(t0)
         rel = lambda rows: [[r[0] - t0, *r[2:]] for r in rows if r[1] == 0]  # device 0, from the run's start
@@ -443,6 +500,8 @@ def phase_row(r: dict, solo: dict[str, float] | None, train_alone: float | None)
         if prof["device_busy_share"] is not None:
             row.update(job_device_busy_share=prof["device_busy_share"],
                        job_kernel_ms_per_step=1e3 * prof["device_kernel_s"] / prof["steps"])
+    if r.get("gpu"):  # a job slower in a later run on a GPU that clocked down is not slower for its mode
+        row.update(gpu_sm_clock_mhz=r["gpu"]["sm_clock_mhz_median"], gpu_temperature_c_max=r["gpu"]["temperature_c_max"])
     for part in HANDOVER_PARTS:
         vals = [h[f"{part}_s"] for h in r["handovers"] if h.get(f"{part}_s") is not None]
         if vals:

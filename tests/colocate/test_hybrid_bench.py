@@ -119,3 +119,31 @@ def test_the_colocated_jobs_environment_reaches_its_process_and_a_bad_pair_is_re
     with pytest.raises(SystemExit):
         hybrid.main(["--colocated-job-env", "NOEQUALS", "--out", "/nonexistent-never-made"])
     assert "--colocated-job-env takes KEY=VALUE, got 'NOEQUALS'" in capsys.readouterr().err
+
+
+def test_the_gpu_sampler_reads_nvidia_smi_lines_and_summarises_each_run(tmp_path, monkeypatch):
+    """Each run records the GPU's SM clock, temperature and power (nvidia-smi, every half second), so a
+    job that is slower in a later run can be told apart from a GPU that clocked down as it heated."""
+    import stat
+    import time
+
+    hybrid = _hybrid_module()
+    assert hybrid.parse_gpu_sample("1980, 41, 125.31\n") == (1980.0, 41.0, 125.31)
+    assert hybrid.parse_gpu_sample("[N/A], 41, 125.31") is None
+    assert hybrid.GpuSampler("cpu").stop() is None  # nothing sampled on the CPU
+    fake = tmp_path / "nvidia-smi"  # prints what nvidia-smi would, then waits to be stopped
+    fake.write_text("#!/bin/sh\necho \"$@\" > " + str(tmp_path / "args") + "\n"
+                    "printf '1980, 40, 300.5\\n1755, 55, 690.0\\n[N/A], 55, 1.0\\n1830, 61, 650.0\\n'\nexec sleep 30\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    sampler = hybrid.GpuSampler("cuda")
+    deadline = time.monotonic() + 10
+    while len(sampler.samples) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    got = sampler.stop()
+    assert [s[1:] for s in got["samples"]] == [[1980.0, 40.0, 300.5], [1755.0, 55.0, 690.0], [1830.0, 61.0, 650.0]]
+    assert got["sm_clock_mhz_median"] == 1830.0 and got["sm_clock_mhz_min"] == 1755.0
+    assert got["temperature_c_max"] == 61.0 and got["power_w_median"] == 650.0
+    assert "-i 3" in (tmp_path / "args").read_text()  # the first visible GPU, as the job sees it
+    assert sampler.p.poll() is not None  # stopped with the run

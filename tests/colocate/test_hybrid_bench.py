@@ -114,7 +114,9 @@ def test_the_colocated_jobs_environment_reaches_its_process_and_a_bad_pair_is_re
     assert str(ROOT / "src") in job.last_lines[0]  # the bench's own environment is kept under it
     job = hybrid.Job([sys.executable, "-c", "import os; print(os.environ.get('HYBRID_T', 'unset'))"])
     job.p.wait(30)
-    time.sleep(0.2)
+    deadline = time.monotonic() + 10
+    while not job.last_lines and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert list(job.last_lines) == ["unset"]
     with pytest.raises(SystemExit):
         hybrid.main(["--colocated-job-env", "NOEQUALS", "--out", "/nonexistent-never-made"])

@@ -424,7 +424,8 @@ def run_phase(args, phase: str, trace, server: Server | None, job: Job | None) -
            "train_rate_left_out": None if skip is None else [skip[0] - t0, skip[1] - t0],  # from the run's start
            "train_micro_batches": job.micro_batches(t0, t1) if job else None,
            "train_step_ends": [t - t0 for t in job.steps if t0 <= t <= t1] if job else None,  # from the run's start
-           # the server's swap-ins during the run (and their bytes and seconds), from its /metrics
+           # the server's swap-ins during the run (and their bytes and seconds) and the decode graphs it
+           # captured (again after weights moved), from its /metrics
            "server_swaps": {k: v - swaps0.get(k, 0.0) for k, v in server_counters(server.url).items()} if server else None,
            "handovers": [], "limits": [], "timeline": [], "used": [], "job_profile": profile,
            "gpu": gpu_state}  # the GPU's clock, temperature and power through the run (None on the CPU)

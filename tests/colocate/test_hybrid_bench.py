@@ -42,6 +42,7 @@ def test_one_command_runs_every_phase_against_the_real_server(tmp_path):
             # the server's swap-ins during this run: each run starts with both copies off the device
             sw = runs[mode][0]["server_swaps"]
             assert sw["computron_model_swaps_total"] >= 2, (mode, sw)
+            assert sw["computron_graph_captures_total"] == 0  # read too (the CPU captures no decode graphs)
             per_swap.add(sw["computron_model_swap_bytes_total"] / sw["computron_model_swaps_total"])
             assert 0 < row["p50_s"] <= row["p99_s"] and set(row["slo"]) == {str(k) for k in range(1, 9)}
     assert len(per_swap) == 1 and per_swap.pop() > 0  # one tiny-opt copy's bytes a swap, in every run

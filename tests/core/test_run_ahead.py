@@ -443,3 +443,24 @@ def test_a_shared_step_runs_ahead_all_or_none(how):
     assert two_models(eng) == want
     assert failed and not any(partial) and ex.dropped == 0  # nothing run ahead, so nothing dropped
     assert eng.memory()["kv"] == 0
+
+
+def test_metrics_expose_the_executors_decode_graph_captures():
+    """Decode graphs are captured again when a model's weights move (a reload elsewhere, the arena
+    compacted under colocation); /metrics says how many and how long, from the executor's counters
+    (summed over workers), so a replay can tell what its swaps cost beyond the copies."""
+    from dataclasses import replace as dc_replace
+
+    from prometheus_client import generate_latest
+
+    from computron.server.metrics import Metrics, engine_snapshot
+
+    eng, ex = in_process_ahead()
+    eng.register_model("tiny-llama")
+    real = ex.status
+    ex.status = lambda: dc_replace(real(), stats={**real().stats, "graph_captures": 5, "graph_capture_s": 0.25})
+    metrics = Metrics()
+    metrics.update(engine_snapshot(eng))
+    text = generate_latest(metrics.registry).decode()
+    assert "computron_graph_captures_total 5.0" in text
+    assert "computron_graph_capture_seconds_total 0.25" in text

@@ -26,7 +26,8 @@ def engine_snapshot(engine) -> dict:
                         if k in st}
     ahead = engine.executor.status().stats  # the executor's own counters (run-ahead)
     stats = dict(engine.stats)
-    stats.update({k: ahead[k] for k in ("run_ahead_used", "run_ahead_dropped") if k in ahead})
+    stats.update({k: ahead[k] for k in ("run_ahead_used", "run_ahead_dropped", "graph_captures", "graph_capture_s")
+                  if k in ahead})
     return {"models": models, "memory": engine.memory(), "stats": stats}
 
 
@@ -73,7 +74,11 @@ class _EngineTotals:
                 ("computron_run_ahead_used", "run_ahead_used", "Decode steps started before the engine asked for "
                  "them that were its next step (run-ahead)"),
                 ("computron_run_ahead_dropped", "run_ahead_dropped", "Decode steps started ahead and then dropped: "
-                 "the engine's next step was another (device time spent for nothing)")):
+                 "the engine's next step was another (device time spent for nothing)"),
+                ("computron_graph_captures", "graph_captures", "CUDA graphs of decode steps captured (again after "
+                 "a model's weights moved: a reload elsewhere, the arena compacted)"),
+                ("computron_graph_capture_seconds", "graph_capture_s", "Seconds spent capturing decode graphs, "
+                 "their warm-up runs included")):
             yield CounterMetricFamily(name, doc, value=s.get(key, 0))
 
 

@@ -133,7 +133,8 @@ def _check_reachable(url: str) -> None:
 
 def server_counters(url: str, api_key: str | None = None) -> dict[str, float]:
     """The server's swap counters (``computron_model_swaps_total`` and its seconds and bytes, summed
-    over models), to report what the server did during a replay; {} when /metrics cannot be read."""
+    over models) and its decode-graph captures (``computron_graph_capture*``), to report what the
+    server did during a replay; {} when /metrics cannot be read."""
     import httpx
 
     out: dict[str, float] = {}
@@ -143,7 +144,7 @@ def server_counters(url: str, api_key: str | None = None) -> dict[str, float]:
     except httpx.HTTPError:
         return out
     for line in text.splitlines():
-        if line.startswith("computron_model_swap") or line.startswith("computron_swap_seconds_sum"):
+        if line.startswith(("computron_model_swap", "computron_swap_seconds_sum", "computron_graph_capture")):
             name, _, value = line.rpartition(" ")
             key = name.split("{")[0]
             try:

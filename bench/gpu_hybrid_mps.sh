@@ -13,6 +13,9 @@
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 command -v nvidia-cuda-mps-control > /dev/null || { echo "no nvidia-cuda-mps-control here: MPS cannot run on this machine" >&2; exit 2; }
+for p in ${TRAIN_SMS:-100 50}; do  # CUDA takes a whole percentage of the SMs, 1 to 100
+  [[ $p =~ ^[0-9]+$ ]] && [ "$p" -ge 1 ] && [ "$p" -le 100 ] || { echo "TRAIN_SMS takes percentages from 1 to 100, got '$p'" >&2; exit 2; }
+done
 OUT=${OUT:-bench/results}
 TAG=${TAG:-h200}
 mkdir -p "$OUT"

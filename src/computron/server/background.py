@@ -9,6 +9,18 @@ import time
 import uvicorn
 
 
+# How long an idle connection stays open. Clients keep pooled connections for a while too (httpx, the
+# ``openai`` client's transport: 5 s) and reuse them; a server that closes at the same moment races a
+# request sent on the closing connection, which the client sees as a ReadError mid-request (one of
+# 174 requests of a hybrid run). Outliving the clients' pools leaves the closing to them.
+KEEP_ALIVE_S = 75
+
+
+def uvicorn_config(app, host: str, port: int, **kw) -> uvicorn.Config:
+    """The uvicorn settings every server of this package runs with; ``kw`` adds to them."""
+    return uvicorn.Config(app, host=host, port=port, timeout_keep_alive=KEEP_ALIVE_S, **kw)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -20,7 +32,7 @@ class ServerThread:
 
     def __init__(self, app, host: str = "127.0.0.1", port: int | None = None, log_level: str = "warning"):
         self.host, self.port = host, port or 0  # 0: the OS picks a free port, read back once listening
-        self.server = uvicorn.Server(uvicorn.Config(app, host=self.host, port=self.port, log_level=log_level,
+        self.server = uvicorn.Server(uvicorn_config(app, self.host, self.port, log_level=log_level,
                                                     access_log=False, lifespan="on", timeout_graceful_shutdown=5))
         self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{self.port}", daemon=True)
 

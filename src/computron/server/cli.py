@@ -265,6 +265,7 @@ def serve_main(args) -> int:
 
     from ..engine import AsyncEngine, Engine, EngineError
     from .app import create_app
+    from .background import uvicorn_config
 
     try:
         engine = Engine(cfg.engine)
@@ -283,7 +284,7 @@ def serve_main(args) -> int:
         colocation = __import__("computron.colocate.serving", fromlist=["attach"]).attach(args, ae)
         app = create_app(ae, cfg, colocation)
         log.info("serving %d model(s) on http://%s:%d (OpenAI API under /v1)", len(cfg.models), srv.host, srv.port)
-        server = uvicorn.Server(uvicorn.Config(app, host=srv.host, port=srv.port, log_level=args.log_level,
+        server = uvicorn.Server(uvicorn_config(app, srv.host, srv.port, log_level=args.log_level,
                                                log_config=None, timeout_graceful_shutdown=10))
         try:
             server.run()

@@ -3,6 +3,11 @@
 No torch here: this module, like the whole ``scheduler`` package, runs in the engine and the
 tests without torch. Sizes are bytes per rank: ``ModelState.devices[i]`` is
 the device of rank *i*, and ``weights[i]``/``block_bytes[i]`` are that rank's bytes.
+
+The classes built per step or per request (``SchedRequest``, ``Batch``, ``StepPlan``) write their
+``__init__`` out, the dataclass keeping it (and its fields, equality and repr): the compiled build
+(``computron._fast``) then constructs them natively, as mypyc leaves a generated ``__init__``
+interpreted.
 """
 
 from __future__ import annotations
@@ -38,6 +43,13 @@ class SchedRequest:
     state: str = "waiting"
     prefix: SharedPrefix | None = None  # blocks of its prompt it shares with the other choices of that prompt
     alone_s: float = 0.0  # slo policy: the least time from arrival to its last token, alone (a load included if cold)
+
+    def __init__(self, id: str, model: str, prompt_len: int, max_tokens: int, arrival: float, blocks: int = 0,
+                 joined: int = 0, done: int = 0, due: int = -1, state: str = "waiting",
+                 prefix: SharedPrefix | None = None, alone_s: float = 0.0) -> None:
+        self.id, self.model, self.prompt_len, self.max_tokens, self.arrival = id, model, prompt_len, max_tokens, arrival
+        self.blocks, self.joined, self.done, self.due, self.state = blocks, joined, done, due, state
+        self.prefix, self.alone_s = prefix, alone_s
 
 
 @dataclass(eq=False)
@@ -94,6 +106,11 @@ class Batch:
     prefill: list[str] = field(default_factory=list)
     decode: list[str] = field(default_factory=list)
 
+    def __init__(self, model: str, prefill: list[str] | None = None, decode: list[str] | None = None) -> None:
+        self.model = model
+        self.prefill = [] if prefill is None else prefill
+        self.decode = [] if decode is None else decode
+
     @property
     def requests(self) -> list[str]:
         return self.prefill + self.decode
@@ -132,6 +149,24 @@ class StepPlan:
     stripes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     steps: int = 1
     repeats: bool = False
+
+    def __init__(self, evictions: list[str] | None = None, loads: list[str] | None = None,
+                 prefetch: list[str] | None = None, batches: list[Batch] | None = None,
+                 preempted: list[str] | None = None, paused: list[str] | None = None, kv_out: list[str] | None = None,
+                 kv_in: list[str] | None = None, failed: list[tuple[str, str]] | None = None,
+                 stripes: dict[str, tuple[int, ...]] | None = None, steps: int = 1, repeats: bool = False) -> None:
+        self.evictions = [] if evictions is None else evictions
+        self.loads = [] if loads is None else loads
+        self.prefetch = [] if prefetch is None else prefetch
+        self.batches = [] if batches is None else batches
+        self.preempted = [] if preempted is None else preempted
+        self.paused = [] if paused is None else paused
+        self.kv_out = [] if kv_out is None else kv_out
+        self.kv_in = [] if kv_in is None else kv_in
+        self.failed = [] if failed is None else failed
+        self.stripes = {} if stripes is None else stripes
+        self.steps = steps
+        self.repeats = repeats
 
     @property
     def empty(self) -> bool:

@@ -163,7 +163,8 @@ class Residency:
 @dataclass(slots=True)
 class SeqInput:
     req_id: str
-    tokens: list[int]  # the new tokens of this step (the prompt on prefill, one token on decode)
+    tokens: list[int]  # the new tokens of this step (the prompt on prefill, one token on decode); read only:
+    # a prefill's may be the request's own prompt list
     past: int  # tokens already in the request's cache (0: a prefill, or a recompute after preemption)
     params: SamplingParams
     # A prefill whose first tokens' cache another request (a choice of the same prompt) holds: (its id, how

@@ -60,6 +60,21 @@ class CoreRequest:
     group: "PromptGroup | None" = None  # the choices of its prompt, when there are several
     added: int = 0  # how many requests the core had taken before this one (set by ``add_request``)
 
+    # Written out (the dataclass keeps it) so that the compiled build constructs requests natively:
+    # mypyc leaves a generated ``__init__`` interpreted.
+    def __init__(self, id: str, model: str, prompt_ids: list[int], params: SamplingParams, arrival: float = 0.0,
+                 output_ids: list[int] | None = None, finish_reason: str | None = None, error: str | None = None,
+                 unavailable: bool = False, first_token_at: float | None = None, finished_at: float | None = None,
+                 load_s: float = 0.0, evict_s: float = 0.0, compute_s: float = 0.0, logprobs: list | None = None,
+                 prompt_logprobs: list | None = None, group: "PromptGroup | None" = None, added: int = 0) -> None:
+        self.id, self.model, self.prompt_ids, self.params, self.arrival = id, model, prompt_ids, params, arrival
+        self.output_ids = [] if output_ids is None else output_ids
+        self.finish_reason, self.error, self.unavailable = finish_reason, error, unavailable
+        self.first_token_at, self.finished_at = first_token_at, finished_at
+        self.load_s, self.evict_s, self.compute_s = load_s, evict_s, compute_s
+        self.logprobs = [] if logprobs is None else logprobs
+        self.prompt_logprobs, self.group, self.added = prompt_logprobs, group, added
+
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
@@ -113,6 +128,7 @@ class EngineCore:
         self.requests: dict[str, CoreRequest] = {}
         self._ids = itertools.count()
         self.added = 0  # requests taken so far (``add_request``): a request's ``added`` orders it among them
+        self.ended = 0  # requests ended so far (``finish``)
         self._to_free: list[str] = []
         self.stats = {"swap_ins": 0, "evictions": 0, "swap_in_bytes": 0, "swap_in_seconds": 0.0, "steps": 0,
                       "preemptions": 0, "pauses": 0,  # pauses: stopped with their caches kept (no recompute)
@@ -271,6 +287,7 @@ class EngineCore:
             return
         req.finish_reason, req.error, req.finished_at = reason, error, self.clock()
         req.unavailable = unavailable
+        self.ended += 1
         self.requests.pop(req.id, None)
         if req.group is not None:
             req.group.holders.pop(req.id, None)
@@ -324,12 +341,15 @@ class EngineCore:
     def _step(self, max_steps: int | Callable[[str, int], int] = 1) -> StepPlan:
         if self.colocation is not None:
             self.colocation.poll()
+        ended = self.ended
         plan = self.scheduler.schedule(self.clock(), max_steps)
         for rid, why in plan.failed:  # it can never fit next to what is pinned: capacity, not a bug
             self._fail([rid], why, unavailable=True)
         evict_s = self._apply(plan)
         reqs = self.requests
-        batches = [b for b in plan.batches if all(map(reqs.__contains__, b.requests))]
+        # the scheduler plans only requests the core holds: the batches need sifting only if some ended since
+        batches = plan.batches if self.ended == ended else \
+            [b for b in plan.batches if all(map(reqs.__contains__, b.requests))]
         if not batches:
             return plan
         self.stats["steps"] += plan.steps
@@ -354,7 +374,8 @@ class EngineCore:
         """The whole prompt; after a preemption, the prompt and the tokens made so far (recompute).
         A choice of a prompt whose shared blocks another choice holds computes only the rest; the
         prompt's log-probabilities are asked for once."""
-        tokens, share, g = r.prompt_ids + r.output_ids, None, r.group
+        tokens = r.prompt_ids + r.output_ids if r.output_ids else r.prompt_ids  # not copied (executors only read it)
+        share, g = None, r.group
         if g is not None:
             holder = next(iter(g.holders), None)
             if holder is not None and g.shared:

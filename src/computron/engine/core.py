@@ -355,10 +355,9 @@ class EngineCore:
         self.stats["steps"] += plan.steps
         if self._shares and len(batches) > 1:
             self._count_shared(batches)
-        # prefill: see _prefill; decode: the last token, after the tokens already in the cache
-        msgs = [ExecuteBatch(b.model, [self._prefill(r) for r in map(reqs.__getitem__, b.prefill)] +
-                             [SeqInput(r.id, r.output_ids[-1:], len(r.prompt_ids) + len(r.output_ids) - 1, r.params)
-                              for r in map(reqs.__getitem__, b.decode)], self.trace, plan.steps, plan.repeats)
+        msgs = [ExecuteBatch(b.model, [self._prefill(reqs[rid]) for rid in b.prefill] + [self._decode(reqs[rid])
+                                                                                        for rid in b.decode],
+                             self.trace, plan.steps, plan.repeats)
                 for b in batches]
         try:
             result = self.executor.execute(msgs).result()
@@ -369,6 +368,12 @@ class EngineCore:
         self._absorb(result, batches, evict_s)
         self.scheduler.update(plan, plan.steps)
         return plan
+
+    @staticmethod
+    def _decode(r: CoreRequest) -> SeqInput:
+        """The last token, after the tokens already in the cache."""
+        ids = r.output_ids
+        return SeqInput(r.id, ids[-1:], len(r.prompt_ids) + len(ids) - 1, r.params)
 
     def _prefill(self, r: CoreRequest) -> SeqInput:
         """The whole prompt; after a preemption, the prompt and the tokens made so far (recompute).

@@ -28,10 +28,11 @@ from pathlib import Path
 ENV = "COMPUTRON_COMPILED"
 DIR_ENV = "COMPUTRON_COMPILED_DIR"
 # What is compiled: the scheduler, the engine core and the simulator's executor, clock and loop (with
-# the few helpers they call per step). Not messages.py (the executors' wire format; its dataclasses
-# gain nothing, their generated __init__ stays Python) nor sim/costs.py (its fields take other types
-# than they declare, converted in __post_init__).
+# the few helpers they call per step), and the messages of a step (messages.py: its other classes stay
+# plain Python classes). Not sim/costs.py (its fields take other types than they declare, converted in
+# __post_init__).
 MODULES = (
+    "computron.messages",
     "computron.scheduler.state",
     "computron.scheduler.memory",
     "computron.scheduler.slo",

@@ -4,12 +4,19 @@ The engine core (``engine/core.py``) speaks to an executor only through these me
 executor fits behind it: the one in this process today, one worker process per GPU, or a
 simulation. Only names, ints, floats and token ids cross: tensors stay on the executor's side. Importing this
 module imports neither torch nor any other part of the engine.
+
+The messages of every step (``SeqInput``, ``ExecuteBatch``, ``StepResult``) write their ``__init__``
+out (the dataclass keeping it, with its fields, equality and repr) and pickle by it: the optional
+compiled build (``computron._fast``) then makes them native classes, built without the interpreter.
+The other classes stay plain Python classes there (``native_class=False``): they are built seldom,
+and some take values of other types than they declare (converted in ``__post_init__``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
+from ._mypyc import mypyc_attr
 from .models.config import ModelConfig
 from .parallel.dims import ParallelDims
 
@@ -17,6 +24,7 @@ GREEDY_BELOW = 1e-5
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
 
+@mypyc_attr(native_class=False)
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request draws its tokens; validated on the host when the request is made.
@@ -88,6 +96,7 @@ class SamplingParams:
 
 
 # ---- models ------------------------------------------------------------------------------------
+@mypyc_attr(native_class=False)
 @dataclass(frozen=True)
 class Placement:
     """Where one model runs: its parallel layout and the device of each of its ranks.
@@ -109,6 +118,7 @@ class Placement:
             raise ValueError(f"a model's ranks need distinct devices, got {list(self.devices)}")
 
 
+@mypyc_attr(native_class=False)
 @dataclass(frozen=True)
 class ModelDescription:
     """What the engine asks an executor to register: where the weights come from and where they go."""
@@ -121,6 +131,7 @@ class ModelDescription:
     max_bytes: int | None = None  # refuse a model whose shard on any device exceeds this
 
 
+@mypyc_attr(native_class=False)
 @dataclass(frozen=True)
 class ModelInfo:
     """An executor's answer to a registration: the model's shape and its bytes on each rank."""
@@ -138,6 +149,13 @@ class ModelInfo:
 
 
 # ---- steps -------------------------------------------------------------------------------------
+def _by_fields(msg) -> tuple:
+    """How a step's message pickles: its class and its fields in order (a compiled one is rebuilt by
+    its ``__init__``, as the same class of the Python modules is)."""
+    return type(msg), tuple(getattr(msg, f.name) for f in fields(msg))
+
+
+@mypyc_attr(native_class=False)
 @dataclass
 class Residency:
     """Memory changes, applied in order: KV caches of preempted requests released (their sampling
@@ -172,6 +190,14 @@ class SeqInput:
     share: tuple[str, int] | None = None
     prompt_logprobs: int | None = None  # a prefill: also the log-probability of each of tokens[1:] (and top-k)
 
+    def __init__(self, req_id: str, tokens: list[int], past: int, params: SamplingParams,
+                 share: tuple[str, int] | None = None, prompt_logprobs: int | None = None) -> None:
+        self.req_id, self.tokens, self.past, self.params = req_id, tokens, past, params
+        self.share, self.prompt_logprobs = share, prompt_logprobs
+
+    def __reduce__(self) -> tuple:
+        return _by_fields(self)
+
 
 @dataclass
 class ExecuteBatch:
@@ -182,6 +208,13 @@ class ExecuteBatch:
     # The engine expects to ask next for this batch again, every sequence one token on (its plan
     # ``repeats``): an executor may start that step early and use it if so (the workers' run-ahead).
     ahead: bool = False
+
+    def __init__(self, model: str, seqs: list[SeqInput], trace: bool = False, steps: int = 1,
+                 ahead: bool = False) -> None:
+        self.model, self.seqs, self.trace, self.steps, self.ahead = model, seqs, trace, steps, ahead
+
+    def __reduce__(self) -> tuple:
+        return _by_fields(self)
 
 
 @dataclass
@@ -205,7 +238,26 @@ class StepResult:
     reset_devices: list[int] = field(default_factory=list)
     trace: dict[str, dict] = field(default_factory=dict)  # model -> copy ends / compute starts (seconds)
 
+    def __init__(self, tokens: dict[str, int | list[int]] | None = None,
+                 logprobs: dict[str, tuple | list[tuple]] | None = None, prompt_logprobs: dict[str, list] | None = None,
+                 loaded: dict[str, float] | None = None, compute_s: dict[str, float] | None = None,
+                 failed: dict[str, str] | None = None, lost_devices: list[int] | None = None,
+                 reset_devices: list[int] | None = None, trace: dict[str, dict] | None = None) -> None:
+        self.tokens = {} if tokens is None else tokens
+        self.logprobs = {} if logprobs is None else logprobs
+        self.prompt_logprobs = {} if prompt_logprobs is None else prompt_logprobs
+        self.loaded = {} if loaded is None else loaded
+        self.compute_s = {} if compute_s is None else compute_s
+        self.failed = {} if failed is None else failed
+        self.lost_devices = [] if lost_devices is None else lost_devices
+        self.reset_devices = [] if reset_devices is None else reset_devices
+        self.trace = {} if trace is None else trace
 
+    def __reduce__(self) -> tuple:
+        return _by_fields(self)
+
+
+@mypyc_attr(native_class=False)
 @dataclass
 class DeviceStatus:
     index: int
@@ -218,6 +270,7 @@ class DeviceStatus:
     held: int = -1  # bytes the arena spans now (colocation shrinks it below capacity); -1: capacity
 
 
+@mypyc_attr(native_class=False)
 @dataclass
 class ExecutorStatus:
     devices: list[DeviceStatus]

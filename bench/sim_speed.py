@@ -12,6 +12,8 @@ is a fresh process of each version in turn, on the same workload, and the two mu
 checkout's Python modules as the reference and its mypyc build (``scripts/build_fast.sh``,
 ``COMPUTRON_COMPILED=1``) as the version measured; the JSON's ``path`` says which ran (``compiled``
 when this process itself runs the build: then the profile sees only the Python left around it).
+``--reference-src`` under ``COMPUTRON_COMPILED=1`` compares two builds, each checkout's own (its
+``build/fast``), and fails unless both ran compiled.
 
     .venv/bin/python bench/sim_speed.py [--requests 20000] [--runs 5] [--profile-requests 4000]
         [--reference-src /tmp/ref/src | --compare-compiled]
@@ -135,6 +137,8 @@ def main() -> None:
             mine = in_process(this_src, a, True if a.compare_compiled else None)
             if a.compare_compiled and (r["path"], mine["path"]) != ("python", "compiled"):
                 raise SystemExit(f"expected python against compiled, ran {r['path']} against {mine['path']}")
+            if a.reference_src and r["path"] != mine["path"]:  # COMPUTRON_COMPILED=1: each its own build
+                raise SystemExit(f"the reference ran {r['path']}, this checkout {mine['path']}: build both or neither")
             walls.append(mine["wall_s"])
             cpus.append(mine["cpu_s"])
             if mine["outcome"] != r["outcome"]:

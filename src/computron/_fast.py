@@ -1,5 +1,5 @@
 """The optional compiled build of the simulator's hot path: typed, torch-free modules compiled with
-mypyc (``scripts/build_fast.sh``), about 2.5x the simulated requests per second of the same modules
+mypyc (``scripts/build_fast.sh``), about 3.5x the simulated requests per second of the same modules
 as Python (``bench/sim_speed.py --compare-compiled``), with the same outcomes.
 
 The Python modules are always there and are what runs, unless ``COMPUTRON_COMPILED=1`` is set when

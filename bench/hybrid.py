@@ -360,10 +360,15 @@ class Server(Proc):
         return time.monotonic() - t
 
     @staticmethod
-    def start_share(rep: dict) -> int | None:
-        """Inference's share once settled at the start of a run under the arbiter of ``rep`` (``normal``
-        books none: inference keeps its whole budget unasked)."""
-        return {"normal": None, "static": rep["capacity"] - rep["static_train"]}.get(rep["mode"], 0)
+    def settled(rep: dict) -> bool:
+        """The shares are at the start of a run under the arbiter of ``rep``: ``normal`` books none
+        (inference keeps its whole budget unasked), ``static`` gives inference the rest of the split,
+        and the other modes are at their idle shares (``Arbiter.settled``)."""
+        if rep["mode"] == "normal":
+            return True
+        if rep["mode"] == "static":
+            return rep["shares"][0][0] == rep["capacity"] - rep["static_train"]
+        return rep["settled"][0]
 
     def reset(self, trainer: bool) -> None:
         """Every model offloaded; under an arbiter the shares settled (and the job joined, if ``trainer``)."""
@@ -374,12 +379,11 @@ class Server(Proc):
         deadline = time.monotonic() + self.timeout_s
         while True:
             rep = self.report(time.monotonic())
-            want = self.start_share(rep)
-            if want in (None, rep["shares"][0][0]) and (not trainer or 0 in rep["trainers"]):
+            if self.settled(rep) and (not trainer or 0 in rep["trainers"]):
                 return
             if self.p.poll() is not None or time.monotonic() > deadline:
-                self.fail(f"{self.mode}: the shares did not settle to {want} bytes for inference "
-                          f"(now {rep['shares'][0]}, trainers {rep['trainers']}) in {self.timeout_s:.0f} s")
+                self.fail(f"{self.mode}: the shares did not settle (now {rep['shares'][0]} for inference and "
+                          f"training, trainers {rep['trainers']}) in {self.timeout_s:.0f} s")
             time.sleep(0.02)
 
     def stop(self) -> None:

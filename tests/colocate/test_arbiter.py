@@ -207,3 +207,67 @@ def test_no_yield_without_the_flag_or_in_modes_that_do_not_share_the_compute(mod
     arb = Arbiter(ArbiterConfig(mode=mode, capacity=40 * GB, static_train=16 * GB, yield_compute=flag))
     arb.train_joined(0, GB, 0.0)
     assert arb.busy(0, 1.0) == [] and arb.quiet(0, 1.1) == [] and yields(arb.tick(5.0)) == []
+
+
+def test_colocate_gives_training_no_more_than_it_can_use_and_idle_inference_keeps_the_rest():
+    arb = Arbiter(ArbiterConfig(mode="colocate", capacity=24 * GB, idle_s=1.0))
+    [lim] = arb.train_joined(0, 2 * GB, 0.0, max_bytes=16 * GB)
+    assert lim.bytes == 16 * GB
+    arb.train_ack(0, lim.id, lim.bytes, 0.0)
+    # the 8 GB training cannot use are idle inference's: its models need not be evicted for them
+    assert not arb.settled(0)
+    assert arb.tick(1.0) == [InferenceShare(0, 8 * GB)] and arb.settled(0)
+    assert arb.demand(0, 6 * GB, 2.0) == []  # work that fits there takes no handover
+    [shrink] = arb.demand(0, 11 * GB, 2.1)  # more than that shrinks training by the difference
+    assert shrink.bytes == 13 * GB
+    assert arb.train_ack(0, shrink.id, 13 * GB, 2.2) == [InferenceShare(0, 11 * GB)]
+    assert arb.tick(3.0) == []  # 0.9 s idle
+    assert arb.tick(3.2) == [InferenceShare(0, 8 * GB)]  # idle: back only what training can use
+    [grow] = arb.inference_released(0, 3.3)
+    assert grow.bytes == 16 * GB and arb.shares(0) == (8 * GB, 16 * GB) and not arb.settled(0)
+    arb.train_ack(0, grow.id, grow.bytes, 3.4)
+    assert arb.settled(0)
+
+
+def test_a_job_that_learns_the_most_it_can_use_is_capped_there_and_other_modes_ignore_it():
+    arb = Arbiter(ArbiterConfig(mode="colocate", capacity=24 * GB, idle_s=1.0))
+    [lim] = arb.train_joined(0, 2 * GB, 0.0)  # nothing measured yet: the whole device
+    assert lim.bytes == 24 * GB
+    arb.train_ack(0, lim.id, lim.bytes, 0.0)
+    [down] = arb.train_most(0, 16 * GB, 0.5)  # it uses 16: its limit comes down, nothing to free
+    assert down.bytes == 16 * GB
+    assert arb.train_ack(0, down.id, 16 * GB, 0.5) == []
+    assert arb.tick(1.0) == [InferenceShare(0, 8 * GB)]
+    assert arb.train_most(0, 16 * GB, 1.1) == []  # unchanged: nothing sent
+    # a larger most grows training into free memory only: idle inference keeps what it holds until the
+    # next idle tick gives it back
+    assert arb.train_most(0, 20 * GB, 1.2) == []
+    assert arb.tick(2.0) == [InferenceShare(0, 4 * GB)]
+    [grow] = arb.inference_released(0, 2.1)
+    assert grow.bytes == 20 * GB
+    for mode in ("task-switch", "static", "normal"):
+        other = Arbiter(ArbiterConfig(mode=mode, capacity=24 * GB, idle_s=1.0, static_train=10 * GB))
+        [lim] = other.train_joined(0, 2 * GB, 0.0, max_bytes=16 * GB)
+        assert lim.bytes == {"static": 10 * GB}.get(mode, 24 * GB)
+        other.train_ack(0, lim.id, lim.bytes, 0.0)
+        assert other.train_most(0, 12 * GB, 0.5) == []
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_scripted_demand_with_a_capped_job_never_over_budget_and_never_starved(seed):
+    s2 = Script(Arbiter(ArbiterConfig(mode="colocate", capacity=40 * GB, idle_s=0.5)))
+    rng = random.Random(seed)
+    arb = s2.arb
+    s2.apply(arb.train_joined(0, 4 * GB, 0.0, max_bytes=20 * GB), 0.0)
+    now = 0.0
+    for _ in range(400):
+        now += rng.expovariate(20.0) if rng.random() < 0.9 else rng.uniform(0.5, 2.0)
+        s2.run_until(now)
+        if rng.random() < 0.05:
+            s2.apply(arb.train_most(0, rng.choice([10, 20, 30]) * GB, now), now)
+        want = rng.choice([0, 3, 6, 12, 30]) * GB
+        s2.apply(arb.demand(0, want, now), now)
+        s2.run_until(now + 0.02)
+        assert s2.infer_budget >= want, f"inference starved: wants {want}, has {s2.infer_budget}"
+        # once nothing is in flight, training's limit is within the most it said it can use
+        assert s2.train_limit is None or s2.train_limit <= arb.devices[0].train_max or arb.pending(0)

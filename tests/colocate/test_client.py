@@ -179,3 +179,40 @@ def test_an_ack_tells_when_the_loop_reached_the_release_and_when_it_ended():
     assert ack["id"] == 1 and ack["received"] + 0.05 <= ack["reached"] <= ack["released"] - 0.03
     colo.deliver({"t": "limit", "id": 2, "bytes": 10_000, "immediate": False})
     assert colo._chan.msgs[-1]["id"] == 2 and colo._chan.msgs[-1]["reached"] == colo._chan.msgs[-1]["received"]
+
+
+def test_the_job_tells_the_server_the_most_it_can_use_and_colocate_caps_it_there(tmp_path):
+    """Once the job measured a size, it says what its largest micro-batch would take (the memory model's
+    prediction): the server caps training's limit there and idle inference gets the rest; a job that
+    reconnects says it again in its hello."""
+    from computron.colocate.arbiter import Arbiter, ArbiterConfig
+    from computron.colocate.protocol import ArbiterServer
+
+    addr = str(tmp_path / "arbiter.sock")
+    server = ArbiterServer(Arbiter(ArbiterConfig(mode="colocate", capacity=1000, idle_s=0.0)), addr)
+    memory = MemoryModel(100, 10, rel_margin=0.0)
+    colo = Colocation(addr, memory=memory, reconnect_s=0.01)
+
+    def wait(cond):
+        deadline = time.monotonic() + 5.0
+        while not cond() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return cond()
+
+    try:
+        assert colo.wait_connected(5.0) and colo.limit == 1000  # nothing measured: the whole device
+        assert colo.micro_batch(most=8) == 8 and server.arbiter.devices[0].train_max == 0  # nothing said yet
+        memory.record(8, 190)  # a micro-batch of 8 peaked at 190 bytes: 8 takes 190, the most it can use
+        assert colo.micro_batch(most=8) == 8
+        assert wait(lambda: colo.limit == 190)
+        assert wait(lambda: server.records()["shares"][0] == [810, 190])  # idle inference has the rest
+        assert server.records()["settled"] == [True]
+        server.close()
+        again = ArbiterServer(Arbiter(ArbiterConfig(mode="colocate", capacity=1000, idle_s=0.0)), addr)
+        try:
+            assert wait(lambda: again.trainer_connected(0)) and wait(lambda: colo.limit == 190)
+            assert again.arbiter.devices[0].train_max == 190
+        finally:
+            again.close()
+    finally:
+        colo.close()

@@ -19,7 +19,10 @@ coordinates nothing). Modes (as in Sirius' server):
 - ``task-switch``: while inference has work training is paused (limit 0) and inference may use the
   whole device; after ``idle_s`` without inference work, memory goes back and training resumes.
 - ``colocate``: training shrinks (its micro-batch) to free exactly what inference needs; a
-  limit below training's minimum pauses it. Memory goes back after ``idle_s`` of inference idle.
+  limit below training's minimum pauses it. Memory goes back after ``idle_s`` of inference idle,
+  as much as training can use: a job that says the most it can use (``train_most``: its largest
+  micro-batch's predicted peak) is never given more, and idle inference keeps the rest, so its
+  models stay resident instead of being evicted for memory nobody uses.
 
 Compute is shared as memory is not: without MPS two processes on one GPU take turns in time
 slices, and inference's short kernels wait behind training's. ``yield_compute`` (``static`` and
@@ -96,6 +99,7 @@ class _Device:
     last_busy: float = float("-inf")
     joined: bool = False
     train_min: int = 0
+    train_max: int = 0  # the most training can use (colocate caps its limit there); 0: unknown, no cap
     yielding: bool = False  # training was told to yield the compute
 
 
@@ -119,10 +123,12 @@ class Arbiter:
 
     # ---- events ------------------------------------------------------------------------------
 
-    def train_joined(self, device: int, min_bytes: int, now: float) -> list:
-        """Training connects (or reconnects); it runs in no less than ``min_bytes`` (0: any)."""
+    def train_joined(self, device: int, min_bytes: int, now: float, max_bytes: int = 0) -> list:
+        """Training connects (or reconnects); it runs in no less than ``min_bytes`` (0: any) and uses no
+        more than ``max_bytes`` (0: unknown; ``train_most``)."""
         c, d = self.config, self.devices[device]
         d.joined, d.train_min, d.train, d.train_sent = True, max(0, min_bytes), 0, None
+        d.train_max = max(0, max_bytes)
         d.yielding = False  # a new connection starts running; inference's next ``busy`` says otherwise
         if c.mode == "normal":
             return [self._send(device, c.capacity)]
@@ -131,6 +137,19 @@ class Arbiter:
         if c.mode == "task-switch" and now - d.last_busy < c.idle_s:
             return [self._send(device, 0)]
         return [self._send(device, self._fit(d, c.capacity - d.infer))]
+
+    def train_most(self, device: int, max_bytes: int, now: float) -> list:
+        """Training can use at most ``max_bytes`` on ``device`` (0: unknown): in ``colocate`` its limit
+        is never more. A limit above it comes down to it (nothing to free: acknowledged at once, and
+        inference may then have the rest while idle); one below it grows into the memory that is free."""
+        c, d = self.config, self.devices[device]
+        if max_bytes < 0:
+            raise ValueError(f"training's most must be >= 0 bytes, got {max_bytes}")
+        d.train_max = max_bytes
+        if c.mode != "colocate" or not d.joined or self.pending(device):
+            return []
+        limit = self._fit(d, c.capacity - d.infer)  # memory inference holds stays with it
+        return [self._send(device, limit)] if limit != d.train else []
 
     def train_left(self, device: int, now: float) -> list:
         """Training disconnected (finished or died): its share is free at once."""
@@ -185,11 +204,14 @@ class Arbiter:
 
     def train_ack(self, device: int, id: int, train_bytes: int, now: float) -> list:
         """Training fits in ``train_bytes`` now, in answer to limit ``id`` (older answers are ignored)."""
-        d = self.devices[device]
+        c, d = self.config, self.devices[device]
         if id != d.sent_id or d.train_sent is None:
             return []
-        d.train, d.train_sent = min(train_bytes, d.train_sent) if self.config.mode != "normal" else train_bytes, None
-        return self._grant(device)
+        d.train, d.train_sent = min(train_bytes, d.train_sent) if c.mode != "normal" else train_bytes, None
+        out = self._grant(device)
+        if c.mode == "colocate" and d.train_max and d.train > d.train_max and not self.pending(device):
+            out.append(self._send(device, self._fit(d, c.capacity - d.infer)))  # it said it uses less since
+        return out
 
     def inference_released(self, device: int, now: float) -> list:
         """Inference fits in the reduced share it was sent."""
@@ -212,20 +234,40 @@ class Arbiter:
             return out
         for i, d in enumerate(self.devices):
             idle = now - d.last_busy >= c.idle_s
-            if idle and d.joined and d.infer > c.infer_floor and d.infer_target is None and d.train_sent is None:
-                d.infer_target = c.infer_floor
-                out.append(InferenceShare(i, c.infer_floor))
+            keep = self._idle_share(d)
+            if idle and d.joined and d.infer > keep and d.infer_target is None and d.train_sent is None:
+                d.infer_target = keep
+                out.append(InferenceShare(i, keep))
             elif idle and d.joined and d.train_sent is None and d.infer_target is None:
                 grow = self._fit(d, c.capacity - d.infer)
                 if grow > d.train:
                     out.append(self._send(i, grow))
+                elif d.infer < keep <= c.capacity - self._train_booked(d):  # what training cannot use
+                    d.infer = keep
+                    out.append(InferenceShare(i, keep))
         return out
+
+    def settled(self, device: int) -> bool:
+        """Both sides hold what they hold while inference is idle: nothing in flight, inference at its
+        idle share, training at all it may use."""
+        c, d = self.config, self.devices[device]
+        return (not self.pending(device) and d.infer == self._idle_share(d)
+                and d.train == self._fit(d, c.capacity - d.infer))
 
     # ---- internals ---------------------------------------------------------------------------
 
     def _fit(self, d: _Device, room: int) -> int:
-        """Training's limit in ``room`` bytes: all of it, or 0 (paused) below its minimum."""
-        return room if room >= max(1, d.train_min) else 0
+        """Training's limit in ``room`` bytes: all of it (in ``colocate`` no more than it can use), or 0
+        (paused) below its minimum."""
+        if room < max(1, d.train_min):
+            return 0
+        return min(room, d.train_max) if d.train_max and self.config.mode == "colocate" else room
+
+    def _idle_share(self, d: _Device) -> int:
+        """What idle inference keeps: its floor, and in ``colocate`` what training cannot use."""
+        if d.train_max and self.config.mode == "colocate":
+            return max(self.config.infer_floor, self.config.capacity - d.train_max)
+        return self.config.infer_floor
 
     def _train_target(self, d: _Device) -> int:
         return d.train if d.train_sent is None else d.train_sent

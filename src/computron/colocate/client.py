@@ -106,6 +106,7 @@ class Colocation:
         self._chan: Channel | None = None
         self._closed = False
         self._min_bytes = self.memory.predict(1)
+        self._max_bytes = 0  # the most the job can use, as last told to the server (0: not yet known)
         if address is not None:
             self._thread = threading.Thread(target=self._receive, daemon=True)
             self._thread.start()
@@ -123,6 +124,7 @@ class Colocation:
         order takes, so an order is acknowledged while the state moves whenever the memory it asks
         for is already free, and an order that needs the memory back stops a resume in progress
         (``resume_stopped``; ``on_resume`` returns False when it stopped)."""
+        self._tell_most(most)
         while True:
             with self._cond:
                 m = self._fit(most)
@@ -164,6 +166,19 @@ class Colocation:
                         self._committed = 0
             if not back:
                 self.release()
+
+    def _tell_most(self, most: int) -> None:
+        """Tell the server the most the job can use (its largest micro-batch's predicted peak) when the
+        memory model has measured a size and that changed, so that ``colocate`` leaves inference
+        what training cannot use."""
+        if not self.memory.points:
+            return
+        nbytes = self.memory.predict(most)
+        if nbytes != self._max_bytes:
+            self._max_bytes = nbytes
+            chan = self._chan
+            if chan is not None:
+                chan.send({"t": "most", "bytes": nbytes})
 
     @property
     def limit(self) -> int | None:
@@ -290,7 +305,8 @@ class Colocation:
             except OSError:
                 time.sleep(self.reconnect_s)  # no server (yet, or restarting): keep the last limit
                 continue
-            chan.send({"t": "hello", "device": self.device, "min_bytes": self._min_bytes})
+            chan.send({"t": "hello", "device": self.device, "min_bytes": self._min_bytes,
+                       "max_bytes": self._max_bytes})
             with self._cond:
                 self._chan = chan
                 self._limit_id = self._acked_id = 0  # a new server numbers its limits from 1

@@ -10,8 +10,8 @@ answers False and calls ``released(device)`` once it has, from its own thread).
 Training side: :class:`~computron.colocate.client.Colocation` (``client.py``).
 
 Messages (one JSON object a line; times are ``time.monotonic()``, one clock for all the
-processes of a machine): training → server ``hello{device, min_bytes}``, ``ack{id, bytes,
-received, released}``; server → training ``limit{id, bytes, immediate, sent}`` and, with
+processes of a machine): training → server ``hello{device, min_bytes, max_bytes}``, ``ack{id, bytes,
+received, released}``, ``most{bytes}`` (the most it can use, when that changes); server → training ``limit{id, bytes, immediate, sent}`` and, with
 ``yield_compute``, ``yield{on, sent}`` (stop or go on queuing GPU work; nothing to acknowledge). A training job
 that disconnects (finished or killed) gives its share back at once; a server that restarts is
 found again by the job, which keeps its last limit meanwhile.
@@ -183,6 +183,7 @@ class ArbiterServer:
 
         with self._lock:
             return {"shares": [list(self.arbiter.shares(d)) for d in range(len(self.arbiter.devices))],
+                    "settled": [self.arbiter.settled(d) for d in range(len(self.arbiter.devices))],
                     "trainers": sorted(self._trainers), "handovers": [dict(h) for h in kept(self.handovers,
                                                                                       lambda h: h["t"])],
                     "limits": [list(r) for r in kept(self.limits)], "timeline": [list(r) for r in kept(self.timeline)],
@@ -264,9 +265,13 @@ class ArbiterServer:
                 ch.close()
                 return
             self._trainers[device] = ch
-            self._dispatch(self.arbiter.train_joined(device, int(hello.get("min_bytes", 0)), time.monotonic()))
+            self._dispatch(self.arbiter.train_joined(device, int(hello.get("min_bytes", 0)), time.monotonic(),
+                                                     int(hello.get("max_bytes", 0))))
         while (msg := ch.recv()) is not None:
-            if msg.get("t") == "ack":
+            if msg.get("t") == "most":
+                with self._lock:
+                    self._dispatch(self.arbiter.train_most(device, int(msg["bytes"]), time.monotonic()))
+            elif msg.get("t") == "ack":
                 with self._lock:
                     sent = self._sent.get(msg["id"])
                     if sent is not None:

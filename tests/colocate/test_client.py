@@ -216,3 +216,45 @@ def test_the_job_tells_the_server_the_most_it_can_use_and_colocate_caps_it_there
             again.close()
     finally:
         colo.close()
+
+
+def test_a_job_that_sends_what_the_arbiter_cannot_take_is_dropped_and_its_device_freed(tmp_path, caplog):
+    """A malformed hello is refused with its reason; a malformed message later drops the job (its share
+    freed, a warning saying which message) instead of leaving its device taken for good."""
+    import json
+    import socket
+
+    from computron.colocate.arbiter import Arbiter, ArbiterConfig
+    from computron.colocate.protocol import ArbiterServer
+
+    addr = str(tmp_path / "arbiter.sock")
+    server = ArbiterServer(Arbiter(ArbiterConfig(mode="colocate", capacity=1000)), addr)
+
+    def job(*msgs):
+        s = socket.socket(socket.AF_UNIX)
+        s.settimeout(5.0)  # a server that never answers fails the test, not hangs it
+        s.connect(addr)
+        for m in msgs:
+            s.sendall((json.dumps(m) + "\n").encode())
+        return s, s.makefile("r")
+
+    try:
+        s, f = job({"t": "hello", "device": "zero"})
+        assert "whole numbers" in json.loads(f.readline())["error"] and f.readline() == ""
+        s.close()
+        s, f = job({"t": "hello", "device": 0, "min_bytes": 10}, {"t": "most", "bytes": -5})
+        assert json.loads(f.readline())["t"] == "limit"  # joined
+        assert f.readline() == ""  # then dropped for the negative most
+        s.close()
+        deadline = time.monotonic() + 5.0
+        while server.trainer_connected(0) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not server.trainer_connected(0) and server.arbiter.shares(0) == (0, 0)
+        assert any("cannot take" in r.message and "-5" in r.message for r in caplog.records)
+        colo = Colocation(addr, reconnect_s=0.01)  # the device is free for the next job
+        try:
+            assert colo.wait_connected(5.0) and colo.limit == 1000
+        finally:
+            colo.close()
+    finally:
+        server.close()

@@ -21,6 +21,7 @@ found again by the job, which keeps its last limit meanwhile.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import threading
@@ -29,6 +30,7 @@ from collections import deque
 
 from .arbiter import Arbiter, InferenceShare, TrainLimit, TrainYield
 
+log = logging.getLogger("computron.colocate")
 RECORDS = 100_000  # records of each kind a server keeps (handovers, limits, share changes)
 
 
@@ -259,32 +261,45 @@ class ArbiterServer:
         if not hello or hello.get("t") != "hello":
             ch.close()
             return
-        device = int(hello.get("device", 0))
+        try:
+            device, least, most = (int(hello.get(k, 0)) for k in ("device", "min_bytes", "max_bytes"))
+        except (TypeError, ValueError):
+            ch.send({"t": "error",
+                     "error": f"a hello needs whole numbers of device, min_bytes, max_bytes, got {hello}"})
+            ch.close()
+            return
         with self._lock:
             if device in self._trainers or not 0 <= device < len(self.arbiter.devices):
                 ch.send({"t": "error", "error": f"device {device} is taken or unknown"})
                 ch.close()
                 return
             self._trainers[device] = ch
-            self._dispatch(self.arbiter.train_joined(device, int(hello.get("min_bytes", 0)), time.monotonic(),
-                                                     int(hello.get("max_bytes", 0))))
-        while (msg := ch.recv()) is not None:
-            if msg.get("t") == "most":
-                with self._lock:
-                    self._dispatch(self.arbiter.train_most(device, int(msg["bytes"]), time.monotonic()))
-            elif msg.get("t") == "ack":
-                with self._lock:
-                    sent = self._sent.get(msg["id"])
-                    if sent is not None:
-                        self._acks[msg["id"]] = dict(device=device, sent=sent[0], received=msg["received"],
-                                                     reached=msg.get("reached", msg["received"]),
-                                                     released=msg["released"], arrived=time.monotonic())
-                    self._dispatch(self.arbiter.train_ack(device, msg["id"], int(msg["bytes"]), time.monotonic()))
+            self._dispatch(self.arbiter.train_joined(device, least, time.monotonic(), most))
+        try:
+            while (msg := ch.recv()) is not None:
+                self._handle(device, msg)
+        except (KeyError, TypeError, ValueError) as e:  # a broken job: treated as gone, its share freed
+            log.warning("training job on device %d sent a message the arbiter cannot take (%r: %s); "
+                        "dropping it", device, msg, e)
         with self._lock:
             if self._trainers.get(device) is ch:
                 del self._trainers[device]
                 self._dispatch(self.arbiter.train_left(device, time.monotonic()))
         ch.close()
+
+    def _handle(self, device: int, msg: dict) -> None:
+        """One message of the training job on ``device``."""
+        if msg.get("t") == "most":
+            with self._lock:
+                self._dispatch(self.arbiter.train_most(device, int(msg["bytes"]), time.monotonic()))
+        elif msg.get("t") == "ack":
+            with self._lock:
+                sent = self._sent.get(msg["id"])
+                if sent is not None:
+                    self._acks[msg["id"]] = dict(device=device, sent=sent[0], received=msg["received"],
+                                                 reached=msg.get("reached", msg["received"]),
+                                                 released=msg["released"], arrived=time.monotonic())
+                self._dispatch(self.arbiter.train_ack(device, msg["id"], int(msg["bytes"]), time.monotonic()))
 
     def _ticker(self, tick_s: float) -> None:
         while not self._closed:

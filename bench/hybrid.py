@@ -271,6 +271,7 @@ class Job(Proc):
                  env: dict[str, str] | None = None):
         self.steps: list[float] = []  # when each step line came
         self.micro: list[list[int]] = []  # each step's micro-batch sizes, as its line says
+        self.peaks: list[int | None] = []  # each step's peak memory in MiB, as its line says
         self.profile = profile  # its --profile directory (None: not profiled)
         if profile is not None:
             profile.mkdir(parents=True, exist_ok=True)
@@ -281,6 +282,8 @@ class Job(Proc):
             self.steps.append(time.monotonic())
             sizes = re.search(r"micro-batches \[([\d, ]*)\]", line)
             self.micro.append([int(x) for x in sizes.group(1).split(",") if x.strip()] if sizes else [])
+            peak = re.search(r"peak ([\d,]+) MiB", line)
+            self.peaks.append(int(peak.group(1).replace(",", "")) if peak else None)
         else:
             super().line(line)
 
@@ -309,6 +312,10 @@ class Job(Proc):
     def micro_batches(self, t0: float, t1: float) -> list[int]:
         """Every micro-batch size of the steps that ended between ``t0`` and ``t1``."""
         return [m for t, sizes in zip(self.steps, self.micro) if t0 <= t <= t1 for m in sizes]
+
+    def peaks_mib(self, t0: float, t1: float) -> list[int | None]:
+        """The peak memory (MiB) of each step that ended between ``t0`` and ``t1``."""
+        return [p for t, p in zip(self.steps, self.peaks) if t0 <= t <= t1]
 
     def stop(self) -> None:
         self.p.terminate()
@@ -428,6 +435,7 @@ def run_phase(args, phase: str, trace, server: Server | None, job: Job | None) -
            "train_rate_left_out": None if skip is None else [skip[0] - t0, skip[1] - t0],  # from the run's start
            "train_micro_batches": job.micro_batches(t0, t1) if job else None,
            "train_step_ends": [t - t0 for t in job.steps if t0 <= t <= t1] if job else None,  # from the run's start
+           "train_step_peaks_mib": job.peaks_mib(t0, t1) if job else None,
            # the server's swap-ins during the run (and their bytes and seconds) and the decode graphs it
            # captured (again after weights moved), from its /metrics
            "server_swaps": {k: v - swaps0.get(k, 0.0) for k, v in server_counters(server.url).items()} if server else None,
@@ -437,7 +445,7 @@ def run_phase(args, phase: str, trace, server: Server | None, job: Job | None) -
         rep = server.report(t0)
         rel = lambda rows: [[r[0] - t0, *r[2:]] for r in rows if r[1] == 0]  # device 0, from the run's start
         out.update(handovers=[{**h, "t": h["t"] - t0} for h in rep["handovers"]], limits=rel(rep["limits"]),
-                   yields=rel(rep.get("yields", [])),
+                   yields=rel(rep.get("yields", [])), train_mosts=rel(rep.get("mosts", [])),
                    timeline=[[0.0, *before["shares"][0]], *rel(rep["timeline"])],
                    used=[[0.0, before["booked"][0]], *rel(rep["used"])],
                    train_share_at_start=before["shares"][0][1], capacity=rep["capacity"])

@@ -207,11 +207,13 @@ def test_the_job_tells_the_server_the_most_it_can_use_and_colocate_caps_it_there
         assert wait(lambda: colo.limit == 190)
         assert wait(lambda: server.records()["shares"][0] == [810, 190])  # idle inference has the rest
         assert server.records()["settled"] == [True]
+        assert [r[1:] for r in server.records()["mosts"]] == [[0, 0], [0, 190]]  # the hello's unknown, then 190
         server.close()
         again = ArbiterServer(Arbiter(ArbiterConfig(mode="colocate", capacity=1000, idle_s=0.0)), addr)
         try:
             assert wait(lambda: again.trainer_connected(0)) and wait(lambda: colo.limit == 190)
             assert again.arbiter.devices[0].train_max == 190
+            assert [r[1:] for r in again.records()["mosts"]] == [[0, 190]]  # said again in the hello
         finally:
             again.close()
     finally:

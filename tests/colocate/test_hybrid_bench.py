@@ -53,6 +53,10 @@ def test_one_command_runs_every_phase_against_the_real_server(tmp_path):
             assert sp["requests"] == n and sp["share"] == sp["met"] / n, (mode, sp)
             assert sp["wilson95"][0] <= sp["share"] <= sp["wilson95"][1] <= 1.0, (mode, sp)
     assert rows["training-alone"]["train_relative"] == 1.0
+    alone = runs["training-alone"][0]  # each step's peak memory, read off the job's step lines
+    assert len(alone["train_step_peaks_mib"]) == len(alone["train_step_ends"]) > 0
+    assert all(p > 0 for p in alone["train_step_peaks_mib"]), alone["train_step_peaks_mib"]
+    assert all(isinstance(runs[m][0]["train_mosts"], list) for m in MODES)  # the jobs' mosts said in the run
     # the job trains beside the server (a loaded CPU may fit no step of a shrunk or paused job into one
     # 2 s run, and task-switch pauses it whenever inference has work; the bench waits for a step
     # under each arbiter before each run)

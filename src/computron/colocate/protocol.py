@@ -113,6 +113,8 @@ class ArbiterServer:
         self.limits: deque[tuple[float, int, int]] = deque(maxlen=RECORDS)
         self.timeline: deque[tuple[float, int, int, int]] = deque(maxlen=RECORDS)
         self.yields: deque[tuple[float, int, bool]] = deque(maxlen=RECORDS)  # (time, device, on) of each sent
+        # (time, device, bytes) of each most a job said it can use (its hello's, then each change)
+        self.mosts: deque[tuple[float, int, int]] = deque(maxlen=RECORDS)
         self._last_shares: dict[int, tuple[int, int]] = {}
         self._lock = threading.Condition()
         self._trainers: dict[int, Channel] = {}
@@ -179,8 +181,8 @@ class ArbiterServer:
 
     def records(self, since: float | None = None) -> dict:
         """What happened since ``since`` (a ``time.monotonic()``; None: everything), as plain JSON:
-        the current shares, the handovers, the limits sent to training, the share timeline and the
-        yields (``[time, device, on]``)."""
+        the current shares, the handovers, the limits sent to training, the share timeline, the
+        yields (``[time, device, on]``) and the mosts the jobs said they can use (``[time, device, bytes]``)."""
         def kept(rows, t=lambda r: r[0]):
             return [r for r in rows if since is None or t(r) >= since]
 
@@ -190,7 +192,7 @@ class ArbiterServer:
                     "trainers": sorted(self._trainers), "handovers": [dict(h) for h in kept(self.handovers,
                                                                                       lambda h: h["t"])],
                     "limits": [list(r) for r in kept(self.limits)], "timeline": [list(r) for r in kept(self.timeline)],
-                    "yields": [list(r) for r in kept(self.yields)]}
+                    "yields": [list(r) for r in kept(self.yields)], "mosts": [list(r) for r in kept(self.mosts)]}
 
     def trainer_connected(self, device: int) -> bool:
         with self._lock:
@@ -274,7 +276,9 @@ class ArbiterServer:
                 ch.close()
                 return
             self._trainers[device] = ch
-            self._dispatch(self.arbiter.train_joined(device, least, time.monotonic(), most))
+            now = time.monotonic()
+            self.mosts.append((now, device, most))
+            self._dispatch(self.arbiter.train_joined(device, least, now, most))
         try:
             while (msg := ch.recv()) is not None:
                 self._handle(device, msg)
@@ -291,7 +295,10 @@ class ArbiterServer:
         """One message of the training job on ``device``."""
         if msg.get("t") == "most":
             with self._lock:
-                self._dispatch(self.arbiter.train_most(device, int(msg["bytes"]), time.monotonic()))
+                now, nbytes = time.monotonic(), int(msg["bytes"])
+                actions = self.arbiter.train_most(device, nbytes, now)  # refuses a negative most
+                self.mosts.append((now, device, nbytes))
+                self._dispatch(actions)
         elif msg.get("t") == "ack":
             with self._lock:
                 sent = self._sent.get(msg["id"])

@@ -109,13 +109,14 @@ def test_the_colocated_jobs_environment_reaches_its_process_and_a_bad_pair_is_re
 
     hybrid = _hybrid_module()
     assert hybrid.env_pairs(["A=1", "B=x=y", "C="]) == {"A": "1", "B": "x=y", "C": ""}
-    code = "import os; print('step 1/1 micro-batches [2] ' + os.environ['HYBRID_T'] + ' ' + os.environ['PYTHONPATH'])"
+    code = "import os; print('step 1/1 micro-batches [2] peak 1,234 MiB ' + os.environ['HYBRID_T'] + ' ' + os.environ['PYTHONPATH'])"
     job = hybrid.Job([sys.executable, "-c", code], env=hybrid.env_pairs(["HYBRID_T=yes"]))
     job.p.wait(30)
     deadline = time.monotonic() + 10
     while not job.steps and time.monotonic() < deadline:  # the reader thread sees the line
         time.sleep(0.01)
-    assert job.micro == [[2]] and job.last_lines[0].startswith("step 1/1 micro-batches [2] yes ")
+    assert job.micro == [[2]] and job.peaks == [1234]  # the step's sizes and peak, read off its line
+    assert job.last_lines[0].startswith("step 1/1 micro-batches [2] peak 1,234 MiB yes ")
     assert str(ROOT / "src") in job.last_lines[0]  # the bench's own environment is kept under it
     job = hybrid.Job([sys.executable, "-c", "import os; print(os.environ.get('HYBRID_T', 'unset'))"])
     job.p.wait(30)
@@ -154,3 +155,13 @@ def test_the_gpu_sampler_reads_nvidia_smi_lines_and_summarises_each_run(tmp_path
     assert got["temperature_c_max"] == 61.0 and got["power_w_median"] == 650.0
     assert "-i 3" in (tmp_path / "args").read_text()  # the first visible GPU, as the job sees it
     assert sampler.p.poll() is not None  # stopped with the run
+
+
+def test_each_arbiter_phase_is_a_mode_and_a_yield():
+    """A phase's name is the arbiter's mode and, after ``+``, when training yields the compute: the body
+    ``POST /admin/colocation`` gets when the bench switches to it."""
+    hybrid = _hybrid_module()
+    got = {p: hybrid.arbiter_settings(p) for p in hybrid.ARBITER_PHASES}
+    assert got["static+yield-first"] == {"mode": "static", "yield_compute": "first-token"}
+    assert got["colocate+yield"] == {"mode": "colocate", "yield_compute": "work"}
+    assert all(got[m] == {"mode": m, "yield_compute": "none"} for m in MODES)

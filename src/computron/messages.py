@@ -237,12 +237,16 @@ class StepResult:
     # weights and KV caches are gone, their requests are not (they recompute when they run again).
     reset_devices: list[int] = field(default_factory=list)
     trace: dict[str, dict] = field(default_factory=dict)  # model -> copy ends / compute starts (seconds)
+    # model -> when (the engine's clock) the first step of its batch ended, for a batch of several steps
+    # whose first prefills (its new requests' first tokens came then, not at the run's end); None: none
+    first_at: dict[str, float] | None = None
 
     def __init__(self, tokens: dict[str, int | list[int]] | None = None,
                  logprobs: dict[str, tuple | list[tuple]] | None = None, prompt_logprobs: dict[str, list] | None = None,
                  loaded: dict[str, float] | None = None, compute_s: dict[str, float] | None = None,
                  failed: dict[str, str] | None = None, lost_devices: list[int] | None = None,
-                 reset_devices: list[int] | None = None, trace: dict[str, dict] | None = None) -> None:
+                 reset_devices: list[int] | None = None, trace: dict[str, dict] | None = None,
+                 first_at: dict[str, float] | None = None) -> None:
         self.tokens = {} if tokens is None else tokens
         self.logprobs = {} if logprobs is None else logprobs
         self.prompt_logprobs = {} if prompt_logprobs is None else prompt_logprobs
@@ -252,6 +256,7 @@ class StepResult:
         self.lost_devices = [] if lost_devices is None else lost_devices
         self.reset_devices = [] if reset_devices is None else reset_devices
         self.trace = {} if trace is None else trace
+        self.first_at = first_at
 
     def __reduce__(self) -> tuple:
         return _by_fields(self)
@@ -277,3 +282,5 @@ class ExecutorStatus:
     models: dict[str, str]  # name -> "resident" | "loading" (copies in flight); absent: offloaded
     kv_block_tokens: int = 16  # tokens per block of its paged KV caches
     stats: dict = field(default_factory=dict)  # counters of its own (e.g. CUDA graph captures and their seconds)
+    # a batch of several steps may start with prefills (its later steps decode them too); the simulator's
+    prefill_runs: bool = False

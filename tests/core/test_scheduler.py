@@ -589,3 +589,39 @@ def test_models_per_step_counts_each_device_of_a_sharded_model():
     assert sorted(_models(p)) == ["a", "b", "c"]
     with pytest.raises(ValueError, match="models_per_step must be at least 1, got 0"):
         _sched(1000, models_per_step=0)
+
+
+@pytest.mark.parametrize("case", ["memory", "token budget", "preempt policy", "executor without such runs"])
+def test_a_step_that_admits_starts_a_run_only_while_what_stopped_admission_holds(case):
+    """Where the executor runs batches of several steps whose first prefills (``prefill_runs``, the
+    simulator's), a step that admits a request starts such a run when admission stopped for memory:
+    that holds until a request ends, so the steps after would decode the same batch. Not when it
+    stopped at the token budget (the next step admits more), not under a preempting policy, and not
+    where the executor lacks such runs; there the next step still decodes the batch without a search."""
+    weights = 100_000
+    kw = dict(prefill_runs=case != "executor without such runs",
+              policy="preempt" if case == "preempt policy" else "default")
+    if case == "token budget":
+        s = _sched((weights + 20 * BLOCK,), max_tokens_per_step=50, **kw)
+    else:  # the model, then KV for 7 blocks: two requests of 3 (40 + 8 tokens), not a third
+        s = _sched((kv_region_bytes(1, weights) + 7 * BLOCK,), **kw)
+    s.add_model("a", weights, KVT)
+    s.add_request(_req(0, "a", prompt=40, max_tokens=8))
+    first = s.schedule(0.0, max_steps=50)
+    assert first.loads == ["a"] and first.steps == 1  # a load: no run
+    s.update(first)
+    s.loaded("a")
+    for i in (1, 2):
+        s.add_request(_req(i, "a", prompt=40, max_tokens=8))
+    plan = s.schedule(1.0, max_steps=50)
+    assert [(b.prefill, b.decode) for b in plan.batches] == [(["r1"], ["r0"])]  # r2 left waiting
+    if case == "memory":
+        assert plan.steps == 7  # r0's last token (its 8th) in the run's last step
+    else:
+        assert plan.steps == 1
+        s.update(plan)
+        # the steady batch: the next step decodes it without a search
+        assert (s._steady is not None) == (case == "executor without such runs")
+        after = s.schedule(1.1, max_steps=50)
+        want = [(["r2"], ["r0", "r1"])] if case == "token budget" else [([], ["r0", "r1"])]
+        assert [(b.prefill, b.decode) for b in after.batches] == want and after.steps > 1

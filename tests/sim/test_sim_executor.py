@@ -122,3 +122,29 @@ def test_a_decode_step_costs_what_batch_time_says_computed_once_per_batch_size()
     assert m.decode_s == {1: batch_time(CAL, m.nbytes, 0, 1), 3: batch_time(CAL, m.nbytes, 0, 3)}
     dt = batch_time(CAL, m.nbytes, 0, 2)
     assert ex.steps_before("a", 2, ex.clock.t + 2.5 * dt, 100) == 3 and m.decode_s[2] == dt
+
+
+def test_a_run_that_starts_with_prefills_times_its_first_step_apart():
+    """A batch of k steps whose first prefills a prompt beside a decode: the first step costs the
+    mixed ``batch_time``, its new request's first token comes at its end (``first_at``), the k - 1
+    after it decode both; ``steps_before`` counts such a run as single steps would."""
+    from computron.sim.costs import batch_time
+
+    ex = executor()
+    ex.apply(Residency(load=["a"]))
+    ex.wait_loads()
+    m = ex.models["a"]
+    first = batch_time(CAL, m.nbytes, 12, 1, 1)  # 12 prompt tokens and one decode
+    dt = batch_time(CAL, m.nbytes, 0, 2)
+    t0 = ex.clock.t
+    assert ex.steps_before("a", 2, t0 + first / 2, 100, (12, 1)) == 1  # the first step ends past it
+    assert ex.steps_before("a", 2, t0 + first + 2.5 * dt, 100, (12, 1)) == 4
+    assert ex.steps_before("a", 2, t0 + first + 2.5 * dt, 100) > 4  # as decode steps alone: more fit
+    seqs = [SeqInput("old", [1], 8, GREEDY), SeqInput("new", [3] * 12, 0, GREEDY)]
+    out = ex.execute([ExecuteBatch("a", seqs, steps=4)]).result()
+    assert out.first_at == {"a": t0 + first}
+    assert ex.clock.t == pytest.approx(t0 + first + 3 * dt, rel=1e-12)
+    assert out.tokens == {"old": [m.token] * 4, "new": [m.token] * 4}
+    assert ex.seqs["new"][1] == (12 + 3 + ex.block_tokens - 1) // ex.block_tokens  # its prompt and 3 tokens
+    one = ex.execute([ExecuteBatch("a", [SeqInput("x", [3] * 12, 0, GREEDY)])]).result()
+    assert one.first_at is None  # a single step's tokens come at its end

@@ -42,9 +42,12 @@ def _record(stepper) -> list:
 
     def step(*args):
         p = inner(*args)
-        plans.extend([(tuple(p.evictions), tuple(p.loads), tuple(p.prefetch),
-                       tuple((b.model, tuple(b.prefill), tuple(b.decode)) for b in p.batches),
-                       tuple(p.preempted), tuple(rid for rid, _ in p.failed))] * p.steps)  # a run: its steps
+        plans.append((tuple(p.evictions), tuple(p.loads), tuple(p.prefetch),
+                      tuple((b.model, tuple(b.prefill), tuple(b.decode)) for b in p.batches),
+                      tuple(p.preempted), tuple(rid for rid, _ in p.failed)))
+        # a run: its later steps decode the whole batch, the requests it admitted after those running
+        plans.extend([((), (), (), tuple((b.model, (), tuple(b.decode) + tuple(b.prefill)) for b in p.batches),
+                       (), ())] * (p.steps - 1))
         return p
 
     stepper.step = step

@@ -28,7 +28,7 @@ from .._mypyc import mypyc_attr
 from ..config import EngineConfig
 from ..messages import ExecuteBatch, ModelInfo, Residency, SamplingParams, SeqInput, StepResult
 from ..memory.units import staging_bytes
-from ..scheduler import Batch, ModelCost, SchedRequest, Scheduler, SchedulerConfig, SharedPrefix, Slo, StepPlan
+from ..scheduler import Batch, Bound, ModelCost, SchedRequest, Scheduler, SchedulerConfig, SharedPrefix, Slo, StepPlan
 from .executor import Executor, executor_kind
 
 
@@ -117,7 +117,8 @@ class EngineCore:
                 models_per_step=cfg.models_per_step,
                 block_tokens=st.kv_block_tokens, max_wait_s=cfg.max_wait_s, preempt_keeps_kv=cfg.preempt_keeps_kv,
                 slo_scale=cfg.slo_scale, kv_host_bytes=cfg.kv_host_bytes, stripe_devices=stripe,
-                stripe_staging=staging_bytes(int(cfg.stripe_chunk_bytes)) if stripe else 0))
+                stripe_staging=staging_bytes(int(cfg.stripe_chunk_bytes)) if stripe else 0,
+                prefill_runs=st.prefill_runs))
         except ValueError as e:
             raise EngineError(str(e)) from None
         self._slo_config = cfg  # slo policy: the SLOs given and the calibration of the costs
@@ -316,7 +317,7 @@ class EngineCore:
                 self.finish(req, "error", why, unavailable)
 
     # ---- the step ------------------------------------------------------------------------------
-    def step(self, max_steps: int | Callable[[str, int], int] = 1) -> StepPlan:
+    def step(self, max_steps: int | Bound = 1) -> StepPlan:
         """One iteration: schedule, swap, execute one batch per model, update. The KV caches of
         requests that ended are released in one message at the end. ``max_steps`` > 1 lets a steady
         decode batch run that many steps in one call (``plan.steps``; see ``Scheduler.schedule``, which
@@ -338,7 +339,7 @@ class EngineCore:
                 return
             seen.update(devices)
 
-    def _step(self, max_steps: int | Callable[[str, int], int] = 1) -> StepPlan:
+    def _step(self, max_steps: int | Bound = 1) -> StepPlan:
         if self.colocation is not None:
             self.colocation.poll()
         ended = self.ended
@@ -409,12 +410,13 @@ class EngineCore:
                 for c in r.group.members if r.group else (r,):
                     c.prompt_logprobs = lps
         now = self.clock()
-        reqs, out, logprobs = self.requests, result.tokens, result.logprobs
+        reqs, out, logprobs, first_at = self.requests, result.tokens, result.logprobs, result.first_at
         plain = not logprobs and self.on_token is None  # tokens can go in at once (as _append would)
         for b in batches:
             compute = result.compute_s.get(b.model, 0.0)
             loaded = result.loaded.get(b.model, 0.0)
             eos = self.models[b.model].config.eos_token_id
+            first = now if first_at is None else first_at.get(b.model, now)
             for rid in b.requests:
                 r = reqs.get(rid)
                 tokens = out.get(rid)
@@ -423,7 +425,7 @@ class EngineCore:
                 r.compute_s += compute
                 ids = r.output_ids
                 if not ids:
-                    r.first_token_at, r.load_s, r.evict_s = now, loaded, evict_s
+                    r.first_token_at, r.load_s, r.evict_s = first, loaded, evict_s
                 if not plain:
                     if isinstance(tokens, int):
                         self._append(r, tokens, logprobs.get(rid))

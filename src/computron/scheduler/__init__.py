@@ -3,9 +3,9 @@
 The ``Scheduler`` is driven by the engine core; it never imports torch, so a simulation can drive it too.
 """
 
-from .scheduler import POLICIES, Scheduler, SchedulerConfig
+from .scheduler import POLICIES, Bound, Scheduler, SchedulerConfig
 from .slo import ModelCost, Slo
 from .state import LOADING, OFFLOADED, RESIDENT, Batch, ModelState, SchedRequest, SharedPrefix, StepPlan
 
-__all__ = ["POLICIES", "Scheduler", "SchedulerConfig", "Batch", "ModelState", "SchedRequest", "StepPlan",
+__all__ = ["POLICIES", "Bound", "Scheduler", "SchedulerConfig", "Batch", "ModelState", "SchedRequest", "StepPlan",
            "LOADING", "OFFLOADED", "RESIDENT", "SharedPrefix", "ModelCost", "Slo"]

@@ -63,6 +63,9 @@ from .slo import Deadlines, ModelCost, Slo
 from .state import LOADING, RESIDENT, Batch, ModelState, SchedRequest, StepPlan
 
 POLICIES = ("default", "preempt", "slo", "computron")
+# a driver's bound on a run of steps, asked once the batch is known: (model, batch size, (tokens, prompts)
+# its first step prefills, or None) -> steps
+Bound = Callable[[str, int, "tuple[int, int] | None"], int]
 
 
 @dataclass
@@ -86,6 +89,8 @@ class SchedulerConfig:
     # may borrow while they have no load in flight, and the staging bytes each lends meanwhile.
     stripe_devices: tuple[int, ...] = ()
     stripe_staging: int = 0
+    # the executor runs a batch of several steps whose first prefills (``ExecutorStatus.prefill_runs``)
+    prefill_runs: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.budgets, int):
@@ -153,6 +158,7 @@ class Scheduler(Memory):
         self._epoch = 0
         self._changes = 0  # bumped by arrivals and model changes; with _epoch it says "nothing changed"
         self._steady: tuple[tuple[int, int], ModelState] | None = None  # ((epoch, changes), model) after a step that only decoded it
+        self._cut = False  # this plan's admission stopped at the token budget (the next step admits more)
         self.shares = list(self.budgets)  # what inference may use now (colocation: see set_budget)
         self.free = list(self.shares)  # per device: the share less what is booked (kept as it changes)
 
@@ -337,16 +343,19 @@ class Scheduler(Memory):
                 m.heap_key = None  # any other entry of m is stale from now on
                 yield key, m
 
-    def schedule(self, now: float = 0.0, max_steps: int | Callable[[str, int], int] = 1) -> StepPlan:
+    def schedule(self, now: float = 0.0, max_steps: int | Bound = 1) -> StepPlan:
         """The next step's plan. ``max_steps`` > 1 lets a plan that only decodes one model's batch
         run up to that many steps back to back (``plan.steps``): it stops before any of its requests
         would end by length and before a block its tokens need does not fit, so the run decides
         exactly what as many single steps would, provided no request arrives (other than behind
-        others, ``joins_queue``) or ends otherwise in between. A function of (model, batch size)
-        may give the bound once the batch is known (a driver with a cost model: steps that end
-        before the next arrival). With single steps (``max_steps`` 1), a steady batch none of whose
-        requests makes its last token in this step is marked ``plan.repeats``, as is a step of several
-        models' steady decode batches (``models_per_step``) none of whose requests does."""
+        others, ``joins_queue``) or ends otherwise in between. Where the executor can
+        (``prefill_runs``), a plan of one model that also admits requests may start such a run (its
+        first step prefills them). A function of (model, batch size, the first step's prefill
+        tokens and prompts or None) may give the bound once the batch is known (a driver with a
+        cost model: steps that end before the next arrival). With single steps (``max_steps`` 1), a
+        steady batch none of whose requests makes its last token in this step is marked
+        ``plan.repeats``, as is a step of several models' steady decode batches (``models_per_step``)
+        none of whose requests does."""
         self.step_count += 1
         steady = self._steady
         if steady is not None and steady[0] == (self._epoch, self._changes) and \
@@ -357,21 +366,37 @@ class Scheduler(Memory):
         plan = self._schedule(now)
         b = plan.batches
         quiet = bool(b) and not (plan.loads or plan.prefetch or plan.evictions or plan.preempted or plan.failed
-                                 or plan.kv_out or any(x.prefill for x in b))
+                                 or plan.kv_out)
+        prefill = quiet and any(x.prefill for x in b)
         self._steady = None
-        if quiet and len(b) == 1:
+        # One model's batch: the next steps decode it (``_steady``), and a run of them may start now.
+        # After requests were just admitted, only while what stopped admission holds (memory, the
+        # batch's size, an older request elsewhere; not the token budget) and not under a preempting
+        # policy, whose deadlines change with the requests admitted; a run then starts with this step
+        # only where the executor runs such runs (``prefill_runs``).
+        if quiet and len(b) == 1 and not (prefill and (self._cut or self.preempts)):
             m = self.models[b[0].model]
             self._steady = ((self._epoch, self._changes), m)
-            plan.steps = self._run(m, max_steps)
-            plan.repeats = max_steps == 1 and self._lasts(m, 1)
-        elif quiet:  # several models' decode batches (models_per_step): each repeats if none of its ends
+            if not prefill:
+                plan.steps = self._run(m, max_steps)
+                plan.repeats = max_steps == 1 and self._lasts(m, 1)
+            elif self.config.prefill_runs:
+                plan.steps = self._run(m, max_steps, self._prefill_of(b[0]))
+        elif quiet and not prefill:  # several models' decode batches (models_per_step): each repeats if none of its ends
             plan.repeats = max_steps == 1 and all(self._lasts(self.models[x.model], 1) for x in b)
         return plan
 
-    def _run(self, m: ModelState, max_steps: int | Callable[[str, int], int]) -> int:
-        """Steps the decode batch of ``m`` runs from this one on (see ``_run_length``)."""
+    def _prefill_of(self, batch: Batch) -> tuple[int, int]:
+        """(tokens, prompts) the prefills of ``batch`` compute in its first step."""
+        reqs = self.requests
+        return sum(reqs[r].prompt_len + reqs[r].done for r in batch.prefill), len(batch.prefill)
+
+    def _run(self, m: ModelState, max_steps: int | Bound,
+             prefill: tuple[int, int] | None = None) -> int:
+        """Steps the batch of ``m`` runs from this one on (see ``_run_length``): decode steps, after a
+        first step that also computes ``prefill`` (tokens, prompts) when requests were just admitted."""
         if not isinstance(max_steps, int):
-            max_steps = max_steps(m.name, len(m.running))
+            max_steps = max_steps(m.name, len(m.running), prefill)
         if max_steps <= 1:
             return 1
         steps = self._run_length(m, max_steps)
@@ -379,7 +404,7 @@ class Scheduler(Memory):
         m.last_used = self.step_count
         return steps
 
-    def _steady_step(self, m: ModelState, max_steps: int | Callable[[str, int], int] = 1) -> StepPlan | None:
+    def _steady_step(self, m: ModelState, max_steps: int | Bound = 1) -> StepPlan | None:
         """Nothing changed since a step that only decoded one model's batch (no arrival, no end, no
         memory freed): the full search would choose that batch again. Only the blocks its next
         tokens need are taken; None (and nothing changed) when they do not fit as they are."""
@@ -451,6 +476,7 @@ class Scheduler(Memory):
 
     def _schedule(self, now: float) -> StepPlan:
         self._fresh.clear()
+        self._cut = False
         plan = StepPlan()
         room = [self.config.models_per_step] * len(self.budgets)  # batches each device may still take
         full = 0  # devices that can take no more
@@ -654,6 +680,7 @@ class Scheduler(Memory):
                 break  # drain: an older request of another model waits for this memory
             length = req.prompt_len + req.done
             if batch.prefill and tokens + length > cfg.max_tokens_per_step:
+                self._cut = True
                 break
             blocks = self._blocks(length)
             new = blocks - (req.prefix.blocks if req.prefix and req.prefix.holders else 0)

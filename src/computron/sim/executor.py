@@ -315,7 +315,7 @@ class SimExecutor:
                 if past:
                     decode += 1
                 else:
-                    prefill += n
+                    prefill += len(s.tokens)  # its prompt (a run's later steps decode it)
                     prompts += 1
                     if self.host and rid in self.host:  # a recompute drops a cache in host memory too
                         self._release(rid)
@@ -335,13 +335,24 @@ class SimExecutor:
             compute = batch_time(self.cal, m.nbytes, prefill, decode, prompts) if prefill else \
                 self._decode_time(m, decode)
             capture = self._capture(m, decode) if not prefill and self.graph_sizes else 0.0
+            run = bool(prefill) and k > 1  # its first step prefills, the k - 1 after it decode the whole batch
             if m.load_end > now:  # cold: group i computes once group i has landed (legacy: once all have)
                 finish = pipelined_finish(now, compute, m.groups, m.ready) if self.overlap else m.load_end + compute
+            elif run:
+                finish = now + compute
             else:
                 compute *= k  # a run is warm: k equal steps
                 finish = now + compute
             if m.kv_ready > now:  # caches moved back must land before its step computes
                 finish = max(finish, m.kv_ready + compute)
+            if run:  # the new requests' first tokens come at the first step's end
+                if result.first_at is None:
+                    result.first_at = {}
+                result.first_at[batch.model] = finish
+                rest = self._decode_time(m, len(batch.seqs)) * (k - 1)
+                capture = self._capture(m, len(batch.seqs)) if self.graph_sizes else 0.0
+                finish += rest
+                compute += rest
             finish += capture
             result.compute_s[batch.model] = finish - now
             if shared is not None:
@@ -391,10 +402,12 @@ class SimExecutor:
         self.stats["graph_captures"] += 1
         return self.cal.capture_time(m.nbytes, first)
 
-    def steps_before(self, model: str, batch: int, until: float, cap: int) -> int:
-        """How many decode steps of ``batch`` sequences of a warm ``model``, one after another from
-        now, run before one ends at or after ``until`` (that one included), at most ``cap``: the run
-        that single steps would make before a request arriving at ``until`` is seen."""
+    def steps_before(self, model: str, batch: int, until: float, cap: int,
+                     prefill: tuple[int, int] | None = None) -> int:
+        """How many steps of ``batch`` sequences of a warm ``model``, one after another from now, run
+        before one ends at or after ``until`` (that one included), at most ``cap``: the run that single
+        steps would make before a request arriving at ``until`` is seen. Decode steps; with ``prefill``
+        (tokens, prompts), the first step also computes those prompts."""
         m = self.models[model]
         now = self.clock.t
         if cap <= 1 or m.ready is None or m.load_end > now:
@@ -402,13 +415,18 @@ class SimExecutor:
         if until == math.inf:
             return cap
         dt = self._decode_time(m, batch)
-        first = 0.0  # the run's first step captures its bucket's graph, if it was not yet
+        first = 0.0  # the run's first decode step captures its bucket's graph, if it was not yet
         if self.graph_sizes:
             bucket = bucket_of(batch, self.graph_sizes)
             if bucket is not None and bucket not in m.captured:
                 first = self.cal.capture_time(m.nbytes, bucket not in m.warmed)
-        k = math.ceil((until - now - first) / dt)
-        return min(cap, max(k, 1))
+        if prefill is None:
+            return min(cap, max(math.ceil((until - now - first) / dt), 1))
+        tokens, prompts = prefill
+        p = batch_time(self.cal, m.nbytes, tokens, batch - prompts, prompts)
+        if now + p >= until:
+            return 1
+        return min(cap, max(1 + math.ceil((until - now - p - first) / dt), 2))
 
     def _poll_loads(self, out: dict[str, float], wait: bool = False) -> None:
         t = self.clock.t
@@ -437,7 +455,7 @@ class SimExecutor:
                 for d in range(self.n_devices)]
         models = {n: ("loading" if m.load_end > t else "resident") for n, m in self.models.items()
                   if m.ready is not None}
-        return ExecutorStatus(devs, models, self.block_tokens, dict(self.stats))
+        return ExecutorStatus(devs, models, self.block_tokens, dict(self.stats), prefill_runs=True)
 
     def probe_link(self, name: str, repeats: int) -> list[float]:
         m = self.models[name]

@@ -12,11 +12,13 @@ before it replays a trace against a server, a warm-up request and a probe per mo
 so the trace starts with the models resident (and, under the legacy executor, the host copies
 page-locked) that the measured run started with.
 
-Fast-forward: when the scheduler's plan only decodes one model's batch, the core is allowed a run
-of as many steps as end before the next arrival that could change a plan (one that only waits
-behind others of its model cannot: ``Scheduler.joins_queue``); ``Scheduler.schedule(max_steps=...)``
-stops it earlier where a request ends or a block does not fit. The same decisions and times as
-single steps, at a fraction of the calls; requests that arrived during a run are added after it.
+Fast-forward: when the scheduler's plan only decodes one model's batch, or admits requests to it
+while what stopped admission holds (the simulated executor runs a first step that prefills them and
+then decode steps), the core is allowed a run of as many steps as end before the next arrival that
+could change a plan (one that only waits behind others of its model cannot:
+``Scheduler.joins_queue``); ``Scheduler.schedule(max_steps=...)`` stops it earlier where a request
+ends or a block does not fit. The same decisions and times as single steps, at a fraction of the
+calls; requests that arrived during a run are added after it.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from .._mypyc import mypyc_attr
 from ..config import EngineConfig, ModelSpec
 from ..engine.core import CoreRequest, EngineCore
 from ..messages import ModelDescription, SamplingParams
-from ..scheduler import ModelCost, StepPlan
+from ..scheduler import Bound, ModelCost, StepPlan
 from ..workload.report import by_model
 from .clock import VirtualClock
 from .costs import CPU_DEFAULT, Calibration
@@ -197,14 +199,14 @@ class Simulation:
         except ValueError as e:  # EngineError: the request is refused, as a server would answer 4xx
             rec.finish_reason, rec.error = "error", str(e)
 
-    def _run_bound(self, arrivals: list, i: int, cap: int) -> Callable[[str, int], int]:
+    def _run_bound(self, arrivals: list, i: int, cap: int) -> Bound:
         """The bound of a run of decode steps, for the scheduler to ask once it knows the batch: as
         many steps as end before the first arrival from ``arrivals[i]`` on that would change a plan
         (one that only joins a queue behind others does not), and before the preempt policy's
         deadline."""
         sched, n = self.core.scheduler, len(arrivals)
 
-        def bound(model: str, batch: int) -> int:
+        def bound(model: str, batch: int, prefill: tuple[int, int] | None) -> int:
             j, stop = i, min(n, i + ARRIVALS_AHEAD)
             joins: set[str] = set()  # models whose first arrival here joins: their later ones do too
             while j < stop:
@@ -217,7 +219,7 @@ class Simulation:
             until = arrivals[j].time if j < n else math.inf
             if sched.deadline is not None:  # a full search is due then
                 until = min(until, sched.deadline)
-            return self.executor.steps_before(model, batch, until, cap)
+            return self.executor.steps_before(model, batch, until, cap, prefill)
 
         return bound
 
@@ -248,7 +250,7 @@ class Simulation:
                     break
                 clock.advance_to(arrivals[i].time)
                 continue
-            k: int | Callable[[str, int], int] = 1
+            k: int | Bound = 1
             if self.fast_forward:
                 cap = FAST_FORWARD_MAX if max_steps is None else max(1, max_steps - steps)
                 k = self._run_bound(arrivals, i, cap)

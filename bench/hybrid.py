@@ -9,7 +9,8 @@ a preset (``--preset``, default OPT-1.3B: ``opt-1.3b=a``, ``opt-1.3b=b``, ...), 
 ``replay``), for inference alone, training alone and the trainer colocated in each of the arbiter's
 modes (normal, static, task-switch, colocate) and in colocate with the job yielding the GPU's compute
 (``colocate+yield``: while inference has work; ``colocate+yield-first``: while a request waits for its
-first token; ``static+yield`` and ``static+yield-first`` on request), each ``--repeats`` times. The training job runs in
+first token), each ``--repeats`` times; on request also ``colocate+yield-cold`` (while a request that
+found its model off the GPU waits for its first token) and ``static`` with each yield. The training job runs in
 its own process: ``--job gpt`` is ``computron train`` (a GPT-2-medium shape by default, or
 ``--train-model``), ``--job resnet`` is ``examples/resnet_colocated.py`` (ResNet-50, SGD).
 
@@ -455,9 +456,10 @@ def run_phase(args, phase: str, trace, server: Server | None, job: Job | None) -
 REFERENCES = ("inference-alone", "training-alone")
 # phases under an arbiter: each mode, and static / colocate with the training job yielding the GPU's
 # compute (``--colocate-yield``): ``+yield`` while inference has work, ``+yield-first`` while a request
-# waits for its first token
-ARBITER_PHASES = (*MODES, "static+yield", "static+yield-first", "colocate+yield", "colocate+yield-first")
-YIELD_OF = {"": "none", "yield": "work", "yield-first": "first-token"}
+# waits for its first token, ``+yield-cold`` while one that found its model off the GPU does
+ARBITER_PHASES = (*MODES, "static+yield", "static+yield-first", "static+yield-cold", "colocate+yield",
+                  "colocate+yield-first", "colocate+yield-cold")
+YIELD_OF = {"": "none", "yield": "work", "yield-first": "first-token", "yield-cold": "cold"}
 
 
 def arbiter_settings(phase: str) -> dict:
@@ -636,7 +638,8 @@ def main(argv=None) -> int:
     p.add_argument("--modes", default=",".join((*REFERENCES, *MODES, "colocate+yield", "colocate+yield-first")),
                    help="phases to run now, of inference-alone, training-alone, the modes, static+yield and "
                         "colocate+yield (training yields the compute while inference has work), static+yield-first "
-                        "and colocate+yield-first (while a request waits for its first token); runs are kept in "
+                        "and colocate+yield-first (while a request waits for its first token), static+yield-cold and "
+                        "colocate+yield-cold (while one that found its model off the GPU does); runs are kept in "
                         "bench/results/hybrid_<tag>_runs.json, so a comparison can be split over several "
                         "invocations (same settings, same trace) and the summary covers every phase stored")
     p.add_argument("--job-timeout", type=float, default=300.0,

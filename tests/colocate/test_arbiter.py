@@ -188,8 +188,10 @@ def test_training_yields_the_compute_while_inference_has_work_and_only_then():
     assert arb.quiet(0, 3.4) == []  # nobody left to tell
 
 
-def test_first_token_yields_only_while_a_request_waits_for_its_first_token():
-    arb = Arbiter(ArbiterConfig(mode="static", capacity=40 * GB, static_train=16 * GB, yield_compute="first-token"))
+@pytest.mark.parametrize("policy", ["first-token", "cold"])
+def test_first_token_yields_only_while_a_request_waits_for_its_first_token(policy):
+    # under cold, the engine's link reports only the requests that found their model off the device
+    arb = Arbiter(ArbiterConfig(mode="static", capacity=40 * GB, static_train=16 * GB, yield_compute=policy))
     arb.train_joined(0, GB, 0.0)
     assert arb.busy(0, 1.0, first_token=False) == []  # decode steps share the GPU
     assert arb.busy(0, 1.1, first_token=True) == [TrainYield(0, True)]
@@ -197,7 +199,7 @@ def test_first_token_yields_only_while_a_request_waits_for_its_first_token():
     assert arb.busy(0, 1.3, first_token=False) == [TrainYield(0, False)]  # still busy, but only decoding
     assert arb.busy(0, 1.4, first_token=True) == [TrainYield(0, True)]
     assert arb.quiet(0, 1.5) == [TrainYield(0, False)]
-    with pytest.raises(ValueError, match="unknown yield_compute 'always'; known: none, first-token, work"):
+    with pytest.raises(ValueError, match="unknown yield_compute 'always'; known: none, cold, first-token, work"):
         ArbiterConfig(mode="colocate", capacity=GB, yield_compute="always")
 
 

@@ -164,4 +164,5 @@ def test_each_arbiter_phase_is_a_mode_and_a_yield():
     got = {p: hybrid.arbiter_settings(p) for p in hybrid.ARBITER_PHASES}
     assert got["static+yield-first"] == {"mode": "static", "yield_compute": "first-token"}
     assert got["colocate+yield"] == {"mode": "colocate", "yield_compute": "work"}
+    assert got["colocate+yield-cold"] == {"mode": "colocate", "yield_compute": "cold"}
     assert all(got[m] == {"mode": m, "yield_compute": "none"} for m in MODES)

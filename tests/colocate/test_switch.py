@@ -52,7 +52,7 @@ def test_switching_modes_at_run_time(tmp_path):
             bad = http.post("/admin/colocation", json={"mode": "colocate", "at_boundary": "false"}, headers=ADMIN)
             assert bad.status_code == 400 and "at_boundary must be true or false" in bad.json()["error"]["message"]
             bad = http.post("/admin/colocation", json={"yield_compute": True}, headers=ADMIN)
-            assert bad.status_code == 400 and "unknown yield_compute True; known: none, first-token, work" in \
+            assert bad.status_code == 400 and "unknown yield_compute True; known: none, cold, first-token, work" in \
                 bad.json()["error"]["message"]
             bad = http.post("/admin/colocation", json={"idle_s": -1}, headers=ADMIN)
             assert bad.status_code == 400 and "idle_s" in bad.json()["error"]["message"]
@@ -184,5 +184,81 @@ def test_the_engine_has_training_yield_the_compute_while_it_has_work(tmp_path, p
         assert [on for _, _, on in link.report()["yields"]] == got
     finally:
         job.close()
+        link.close()
+        engine.executor.shutdown()
+
+
+
+def test_cold_yields_only_while_a_request_waits_for_its_models_swap_in_and_first_token(tmp_path):
+    """``cold``: a request for a model off the device has training yield from its first step until its
+    first token; a later request for the same model, resident now, is served beside training."""
+    import threading
+
+    from computron.colocate.serving import EngineLink
+    from computron.messages import SamplingParams
+
+    cfg = EngineConfig(device="cpu", gpu_memory_budget=6_000_000, workspace_bytes=100_000)
+    engine = Engine(cfg)
+    engine.register_model(ModelSpec("tiny-opt"))
+    cap = min(engine.core.scheduler.config.budgets)
+    link = EngineLink(engine.core, str(tmp_path / "arb.sock"),
+                      ArbiterConfig(mode="colocate", capacity=cap, yield_compute="cold"))
+    job, _ = join(link.server.address)
+    got = []
+
+    def receive():  # acknowledges limits, keeps the yields
+        while (msg := job.recv()) is not None:
+            if msg["t"] == "yield":
+                got.append(msg["on"])
+            else:
+                job.send({"t": "ack", "id": msg["id"], "bytes": msg["bytes"], "received": time.monotonic(),
+                          "released": time.monotonic()})
+
+    threading.Thread(target=receive, daemon=True).start()
+    try:
+        params = SamplingParams(max_tokens=4, temperature=0.0)
+        cold = engine.submit("tiny-opt", [1, 2, 3], params)
+        engine.step()  # the swap-in and the prefill: the first token
+        assert cold.first_token_at is not None and engine.core.stats["swap_ins"] == 1
+        deadline = time.monotonic() + 5
+        while len(got) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert got == [True, False]  # yielded for the swap-in and the prefill, not for the decode steps
+        while not cold.done:
+            engine.step()
+        warm = engine.submit("tiny-opt", [4, 5, 6], params)
+        while not warm.done:
+            engine.step()
+        assert engine.core.stats["swap_ins"] == 1  # it stayed resident: the second request was warm
+        time.sleep(0.1)
+        assert got == [True, False] and [on for _, _, on in link.report()["yields"]] == got
+    finally:
+        job.close()
+        link.close()
+        engine.executor.shutdown()
+
+def test_a_cold_request_keeps_its_yield_after_its_model_is_loaded_until_its_first_token(tmp_path):
+    """The swap-in may end a step before the prefill that gives the first token (copies in flight on a
+    GPU): a request seen waiting while its model was off the device still counts once it is resident."""
+    from computron.colocate.serving import EngineLink
+    from computron.messages import SamplingParams
+    from computron.scheduler import RESIDENT
+
+    engine = Engine(EngineConfig(device="cpu", gpu_memory_budget=6_000_000, workspace_bytes=100_000))
+    engine.register_model(ModelSpec("tiny-opt"))
+    cap = min(engine.core.scheduler.config.budgets)
+    link = EngineLink(engine.core, str(tmp_path / "arb.sock"),
+                      ArbiterConfig(mode="colocate", capacity=cap, yield_compute="cold"))
+    try:
+        req = engine.submit("tiny-opt", [1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0))
+        model = engine.core.scheduler.models["tiny-opt"]
+        assert model.state != RESIDENT and link._first_token(0)  # cold: it waits for the swap-in
+        model.state = RESIDENT  # as when its copies have landed and its prefill has not run yet
+        assert link._first_token(0)  # still the cold request's first token
+        later = engine.submit("tiny-opt", [4, 5], SamplingParams(max_tokens=2, temperature=0.0))
+        req.first_token_at = 1.0
+        assert not link._first_token(0)  # a request that came once the model was resident is warm
+        assert later.first_token_at is None
+    finally:
         link.close()
         engine.executor.shutdown()

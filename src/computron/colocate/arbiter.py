@@ -28,7 +28,9 @@ Compute is shared as memory is not: without MPS two processes on one GPU take tu
 slices, and inference's short kernels wait behind training's. ``yield_compute`` (``static`` and
 ``colocate``) has training yield the GPU's compute to inference: ``work`` while inference has
 any work, ``first-token`` only while a request waits for its first token (its swap-in, its
-prefill; decode steps share the GPU), ``none`` never. :class:`TrainYield` ``on`` when inference
+prefill; decode steps share the GPU), ``cold`` only while a request that found its model off the
+device waits for its first token (the swap-in, the first prefill and graph captures after it are
+where colocated requests miss their SLO; a warm request's first token is quick), ``none`` never. :class:`TrainYield` ``on`` when inference
 reports such work (``busy``), ``off`` as soon as it has none (``busy`` without it, ``quiet``, or
 no ``busy`` for ``YIELD_STALE_S``: a request cancelled between steps leaves no step to report
 it); training stops queuing kernels at its next watched point until then (``client.py``).
@@ -39,7 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MODES = ("normal", "static", "task-switch", "colocate")
-YIELDS = ("none", "first-token", "work")  # when training yields the compute to inference
+YIELDS = ("none", "cold", "first-token", "work")  # when training yields the compute to inference
 YIELD_STALE_S = 0.25  # a yield with no ``busy`` this long ends (inference reports busy before every step)
 
 
@@ -183,12 +185,13 @@ class Arbiter:
         return out + self._grant(device)
 
     def busy(self, device: int, now: float, first_token: bool = True) -> list:
-        """Inference has work at ``now`` (``first_token``: a request waits for its first token): keeps
-        its memory from going back and, as ``yield_compute`` says, has training yield the compute or not."""
+        """Inference has work at ``now`` (``first_token``: a request waits for its first token, one that
+        found its model cold under ``cold``): keeps its memory from going back and, as ``yield_compute``
+        says, has training yield the compute or not."""
         c, d = self.config, self.devices[device]
         d.last_busy = now
         want = d.joined and c.mode in ("static", "colocate") and (
-            c.yield_compute == "work" or c.yield_compute == "first-token" and first_token)
+            c.yield_compute == "work" or c.yield_compute in ("first-token", "cold") and first_token)
         if want == d.yielding:
             return []
         d.yielding = want

@@ -13,7 +13,8 @@
    a smaller one (inference idle) evicts idle models down to it, then confirms with
    ``released`` so that training may grow into it.
 
-With ``yield_compute``, ``busy`` also says whether a request waits for its first token, and after
+With ``yield_compute``, ``busy`` also says whether a request waits for its first token (under
+``cold``, one that found its model off the device: ``_cold``), and after
 every step (``after_step``) the devices are reported again: training, told to yield the compute,
 runs again once inference has no such work.
 
@@ -42,6 +43,7 @@ import threading
 import time
 from collections import deque
 
+from ..scheduler import RESIDENT
 from .arbiter import MODES, YIELDS, Arbiter, ArbiterConfig
 from .protocol import RECORDS, ArbiterServer
 
@@ -66,6 +68,7 @@ class EngineLink:
         self._mail_lock = threading.Lock()
         self._polling: int | None = None  # the engine thread while it is in poll()
         self._fit: dict[int, tuple[float, int]] = {}  # device -> (clock, core.added) of the last poll its needs fit
+        self._cold: set[str] = set()  # ``cold`` yields: requests seen waiting while their model was off its devices
         self.server = ArbiterServer(Arbiter(config, self.devices), address, on_share=self._on_share)
         self.closed = False
         for d in range(self.devices):
@@ -131,12 +134,22 @@ class EngineLink:
                 self.server.quiet(d)
 
     def _first_token(self, device: int) -> bool:
-        """A request of a model on ``device`` waits for its first token (only asked with ``first-token``)."""
-        if self.config.yield_compute != "first-token":
+        """A request of a model on ``device`` waits for its first token (only asked with ``first-token``);
+        with ``cold``, one that was seen waiting while its model was not resident (its swap-in, then its
+        prefill)."""
+        policy = self.config.yield_compute
+        if policy not in ("first-token", "cold"):
             return True
         models = self.core.models
-        return any(r.first_token_at is None and device in models[r.model].placement.devices
-                   for r in self.core.requests.values())
+        waiting = [r for r in self.core.requests.values()
+                   if r.first_token_at is None and device in models[r.model].placement.devices]
+        if policy == "first-token":
+            return bool(waiting)
+        reqs, sched = self.core.requests, self.core.scheduler.models
+        self._cold = {i for i in self._cold if (r := reqs.get(i)) is not None and r.first_token_at is None}
+        cold = [r.id for r in waiting if r.id in self._cold or sched[r.model].state != RESIDENT]
+        self._cold.update(cold)
+        return bool(cold)
 
     def close(self) -> None:
         self.closed = True

@@ -361,7 +361,7 @@ class Server(Proc):
     def switch(self, phase: str) -> float:
         """The arbiter of ``phase`` (a new one at the same address: the job reconnects); seconds taken."""
         t = time.monotonic()
-        r = self.admin("POST", "/admin/colocation", json=arbiter_settings(phase))
+        r = self.admin("POST", "/admin/colocation", json=arbiter_settings(phase, self.args.static_train_gb))
         if r.status_code != 200:
             self.fail(f"switching to {phase} failed: {r.status_code} {r.text}")
         self.mode = phase
@@ -456,16 +456,58 @@ def run_phase(args, phase: str, trace, server: Server | None, job: Job | None) -
 REFERENCES = ("inference-alone", "training-alone")
 # phases under an arbiter: each mode, and static / colocate with the training job yielding the GPU's
 # compute (``--colocate-yield``): ``+yield`` while inference has work, ``+yield-first`` while a request
-# waits for its first token, ``+yield-cold`` while one that found its model off the GPU does
+# waits for its first token, ``+yield-cold`` while one that found its model off the GPU does; and
+# ``static@GIB`` (with any yield) for a static split that gives training GIB GiB instead of
+# ``--static-train-gb``, so that one call measures static at several splits
 ARBITER_PHASES = (*MODES, "static+yield", "static+yield-first", "static+yield-cold", "colocate+yield",
                   "colocate+yield-first", "colocate+yield-cold")
 YIELD_OF = {"": "none", "yield": "work", "yield-first": "first-token", "yield-cold": "cold"}
 
 
-def arbiter_settings(phase: str) -> dict:
-    """``POST /admin/colocation``'s body for an arbiter phase."""
-    mode, _, extra = phase.partition("+")
-    return {"mode": mode, "yield_compute": YIELD_OF[extra]}
+def parse_phase(phase: str) -> tuple[str, float | None, str]:
+    """(mode, training's GiB or None, yield suffix) of an arbiter phase ``MODE[@GIB][+YIELD]``;
+    ValueError for any other name."""
+    base, plus, extra = phase.partition("+")
+    mode, at, gib = base.partition("@")
+    bad_yield = plus and (not extra or extra not in YIELD_OF or mode not in ("static", "colocate"))
+    if mode not in MODES or bad_yield or (at and mode != "static"):
+        raise ValueError(f"not an arbiter phase: {phase!r}")
+    if not at:
+        return mode, None, extra
+    try:
+        gb = float(gib)
+    except ValueError:
+        raise ValueError(f"{phase!r}: static@GIB takes training's share in GiB, got {gib!r}") from None
+    if not 0 < gb < float("inf"):
+        raise ValueError(f"{phase!r}: training's share must be a positive number of GiB")
+    return mode, gb, extra
+
+
+def is_arbiter_phase(phase: str) -> bool:
+    try:
+        parse_phase(phase)
+    except ValueError:
+        return False
+    return True
+
+
+def in_order(phases) -> list[str]:
+    """The phases in the order they run and are reported: the references, the named arbiter phases,
+    then the static splits by their share."""
+    named = [p for p in (*REFERENCES, *ARBITER_PHASES) if p in phases]
+    splits = sorted((p for p in set(phases) if p not in named and is_arbiter_phase(p)),
+                    key=lambda p: (parse_phase(p)[1], p))
+    return named + splits
+
+
+def arbiter_settings(phase: str, static_train_gb: float | None = None) -> dict:
+    """``POST /admin/colocation``'s body for an arbiter phase (``static_train_gb``: a static phase's
+    share when the phase does not name one)."""
+    mode, gb, extra = parse_phase(phase)
+    out: dict = {"mode": mode, "yield_compute": YIELD_OF[extra]}
+    if mode == "static" and (gb if gb is not None else static_train_gb) is not None:
+        out["static_train"] = int((gb if gb is not None else static_train_gb) * GB)
+    return out
 
 
 # free: from the request's arrival; release = reach (the job's loop gets to it) + empty (the release itself)
@@ -501,7 +543,7 @@ def phase_row(r: dict, solo: dict[str, float] | None, train_alone: float | None)
         row["train_samples_per_s"] = r["train_samples_per_s"]
         if train_alone:
             row["train_relative"] = r["train_samples_per_s"] / train_alone
-    if r["mode"] in ARBITER_PHASES:
+    if is_arbiter_phase(r["mode"]):
         prev, shrinks = r.get("train_share_at_start"), 0
         for _, nbytes in r["limits"]:  # limits below the last one: training told to give memory back
             shrinks += prev is not None and nbytes < prev
@@ -556,7 +598,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
     rates = [r["train_samples_per_s"] for r in runs.get("training-alone", [])]
     train_alone = float(np.median(rates)) if rates else None
     rows = []
-    for phase in [*REFERENCES, *ARBITER_PHASES]:
+    for phase in in_order(runs):
         if runs.get(phase):
             row = _median([phase_row(r, solo, train_alone) for r in runs[phase]])
             rows.append({"mode": phase, "repeats": len(runs[phase]), **row, **pooled_slo(runs[phase], solo)})
@@ -571,7 +613,7 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shown = [rs[0] for m, rs in runs.items() if m in ARBITER_PHASES and rs and rs[0]["timeline"]]
+    shown = [runs[m][0] for m in in_order(runs) if is_arbiter_phase(m) and runs[m] and runs[m][0]["timeline"]]
     if not shown:
         return
     fig, axes = plt.subplots(len(shown), 1, figsize=(10, 2.2 * len(shown)), sharex=True, squeeze=False)
@@ -639,7 +681,9 @@ def main(argv=None) -> int:
                    help="phases to run now, of inference-alone, training-alone, the modes, static+yield and "
                         "colocate+yield (training yields the compute while inference has work), static+yield-first "
                         "and colocate+yield-first (while a request waits for its first token), static+yield-cold and "
-                        "colocate+yield-cold (while one that found its model off the GPU does); runs are kept in "
+                        "colocate+yield-cold (while one that found its model off the GPU does), and static@GIB "
+                        "(static with training given GIB GiB, with any yield: static at several splits in one "
+                        "call); runs are kept in "
                         "bench/results/hybrid_<tag>_runs.json, so a comparison can be split over several "
                         "invocations (same settings, same trace) and the summary covers every phase stored")
     p.add_argument("--job-timeout", type=float, default=300.0,
@@ -659,10 +703,10 @@ def main(argv=None) -> int:
     if args.profile_job and args.job != "gpt":
         p.error("--profile-job profiles computron train (--job gpt)")
     phases = args.modes.split(",")
-    unknown = [m for m in phases if m not in (*REFERENCES, *ARBITER_PHASES)]
+    unknown = [m for m in phases if m not in REFERENCES and not is_arbiter_phase(m)]
     if unknown or args.repeats < 1:
-        p.error(f"unknown phase(s) {unknown}; known: {', '.join((*REFERENCES, *ARBITER_PHASES))}" if unknown
-                else "--repeats must be at least 1")
+        p.error(f"unknown phase(s) {unknown}; known: {', '.join((*REFERENCES, *ARBITER_PHASES))}, and "
+                f"static@GIB with any yield" if unknown else "--repeats must be at least 1")
     try:
         lengths = [tuple(int(x) for x in v.split(":")) if ":" in v else int(v) for v in (args.prompt, args.output)]
     except ValueError:
@@ -715,7 +759,7 @@ def main(argv=None) -> int:
         for _ in range(args.repeats):
             record(run_phase(args, "training-alone", trace, None, job))
         job.stop()
-    modes = [m for m in ARBITER_PHASES if m in phases]
+    modes = [m for m in in_order(phases) if is_arbiter_phase(m)]
     if "inference-alone" in phases or modes:
         addr = os.path.join(tempfile.mkdtemp(prefix="computron-hybrid-"), "arbiter.sock")
         server = timed("serve_ready_s", lambda: Server(args, addr, args.job_timeout))

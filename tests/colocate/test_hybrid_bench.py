@@ -20,14 +20,16 @@ def test_one_command_runs_every_phase_against_the_real_server(tmp_path):
            "--models", "2", "--train-model", "tiny-opt", "--seq-len", "16", "--global-batch", "8",
            "--micro-batch", "8", "--capacity-gb", "0.005", "--workspace-gb", "0.0001", "--static-train-gb", "0.0037",
            "--idle", "0.3", "--rate", "8", "--cv", "2", "--duration", "2", "--prompt", "8", "--output", "4",
-           "--repeats", "1", "--warmup-steps", "1", "--job-timeout", "60", "--tag", "t", "--out", str(tmp_path)]
+           "--repeats", "1", "--warmup-steps", "1", "--job-timeout", "60", "--tag", "t", "--out", str(tmp_path),
+           "--modes", "inference-alone,training-alone,normal,static,task-switch,colocate,colocate+yield,"
+                      "colocate+yield-first,static@0.004"]  # the defaults, and static at a second split
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     out = json.loads((tmp_path / "hybrid_t.json").read_text())
     rows = {r["mode"]: r for r in out["rows"]}
     assert list(rows) == ["inference-alone", "training-alone", "normal", "static", "task-switch", "colocate",
-                          "colocate+yield", "colocate+yield-first"]
+                          "colocate+yield", "colocate+yield-first", "static@0.004"]
     assert set(out["startup"]) == {"alone_job_warmup_s", "serve_ready_s", "serve_warmup_s",
                                    "colocated_job_warmup_s", "mode_switch_p50_s"}
     assert set(out["solo_latency_by_model_s"]) == {"a", "b"}  # the trace asks both served copies
@@ -63,6 +65,9 @@ def test_one_command_runs_every_phase_against_the_real_server(tmp_path):
     assert all(rows[m]["train_samples_per_s"] >= 0 for m in MODES)
     assert max(rows[m]["train_samples_per_s"] for m in MODES) > 0
     assert rows["normal"]["handovers"] == 0 and rows["static"]["handovers"] == 0  # nothing is handed over
+    # each static run held its own split: --static-train-gb, and the one static@GIB names
+    assert runs["static"][0]["train_share_at_start"] == int(0.0037 * 2**30)
+    assert runs["static@0.004"][0]["train_share_at_start"] == int(0.004 * 2**30)
     # training was told to yield the compute while inference had work, and only in that phase
     assert rows["colocate+yield"]["train_yields"] >= 1 and rows["colocate+yield-first"]["train_yields"] >= 1
     assert all(rows[m]["train_yields"] == 0 for m in MODES)
@@ -166,3 +171,13 @@ def test_each_arbiter_phase_is_a_mode_and_a_yield():
     assert got["colocate+yield"] == {"mode": "colocate", "yield_compute": "work"}
     assert got["colocate+yield-cold"] == {"mode": "colocate", "yield_compute": "cold"}
     assert all(got[m] == {"mode": m, "yield_compute": "none"} for m in MODES)
+    # static at a split of its own: training's share named in the phase, else --static-train-gb
+    assert hybrid.arbiter_settings("static@12.5+yield-cold", 16.5) == \
+        {"mode": "static", "yield_compute": "cold", "static_train": int(12.5 * 2**30)}
+    assert hybrid.arbiter_settings("static", 16.5)["static_train"] == int(16.5 * 2**30)
+    assert "static_train" not in hybrid.arbiter_settings("colocate", 16.5)
+    for bad in ("colocate@12", "static@", "static@x", "static@-1", "static+", "static+yield-late",
+                "task-switch+yield", "inference-alone", "colocate+yield+yield"):
+        assert not hybrid.is_arbiter_phase(bad), bad
+    assert hybrid.in_order(["static@16", "colocate", "static@9.5", "inference-alone", "static"]) == \
+        ["inference-alone", "static", "colocate", "static@9.5", "static@16"]

@@ -181,6 +181,30 @@ def test_an_ack_tells_when_the_loop_reached_the_release_and_when_it_ended():
     assert colo._chan.msgs[-1]["id"] == 2 and colo._chan.msgs[-1]["reached"] == colo._chan.msgs[-1]["received"]
 
 
+def test_the_most_told_has_slack_so_a_cap_there_survives_the_predictions_small_moves():
+    """The job tells its largest micro-batch's prediction and MOST_SLACK of it; a cap at that keeps it
+    at its largest size while later measurements move the prediction within the slack, and it tells
+    again only when the prediction leaves the band below what it told."""
+    from computron.colocate.client import MOST_SLACK
+
+    memory = MemoryModel(1_000_000, 10_000, rel_margin=0.0)
+    colo = Colocation(memory=memory)
+    colo._chan = Sent()
+    memory.record(16, 10_000_000)
+    assert colo.micro_batch(most=16) == 16
+    told = colo._chan.msgs[-1]
+    need = memory.predict(16)
+    assert told == {"t": "most", "bytes": need + int(need * MOST_SLACK)}
+    colo.deliver({"t": "limit", "id": 1, "bytes": told["bytes"], "immediate": False})  # colocate's cap
+    memory.record(16, 10_030_000)  # a later micro-batch of 16 peaked 30 kB (0.3%) higher
+    assert memory.predict(16) > need and colo.micro_batch(most=16) == 16  # still fits the cap
+    assert colo._chan.msgs[-1] is not told and colo._chan.msgs[-1]["t"] == "ack"  # nothing told again
+    memory.record(16, 10_100_000)  # 1% higher: past the slack, told again (the cap is the old one)
+    assert colo.micro_batch(most=16) < 16
+    mosts = [m for m in colo._chan.msgs if m["t"] == "most"]
+    assert mosts[1:] == [{"t": "most", "bytes": memory.predict(16) + int(memory.predict(16) * MOST_SLACK)}]
+
+
 def test_the_job_tells_the_server_the_most_it_can_use_and_colocate_caps_it_there(tmp_path):
     """Once the job measured a size, it says what its largest micro-batch would take (the memory model's
     prediction): the server caps training's limit there and idle inference gets the rest; a job that

@@ -21,8 +21,8 @@ coordinates nothing). Modes (as in Sirius' server):
 - ``colocate``: training shrinks (its micro-batch) to free exactly what inference needs; a
   limit below training's minimum pauses it. Memory goes back after ``idle_s`` of inference idle,
   as much as training can use: a job that says the most it can use (``train_most``: its largest
-  micro-batch's predicted peak) is never given more, and idle inference keeps the rest, so its
-  models stay resident instead of being evicted for memory nobody uses.
+  micro-batch's predicted peak, with a little slack) is never given more, and idle inference keeps
+  the rest, so its models stay resident instead of being evicted for memory nobody uses.
 
 Compute is shared as memory is not: without MPS two processes on one GPU take turns in time
 slices, and inference's short kernels wait behind training's. ``yield_compute`` (``static`` and

@@ -25,6 +25,33 @@ def join(addr: str) -> tuple[Channel, dict]:
     return ch, ch.recv()
 
 
+def linked_engine(tmp_path, policy: str):
+    """A CPU engine with tiny-opt under a ``colocate`` link yielding by ``policy``, and a job joined to
+    it whose thread acknowledges every limit; returns (engine, link, job, the yields it was sent)."""
+    import threading
+
+    from computron.colocate.serving import EngineLink
+
+    engine = Engine(EngineConfig(device="cpu", gpu_memory_budget=6_000_000, workspace_bytes=100_000))
+    engine.register_model(ModelSpec("tiny-opt"))
+    cap = min(engine.core.scheduler.config.budgets)
+    link = EngineLink(engine.core, str(tmp_path / "arb.sock"),
+                      ArbiterConfig(mode="colocate", capacity=cap, yield_compute=policy))
+    job, _ = join(link.server.address)
+    got: list[bool] = []
+
+    def receive():
+        while (msg := job.recv()) is not None:
+            if msg["t"] == "yield":
+                got.append(msg["on"])
+            else:
+                job.send({"t": "ack", "id": msg["id"], "bytes": msg["bytes"], "received": time.monotonic(),
+                          "released": time.monotonic()})
+
+    threading.Thread(target=receive, daemon=True).start()
+    return engine, link, job, got
+
+
 def test_switching_modes_at_run_time(tmp_path):
     addr = str(tmp_path / "arb.sock")
     cfg = ComputronConfig(engine=EngineConfig(device="cpu", gpu_memory_budget=3_000_000, workspace_bytes=100_000),
@@ -137,27 +164,9 @@ def test_a_handover_is_timed_from_the_request_that_asked_for_the_memory(tmp_path
 def test_the_engine_has_training_yield_the_compute_while_it_has_work(tmp_path, policy):
     # the job is told to yield at the first step with a request and to go on after the step that finished
     # the last one (work) or that gave it its first token (first-token); a second request does the same again
-    import threading
-
-    from computron.colocate.serving import EngineLink
     from computron.messages import SamplingParams
 
-    cfg = EngineConfig(device="cpu", gpu_memory_budget=6_000_000, workspace_bytes=100_000)
-    engine = Engine(cfg)
-    engine.register_model(ModelSpec("tiny-opt"))
-    cap = min(engine.core.scheduler.config.budgets)
-    link = EngineLink(engine.core, str(tmp_path / "arb.sock"),
-                      ArbiterConfig(mode="colocate", capacity=cap, yield_compute=policy))
-    job, _ = join(link.server.address)
-    got = []
-
-    def receive():  # acknowledges limits, keeps the yields
-        while (msg := job.recv()) is not None:
-            if msg["t"] == "yield":
-                got.append(msg["on"])
-            else:
-                job.send({"t": "ack", "id": msg["id"], "bytes": msg["bytes"], "received": time.monotonic(),
-                          "released": time.monotonic()})
+    engine, link, job, got = linked_engine(tmp_path, policy)
 
     def seen(n):
         deadline = time.monotonic() + 5
@@ -165,7 +174,6 @@ def test_the_engine_has_training_yield_the_compute_while_it_has_work(tmp_path, p
             time.sleep(0.01)
         return got
 
-    threading.Thread(target=receive, daemon=True).start()
     try:
         for i in range(2):
             req = engine.submit("tiny-opt", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0))
@@ -192,29 +200,9 @@ def test_the_engine_has_training_yield_the_compute_while_it_has_work(tmp_path, p
 def test_cold_yields_only_while_a_request_waits_for_its_models_swap_in_and_first_token(tmp_path):
     """``cold``: a request for a model off the device has training yield from its first step until its
     first token; a later request for the same model, resident now, is served beside training."""
-    import threading
-
-    from computron.colocate.serving import EngineLink
     from computron.messages import SamplingParams
 
-    cfg = EngineConfig(device="cpu", gpu_memory_budget=6_000_000, workspace_bytes=100_000)
-    engine = Engine(cfg)
-    engine.register_model(ModelSpec("tiny-opt"))
-    cap = min(engine.core.scheduler.config.budgets)
-    link = EngineLink(engine.core, str(tmp_path / "arb.sock"),
-                      ArbiterConfig(mode="colocate", capacity=cap, yield_compute="cold"))
-    job, _ = join(link.server.address)
-    got = []
-
-    def receive():  # acknowledges limits, keeps the yields
-        while (msg := job.recv()) is not None:
-            if msg["t"] == "yield":
-                got.append(msg["on"])
-            else:
-                job.send({"t": "ack", "id": msg["id"], "bytes": msg["bytes"], "received": time.monotonic(),
-                          "released": time.monotonic()})
-
-    threading.Thread(target=receive, daemon=True).start()
+    engine, link, job, got = linked_engine(tmp_path, "cold")
     try:
         params = SamplingParams(max_tokens=4, temperature=0.0)
         cold = engine.submit("tiny-opt", [1, 2, 3], params)
@@ -240,15 +228,10 @@ def test_cold_yields_only_while_a_request_waits_for_its_models_swap_in_and_first
 def test_a_cold_request_keeps_its_yield_after_its_model_is_loaded_until_its_first_token(tmp_path):
     """The swap-in may end a step before the prefill that gives the first token (copies in flight on a
     GPU): a request seen waiting while its model was off the device still counts once it is resident."""
-    from computron.colocate.serving import EngineLink
     from computron.messages import SamplingParams
     from computron.scheduler import RESIDENT
 
-    engine = Engine(EngineConfig(device="cpu", gpu_memory_budget=6_000_000, workspace_bytes=100_000))
-    engine.register_model(ModelSpec("tiny-opt"))
-    cap = min(engine.core.scheduler.config.budgets)
-    link = EngineLink(engine.core, str(tmp_path / "arb.sock"),
-                      ArbiterConfig(mode="colocate", capacity=cap, yield_compute="cold"))
+    engine, link, job, _ = linked_engine(tmp_path, "cold")
     try:
         req = engine.submit("tiny-opt", [1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0))
         model = engine.core.scheduler.models["tiny-opt"]
@@ -260,5 +243,6 @@ def test_a_cold_request_keeps_its_yield_after_its_model_is_loaded_until_its_firs
         assert not link._first_token(0)  # a request that came once the model was resident is warm
         assert later.first_token_at is None
     finally:
+        job.close()
         link.close()
         engine.executor.shutdown()

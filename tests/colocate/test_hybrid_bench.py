@@ -114,7 +114,8 @@ def test_the_colocated_jobs_environment_reaches_its_process_and_a_bad_pair_is_re
 
     hybrid = _hybrid_module()
     assert hybrid.env_pairs(["A=1", "B=x=y", "C="]) == {"A": "1", "B": "x=y", "C": ""}
-    code = "import os; print('step 1/1 micro-batches [2] peak 1,234 MiB ' + os.environ['HYBRID_T'] + ' ' + os.environ['PYTHONPATH'])"
+    code = ("import os; print('step 1/1 micro-batches [2] peak 1,234 MiB ' + os.environ['HYBRID_T'] + ' ' "
+            "+ os.environ['PYTHONPATH'])")
     job = hybrid.Job([sys.executable, "-c", code], env=hybrid.env_pairs(["HYBRID_T=yes"]))
     job.p.wait(30)
     deadline = time.monotonic() + 10

@@ -30,10 +30,11 @@ slices, and inference's short kernels wait behind training's. ``yield_compute`` 
 any work, ``first-token`` only while a request waits for its first token (its swap-in, its
 prefill; decode steps share the GPU), ``cold`` only while a request that found its model off the
 device waits for its first token (the swap-in, the first prefill and graph captures after it are
-where colocated requests miss their SLO; a warm request's first token is quick), ``none`` never. :class:`TrainYield` ``on`` when inference
-reports such work (``busy``), ``off`` as soon as it has none (``busy`` without it, ``quiet``, or
-no ``busy`` for ``YIELD_STALE_S``: a request cancelled between steps leaves no step to report
-it); training stops queuing kernels at its next watched point until then (``client.py``).
+where colocated requests miss their SLO; a warm request's first token is quick), ``none`` never.
+:class:`TrainYield` ``on`` when inference reports such work (``busy``), ``off`` as soon as it has
+none (``busy`` without it, ``quiet``, or no ``busy`` for ``YIELD_STALE_S``: a request cancelled
+between steps leaves no step to report it); training stops queuing kernels at its next watched
+point until then (``client.py``).
 """
 
 from __future__ import annotations

@@ -382,7 +382,8 @@ class Scheduler(Memory):
                 plan.repeats = max_steps == 1 and self._lasts(m, 1)
             elif self.config.prefill_runs:
                 plan.steps = self._run(m, max_steps, self._prefill_of(b[0]))
-        elif quiet and not prefill:  # several models' decode batches (models_per_step): each repeats if none of its ends
+        elif quiet and not prefill:  # several models' decode batches (models_per_step): each repeats if
+            # none of its requests ends
             plan.repeats = max_steps == 1 and all(self._lasts(self.models[x.model], 1) for x in b)
         return plan
 

@@ -613,12 +613,15 @@ def test_a_step_that_admits_starts_a_run_only_while_what_stopped_admission_holds
     s.loaded("a")
     for i in (1, 2):
         s.add_request(_req(i, "a", prompt=40, max_tokens=8))
-    plan = s.schedule(1.0, max_steps=50)
+    s.requests["r1"].done = 3  # preempted after 3 tokens: its prefill recomputes them with the prompt
+    asked = []
+    plan = s.schedule(1.0, max_steps=lambda *a: asked.append(a) or 50)  # a driver's bound, given the batch
     assert [(b.prefill, b.decode) for b in plan.batches] == [(["r1"], ["r0"])]  # r2 left waiting
     if case == "memory":
-        assert plan.steps == 7  # r0's last token (its 8th) in the run's last step
+        assert plan.steps == 5  # r1's last token (its 8th, 3 made before) in the run's last step
+        assert asked == [("a", 2, (43, 1))]  # the first step prefills one prompt of 40 + 3 tokens
     else:
-        assert plan.steps == 1
+        assert asked == [] and plan.steps == 1  # a single step: no bound asked
         s.update(plan)
         # the steady batch: the next step decodes it without a search
         assert (s._steady is not None) == (case == "executor without such runs")

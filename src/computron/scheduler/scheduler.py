@@ -381,16 +381,18 @@ class Scheduler(Memory):
                 plan.steps = self._run(m, max_steps)
                 plan.repeats = max_steps == 1 and self._lasts(m, 1)
             elif self.config.prefill_runs:
-                plan.steps = self._run(m, max_steps, self._prefill_of(b[0]))
+                plan.steps = self._run(m, max_steps, self._prefill_of(m, b[0]))
         elif quiet and not prefill:  # several models' decode batches (models_per_step): each repeats if
             # none of its requests ends
             plan.repeats = max_steps == 1 and all(self._lasts(self.models[x.model], 1) for x in b)
         return plan
 
-    def _prefill_of(self, batch: Batch) -> tuple[int, int]:
-        """(tokens, prompts) the prefills of ``batch`` compute in its first step."""
+    def _prefill_of(self, m: ModelState, batch: Batch) -> tuple[int, int]:
+        """(tokens, prompts) the prefills of ``batch`` compute in its first step: each prompt and the
+        tokens a preempted request made before (admission set its ``joined`` back by them and cleared
+        its ``done``)."""
         reqs = self.requests
-        return sum(reqs[r].prompt_len + reqs[r].done for r in batch.prefill), len(batch.prefill)
+        return sum(reqs[r].prompt_len + m.steps - reqs[r].joined for r in batch.prefill), len(batch.prefill)
 
     def _run(self, m: ModelState, max_steps: int | Bound,
              prefill: tuple[int, int] | None = None) -> int:

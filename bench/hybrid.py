@@ -707,6 +707,9 @@ def main(argv=None) -> int:
     if unknown or args.repeats < 1:
         p.error(f"unknown phase(s) {unknown}; known: {', '.join((*REFERENCES, *ARBITER_PHASES))}, and "
                 f"static@GIB with any yield" if unknown else "--repeats must be at least 1")
+    over = [m for m in phases if m not in REFERENCES and (parse_phase(m)[1] or 0) >= args.capacity_gb]
+    if over:
+        p.error(f"{over}: a static split gives training less than --capacity-gb ({args.capacity_gb:g} GiB)")
     try:
         lengths = [tuple(int(x) for x in v.split(":")) if ":" in v else int(v) for v in (args.prompt, args.output)]
     except ValueError:

@@ -133,6 +133,11 @@ def test_the_colocated_jobs_environment_reaches_its_process_and_a_bad_pair_is_re
     with pytest.raises(SystemExit):
         hybrid.main(["--colocated-job-env", "NOEQUALS", "--out", "/nonexistent-never-made"])
     assert "--colocated-job-env takes KEY=VALUE, got 'NOEQUALS'" in capsys.readouterr().err
+    for modes, said in (("static@30", "['static@30']: a static split gives training less than --capacity-gb (24 GiB)"),
+                        ("colocate,static@x", "unknown phase(s) ['static@x']")):
+        with pytest.raises(SystemExit):  # refused before anything starts
+            hybrid.main(["--modes", modes, "--out", "/nonexistent-never-made"])
+        assert said in capsys.readouterr().err
 
 
 def test_the_gpu_sampler_reads_nvidia_smi_lines_and_summarises_each_run(tmp_path, monkeypatch):

@@ -140,14 +140,16 @@ class EngineLink:
         policy = self.config.yield_compute
         if policy not in ("first-token", "cold"):
             return True
-        models = self.core.models
-        waiting = [r for r in self.core.requests.values()
-                   if r.first_token_at is None and device in models[r.model].placement.devices]
+        models, reqs = self.core.models, self.core.requests
+
+        def waits(r) -> bool:
+            return r.first_token_at is None and device in models[r.model].placement.devices
+
         if policy == "first-token":
-            return bool(waiting)
-        reqs, sched = self.core.requests, self.core.scheduler.models
+            return any(map(waits, reqs.values()))
+        sched = self.core.scheduler.models
         self._cold = {i for i in self._cold if (r := reqs.get(i)) is not None and r.first_token_at is None}
-        cold = [r.id for r in waiting if r.id in self._cold or sched[r.model].state != RESIDENT]
+        cold = [r.id for r in reqs.values() if waits(r) and (r.id in self._cold or sched[r.model].state != RESIDENT)]
         self._cold.update(cold)
         return bool(cold)
 

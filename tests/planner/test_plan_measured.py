@@ -113,3 +113,28 @@ def test_a_size_without_step_s_keeps_its_separate_timings():
     cm = CostModel(M, Assumptions(paired_steps=True), t)
     assert cm.layer(GPU_TYPES["h200"], 1, 2)[:2] == pytest.approx((2.0, 4.0))
     assert cm.layer(GPU_TYPES["h200"], 1, 2)[:2] == CostModel(M, profile=t).layer(GPU_TYPES["h200"], 1, 2)[:2]
+
+
+def test_a_graphed_layer_is_its_graph_time_split_as_the_separate_timings_split():
+    """``graph_s`` (the forward and backward replayed as one CUDA graph) stands for the layer where the
+    micro-batch runs graphed, whatever ``paired_steps`` says; elsewhere, and where a profile lacks
+    it, the layer keeps its other timings."""
+    from computron.planner.costs import Assumptions
+
+    entries = [{"tp": 1, "mbs": 1, "fwd_s": 1.0e-3, "bwd_s": 2.0e-3, "act_bytes": 100, "step_s": 2.4e-3,
+                "graph_s": 1.5e-3},
+               {"tp": 1, "part": "recompute", "mbs": 1, "fwd_s": 1.5e-3, "bwd_s": 3.5e-3, "step_s": 4.0e-3,
+                "graph_s": 2.5e-3}]
+    t = table_from_dict({"gpu": "h200", "model": model_shape(M), "entries": entries})
+    gpu = GPU_TYPES["h200"]
+    assert t.lookup_step("layer", "h200", 1, 1, graphed=True) == 1.5e-3
+    assert t.lookup_step("layer", "h200", 1, 1) == 2.4e-3
+    for a in (Assumptions(), Assumptions(paired_steps=True)):
+        cm = CostModel(M, a, t)
+        assert cm.layer(gpu, 1, 1, graphed=True)[:2] == pytest.approx((0.5e-3, 1.0e-3), rel=1e-12)
+        # recomputed: 2.5 ms split 1.5:3.5 -> (0.75, 1.75) ms, less the plain layer's graphed (0.5, 1.0)
+        assert cm.recomputed(gpu, 1, 1, 1, 123.0, graphed=True) == pytest.approx((0.25e-3, 0.75e-3), rel=1e-12)
+    assert CostModel(M, profile=t).layer(gpu, 1, 1) == (1.0e-3, 2.0e-3, 100)
+    older = table_from_dict({"gpu": "h200", "model": model_shape(M), "entries": [
+        {k: v for k, v in e.items() if k != "graph_s"} for e in entries]})
+    assert not older.graphs and CostModel(M, profile=older).layer(gpu, 1, 1, graphed=True) == (1.0e-3, 2.0e-3, 100)

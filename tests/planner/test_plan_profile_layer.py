@@ -217,3 +217,31 @@ def test_the_profile_times_forward_and_backward_as_a_step_too(tmp_path):
     for e in layers:
         assert t.lookup_step(e.get("part", "layer"), "h200", 1, e["mbs"]) == e["step_s"]
     assert t.lookup_step("layer", "h100", 1, 1) is None and t.lookup_step("layer", "h200", 2, 1) is None
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_the_graphed_timing_runs_a_fresh_copy_of_the_same_chain(recompute):
+    """A CUDA graph must not meet the gradient accumulators the eager timing left on the default
+    stream, so ``measure`` captures copies of its chain (``fresh_chain``): the same outputs and
+    gradients, parameters of their own that no backward has touched; on the CPU no graph is timed."""
+    from computron.planner.profile import fresh_chain
+
+    m = TransformerShape("g", "gpt", 2, 64, 4, 256, 256, 16, 8, flash_attention=True, dropout=False)
+    torch.manual_seed(0)
+    layers = [runtime_layer(m, 1, torch.device("cpu"), torch.float32) for _ in range(2)]
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    ref = x
+    for one in layers:
+        ref = one(ref)
+    ref_grads = torch.autograd.grad(ref.sum(), [x, *[p for one in layers for p in one.parameters()]])
+    chain, copies = fresh_chain(layers, recompute)
+    weights = [p for one in copies for p in one.parameters()]
+    assert all(p.grad is None for p in weights)
+    assert not {id(p) for p in weights} & {id(p) for one in layers for p in one.parameters()}
+    xc = x.detach().clone().requires_grad_(True)
+    out = chain(xc)
+    torch.testing.assert_close(out, ref)
+    for got, want in zip(torch.autograd.grad(out.sum(), [xc, *weights]), ref_grads):
+        torch.testing.assert_close(got, want)
+    e = measure(layers[0], 1, m, torch.device("cpu"), torch.float32, warmup=0, repeats=1, depth=2, recompute=recompute)
+    assert e["graph_s"] is None

@@ -249,3 +249,30 @@ def test_paired_steps_leave_a_committed_rescore_as_it_was(tmp_path, monkeypatch,
     assert main(["bench", "plan-accuracy", "--rescore", str(tmp_path / "r.json"), "--profiles", str(stepped),
                  "--out", str(tmp_path / "again")]) == 0
     assert "forward and backward timed as a step (paired_steps, paired_s): time error" in capsys.readouterr().out
+
+
+def test_a_committed_graphed_run_rescores_to_its_own_predictions():
+    """The two-H200 run with ``--cuda-graphs`` (layouts without a pipeline replayed as CUDA graphs),
+    rescored from its committed profiles: every prediction and pick as the run made them, its graphed
+    rows at their profiles' ``graph_s`` and the graphed per-collective cost, its pipelines eager."""
+    import os
+
+    from computron.train import accuracy
+
+    root = os.path.join(os.path.dirname(__file__), "../../bench/results/plan_accuracy_h200_x2_graphs")
+    result = json.loads(open(os.path.join(root, "plan_accuracy_h200_x2_two.json")).read())
+    again = accuracy.rescore(result, root, lambda s: None)
+    for old, new in zip(result["rows"], again["rows"]):
+        assert (new["predicted_s"], new["predicted_bytes"]) == (old["predicted_s"], old["predicted_bytes"]), old["config"]
+        assert new["cuda_graphs"] == (old["pp"] == 1)
+    assert again["pick"] == result["pick"]
+    graphed = result["tp_collective"]["graphed_by_tp"]["2"]
+    assert 0 < graphed < result["tp_collective"]["measured_by_tp"]["2"] / 4
+    for r in again["rows"]:
+        if r["tp"] > 1:
+            assert r["tp_collective_s"] == (graphed if r["cuda_graphs"] else result["tp_collective"]["measured_by_tp"]["2"])
+    # the same rows predicted eager are far off where the graphs took the host out of the step
+    eager = accuracy.rescore({**result, "rows": [{**r, "cuda_graphs": False} for r in result["rows"]]}, root,
+                             lambda s: None)
+    worst = max(abs(r["time_error"]) for r in eager["rows"] if r["tp"] > 1)
+    assert worst > 0.5 > max(abs(r["time_error"]) for r in again["rows"] if r["tp"] > 1)

@@ -2,6 +2,7 @@
 the sizes and shapes a run measures it at, and the predictions that use it."""
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -61,3 +62,36 @@ def test_a_tp_layout_is_predicted_with_the_measured_cost_of_its_tp_else_the_fitt
     # a measurement of another tp size leaves this layout on the fitted constant
     assert predict(shape, "h200", cfg, None, assumptions({4: 500e-6}))[0] == fitted
     assert assumptions().tp_collective_at(2) == FITTED_TP_COLLECTIVE_S
+
+
+def test_a_graphed_tp_layout_pays_the_graphed_cost_of_each_collective_and_a_pipeline_the_eager_one():
+    cfg = Config.parse("gpt2-medium:8:32:1024@tp=2")
+    shape = shape_of(resolve_model(cfg.model, dtype="float32")[0], cfg.seq_len, cfg.global_batch)
+    eager, _ = predict(shape, "h200", cfg, None, assumptions({2: 500e-6}))
+    graphed, _ = predict(shape, "h200", cfg, None, assumptions({2: 500e-6}, graphed={2: 30e-6}, graphs=True))
+    count = (cfg.global_batch // cfg.mbs) * (4 * shape.layers + 1 + 3)
+    assert eager - graphed == pytest.approx(count * (500e-6 - 30e-6), rel=1e-9)
+    # graphed, a tp size not measured in graphs pays the ring alone
+    ring, _ = predict(shape, "h200", cfg, None, assumptions({2: 500e-6}, graphs=True))
+    assert eager - ring == pytest.approx(count * 500e-6, rel=1e-9)
+    # the trainer runs a pipeline eager: graphs change nothing there
+    pp = Config.parse("gpt2-medium:8:32:1024@tp=2,pp=2")
+    a = assumptions({2: 500e-6}, graphed={2: 30e-6})
+    assert predict(shape, "h200", pp, None, replace(a, graphed_steps=True)) == predict(shape, "h200", pp, None, a)
+
+
+def test_the_graphed_cost_of_a_collective_is_what_it_adds_to_a_graph_beyond_the_ring():
+    m = {"ranks": 2, "backend": "nccl", "entries": [
+        {"bytes": 10 * 2**20, "per_collective_s": 300e-6, "per_collective_graph_s": 70e-6},
+        {"bytes": 20 * 2**20, "per_collective_s": 150e-6, "per_collective_graph_s": 90e-6}]}
+    a = assumptions()
+    d = tpcoll.derive(m, "h200", a)
+    rings = [e["ring_s"] for e in d["entries"]]
+    assert [e["tp_collective_graphed_s"] for e in d["entries"]] == [70e-6 - rings[0], 90e-6 - rings[1]]
+    assert d["tp_collective_graphed_s"] == pytest.approx((70e-6 - rings[0] + 90e-6 - rings[1]) / 2)
+    assert tpcoll.by_tp([d], graphed=True) == {2: d["tp_collective_graphed_s"]}
+    # a measurement without graphed timings (the CPU's, or one made before them) gives none
+    eager = tpcoll.derive({**m, "entries": [{k: v for k, v in e.items() if "graph" not in k} for e in m["entries"]]},
+                          "h200", a)
+    assert "tp_collective_graphed_s" not in eager and tpcoll.by_tp([eager], graphed=True) == {}
+    assert tpcoll.by_tp([eager]) == {2: eager["tp_collective_s"]}

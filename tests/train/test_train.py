@@ -176,20 +176,17 @@ def test_cuda_graphs_are_refused_where_they_cannot_run():
             Trainer(TrainConfig(**{**CFG, "cuda_graphs": True, **kw}))
     from computron.train.job import graphs_refused
 
-    assert "tp=2 would capture the tensor-parallel all-reduces" in graphs_refused("cuda", 1, 2)
-    assert graphs_refused("cuda:1", 1, 1) is None
+    assert graphs_refused("cuda", 1, 2) is None and graphs_refused("cuda:1", 1, 1) is None
+    assert "no colocation: got device cuda, pp=1, colocation" in graphs_refused("cuda", 1, 1, colocate=True)
 
 
-def test_cuda_graphs_at_tp_are_opt_in(monkeypatch):
+def test_cuda_graphs_take_every_layout_without_a_pipeline():
     from computron.train.accuracy import Config, graphed
-    from computron.train.job import graphs_refused
 
-    tp2 = Config.parse("gpt2-medium:8:32:1024@tp=2")
-    monkeypatch.delenv("COMPUTRON_GRAPH_COLLECTIVES", raising=False)
-    assert not graphed(True, tp2) and graphed(True, Config.parse("gpt2-medium:8:32:1024@dp=2"))
-    monkeypatch.setenv("COMPUTRON_GRAPH_COLLECTIVES", "1")
-    assert graphed(True, tp2) and graphs_refused("cuda", 1, 2) is None
-    assert not graphed(True, Config.parse("gpt2-medium:8:32:1024@pp=2")) and not graphed(False, tp2)
+    assert graphed(True, Config.parse("gpt2-medium:8:32:1024@tp=2"))
+    assert graphed(True, Config.parse("gpt2-medium:8:32:1024@dp=2"))
+    assert not graphed(True, Config.parse("gpt2-medium:8:32:1024@pp=2"))
+    assert not graphed(False, Config.parse("gpt2-medium:8:32:1024@tp=2"))
 
 
 def test_the_head_over_a_padded_vocabulary_gives_the_same_logits_and_gradients():

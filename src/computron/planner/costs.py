@@ -14,7 +14,7 @@ Every assumed constant lives in :class:`Assumptions`; docs/planner.md gives its 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from statistics import NormalDist
 
 from .hardware import GpuType
@@ -59,6 +59,13 @@ class Assumptions:
     # measure``), split between the forward and backward ops as its separate timings split; False, or
     # a profile entry without ``step_s``: the separate timings, each between two synchronisations
     # (an upper bound where the host's launch time exceeds the device's: small or recomputed layers)
+    graphed_steps: bool = False  # a layout without a pipeline replays each micro-batch as one CUDA graph
+    # (``computron train --cuda-graphs``): a profiled layer's forward plus backward is its ``graph_s``
+    # (the two replayed as one graph: device time, no host launch), split as ``paired_steps`` splits,
+    # and each tensor-parallel all-reduce costs its ring time plus ``tp_collective_graphed_s`` (or the
+    # measured one of its tp) in place of the eager ``tp_collective_s`` (:meth:`graph_view`)
+    tp_collective_graphed_s: float = 0.0
+    tp_collective_graphed_by_tp: tuple[tuple[int, float], ...] = ()
     memory_margin: float = 0.10  # fraction of GPU memory kept free (fragmentation, workspaces)
     memory_reserve_gib: float = 1.0  # CUDA context + NCCL buffers
     scatter_gather: bool = True  # Megatron's p2p scatter/gather over TP ranks
@@ -90,6 +97,12 @@ class Assumptions:
             if size == t:
                 return seconds
         return self.tp_collective_s
+
+    def graph_view(self) -> "Assumptions":
+        """These assumptions as a graphed step sees them: the graphed per-collective costs of tensor
+        parallelism in place of the eager ones."""
+        return replace(self, tp_collective_s=self.tp_collective_graphed_s,
+                       tp_collective_by_tp=self.tp_collective_graphed_by_tp)
 
     @property
     def grad_bytes(self) -> int:

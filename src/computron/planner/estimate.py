@@ -94,21 +94,22 @@ class CostModel:
         self.cache: dict = {}  # shared by PlanContexts: stage costs, memory caps, partitions
 
     def layer(self, gpu: GpuType, tp: int, mbs: int, sp: bool = False, selective: bool = False, cp: int = 1,
-              fp8: bool = False) -> tuple[float, float, float]:
+              fp8: bool = False, graphed: bool = False) -> tuple[float, float, float]:
         """(fwd s, bwd s, activation bytes) of one layer on one TP rank, communication excluded;
         ``sp``: sequence parallelism, ``selective``: the attention scores are not kept, ``cp``: the
         rank's s/cp of each sequence, ``fp8``: fp8 weight GEMMs. A profile measures the layer
         without sp or selective (the model's difference, elementwise traffic and kept bytes, is
-        taken off the measured figures) and stands only for cp = 1 without fp8."""
+        taken off the measured figures) and stands only for cp = 1 without fp8. ``graphed``: the
+        layer runs in a CUDA graph (:meth:`paired`)."""
         sp = sp and tp > 1
-        key = (gpu.name, tp, mbs, sp, selective, cp, fp8)
+        key = (gpu.name, tp, mbs, sp, selective, cp, fp8, graphed)
         hit = self._cache.get(key)
         if hit is None:
             m = self.model.context_shard(cp)
             act = costs.activation_bytes(m, tp, mbs, sp, selective, fp8, self.a)
             got = self.profile.lookup(gpu.name, tp, mbs) if self.profile and cp == 1 and not fp8 else None
             if got is not None:
-                got = self.paired("layer", gpu, tp, mbs, got)
+                got = self.paired("layer", gpu, tp, mbs, got, graphed)
                 saved = 0.0
                 if sp:
                     saved = (costs.elementwise_bytes(m, tp, mbs) - costs.elementwise_bytes(m, tp, mbs, True)) / (
@@ -136,26 +137,29 @@ class CostModel:
         return hit
 
     def ops(self, node: NodeType, tp: int, mbs: int, sp: bool, rec: str, cp: int = 1, fp8: bool = False,
-            tp_overlap: bool = False) -> tuple[float, float, float, float, float, float]:
+            tp_overlap: bool = False, graphed: bool = False) -> tuple[float, float, float, float, float, float]:
         """One layer on one TP rank of ``node`` at micro-batch ``mbs``: (forward compute, backward
         compute, forward TP communication, backward TP communication, what recomputation ``rec``
         runs again, activation bytes kept). What depends on the placement (ZeRO and ring-attention
-        traffic) is not here: PlanContext adds it; the search's bounds use this alone."""
-        key = ("ops", node.gpu.name, node.intra_bw, tp, mbs, sp, rec, cp, fp8, tp_overlap)
+        traffic) is not here: PlanContext adds it; the search's bounds use this alone. ``graphed``: the
+        micro-batch replays as a CUDA graph (``Assumptions.graphed_steps``, a layout without a pipeline):
+        the profile's graphed timings and the graphed per-collective cost (``Assumptions.graph_view``)."""
+        key = ("ops", node.gpu.name, node.intra_bw, tp, mbs, sp, rec, cp, fp8, tp_overlap, graphed)
         hit = self._cache.get(key)
         if hit is None:
             m = self.model.context_shard(cp)
-            f, bw, act = self.layer(node.gpu, tp, mbs, sp, rec == "selective", cp, fp8)
+            f, bw, act = self.layer(node.gpu, tp, mbs, sp, rec == "selective", cp, fp8, graphed)
             over = self.parts(node.gpu, tp, mbs, sp, cp, fp8) if tp_overlap else None
-            ftp, btp = costs.layer_tp_comm(m, tp, mbs, node.intra_bw, self.a, over)
+            ftp, btp = costs.layer_tp_comm(m, tp, mbs, node.intra_bw, self.a.graph_view() if graphed else self.a, over)
             again = self.core(node.gpu, tp, mbs, cp) if rec == "selective" else 0.0
             if rec == "full":
-                slower, again = self.recomputed(node.gpu, tp, mbs, cp, f)
+                slower, again = self.recomputed(node.gpu, tp, mbs, cp, f, graphed)
                 f, again = f + slower, again + ftp
             hit = self._cache[key] = (f, bw, ftp, btp, again, act)
         return hit
 
-    def recomputed(self, gpu: GpuType, tp: int, mbs: int, cp: int, fwd: float) -> tuple[float, float]:
+    def recomputed(self, gpu: GpuType, tp: int, mbs: int, cp: int, fwd: float,
+                   graphed: bool = False) -> tuple[float, float]:
         """Seconds full recomputation adds to one layer's (forward, backward): measured where the
         profile has the layer recomputed (each less the plain layer's: the checkpointing's own work
         in the forward; the forward again and that work in the backward; both with ``paired_steps``
@@ -164,16 +168,17 @@ class CostModel:
         plain = self.profile.lookup(gpu.name, tp, mbs) if got is not None else None
         if plain is None:
             return 0.0, fwd
-        got, plain = self.paired("recompute", gpu, tp, mbs, got), self.paired("layer", gpu, tp, mbs, plain)
+        got, plain = self.paired("recompute", gpu, tp, mbs, got, graphed), self.paired("layer", gpu, tp, mbs, plain, graphed)
         return max(got[0] - plain[0], 0.0), max(got[1] - plain[1], 0.0)
 
-    def paired(self, part: str, gpu: GpuType, tp: int, mbs: int, got: tuple) -> tuple:
+    def paired(self, part: str, gpu: GpuType, tp: int, mbs: int, got: tuple, graphed: bool = False) -> tuple:
         """``got`` (fwd s, bwd s, ...), a profile's figures of ``part`` (``layer``, ``recompute``), with
-        ``Assumptions.paired_steps`` and the profile's ``step_s`` of it: that forward plus backward, split
-        between the two in proportion to the separate timings; else ``got`` itself."""
-        if not self.a.paired_steps:
-            return got
-        step = self.profile.lookup_step(part, gpu.name, tp, mbs)
+        ``graphed`` and the profile's ``graph_s`` of it, or else with ``Assumptions.paired_steps`` and its
+        ``step_s``: that forward plus backward, split between the two in proportion to the separate
+        timings; else ``got`` itself."""
+        step = self.profile.lookup_step(part, gpu.name, tp, mbs, graphed=True) if graphed else None
+        if step is None and self.a.paired_steps:
+            step = self.profile.lookup_step(part, gpu.name, tp, mbs)
         total = got[0] + got[1]
         if step is None or total <= 0:
             return got
@@ -420,8 +425,10 @@ class PlanContext:
         best = None
         e_w = costs.weight_gather_bytes(cfg.fp8, e, a)  # fp8 weights are gathered in 1 byte
         zf, zb = costs.zero_layer_comm(m.layer_params(t), n_sh, env.dp_bw, env.dp_latency, cfg.zero, a, e_w)
+        graphed = a.graphed_steps and p == 1  # the runtime graphs the layouts without a pipeline
         for node in env.nodes:
-            f, bw, ftp, btp, rec, act = self.cm.ops(node, t, b, cfg.sp, cfg.recomputation, cp, cfg.fp8, cfg.tp_overlap)
+            f, bw, ftp, btp, rec, act = self.cm.ops(node, t, b, cfg.sp, cfg.recomputation, cp, cfg.fp8, cfg.tp_overlap,
+                                                    graphed)
             attn = self.cm.parts(node.gpu, t, b, cfg.sp, cp, cfg.fp8)["attn"] if cp > 1 else 0.0
             cf, cb = costs.cp_ring_exposed(ml, t, b, cp, attn, env.cp_bw, env.cp_latency)
             xf, xb = max(zf - f, 0.0), max(zb - bw, 0.0)  # ZeRO traffic under the layer's compute
@@ -439,6 +446,8 @@ class PlanContext:
         gpu = node.gpu
         ef = eb = e_tp = 0.0
         fixed = 0.0
+        if graphed:
+            a = a.graph_view()
         if s == 0:
             x, y = costs.embedding_compute(ml, gpu, t, b, a)
             tp_ar = costs.tp_allreduce(ml, t, b, node.intra_bw, a)

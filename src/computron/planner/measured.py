@@ -7,7 +7,8 @@ is used then); ``lookup_part`` the same for other parts the profile measured (en
 ``"part": "head"``: the last stage's norm, logits and loss; ``"recompute"``: a layer whose
 activations are recomputed in the backward); ``lookup_step`` a layer's (or part's) forward plus
 backward timed back to back as a step issues them (an entry's ``step_s``, which profiles made
-before it was measured lack: None then). Between measured micro-batch sizes times are interpolated
+before it was measured lack: None then), or with ``graphed`` the two replayed as one CUDA graph (an
+entry's ``graph_s``: CUDA profiles made since it was measured). Between measured micro-batch sizes times are interpolated
 linearly; outside them they are scaled in proportion to the micro-batch size from the nearest
 measurement.
 """
@@ -56,7 +57,8 @@ class ProfileTable:
     layer; ``parts[part][tp]`` = sorted [(mbs, fwd_s, bwd_s)] of another measured part: ``head`` (the
     last stage's norm, logits and loss), ``recompute`` (one layer with full activation recomputation,
     as the training runtime checkpoints it); ``steps[part][tp]`` = sorted [(mbs, step_s or None)] of
-    the layer (part ``layer``) and the other parts, where the entries carry ``step_s``."""
+    the layer (part ``layer``) and the other parts, where the entries carry ``step_s``; ``graphs`` the
+    same of ``graph_s``."""
 
     gpu: str
     shape: dict
@@ -64,6 +66,7 @@ class ProfileTable:
     source: str = ""
     parts: dict[str, dict[int, list[tuple[int, float, float]]]] = field(default_factory=dict)
     steps: dict[str, dict[int, list[tuple[int, float | None]]]] = field(default_factory=dict)
+    graphs: dict[str, dict[int, list[tuple[int, float | None]]]] = field(default_factory=dict)
 
     def check_model(self, m: TransformerShape) -> None:
         """Raise when the profile was measured for another layer shape."""
@@ -83,10 +86,11 @@ class ProfileTable:
         rows = self.parts.get(part, {}).get(tp) if gpu == self.gpu else None
         return None if rows is None else _interpolate(rows, mbs)
 
-    def lookup_step(self, part: str, gpu: str, tp: int, mbs: int) -> float | None:
+    def lookup_step(self, part: str, gpu: str, tp: int, mbs: int, graphed: bool = False) -> float | None:
         """``step_s`` of ``part`` (``layer``, ``recompute``, ...) on one TP rank: its forward and backward
-        timed back to back, or None where not measured (a profile made before it was, or another GPU)."""
-        rows = self.steps.get(part, {}).get(tp) if gpu == self.gpu else None
+        timed back to back (``graphed``: ``graph_s``, the two replayed as one CUDA graph), or None where
+        not measured (a profile made before it was, or another GPU)."""
+        rows = (self.graphs if graphed else self.steps).get(part, {}).get(tp) if gpu == self.gpu else None
         return None if rows is None else _interpolate(rows, mbs)[0]
 
 
@@ -96,11 +100,12 @@ def table_from_dict(data: dict, source: str = "", gpu: str | None = None) -> Pro
         raise PlannerError(f"profile {source}: not a planner profile (no 'entries'; expected format {FORMAT})")
     entries: dict[int, list] = {}
     parts: dict[str, dict[int, list]] = {}
-    steps: dict[str, dict[int, list]] = {}
+    timed: dict[str, dict[str, dict[int, list]]] = {"step_s": {}, "graph_s": {}}
     for e in data["entries"]:
         try:
-            steps.setdefault(e.get("part", "layer"), {}).setdefault(int(e["tp"]), []).append(
-                (int(e["mbs"]), None if e.get("step_s") is None else float(e["step_s"])))
+            for key, by_part in timed.items():
+                by_part.setdefault(e.get("part", "layer"), {}).setdefault(int(e["tp"]), []).append(
+                    (int(e["mbs"]), None if e.get(key) is None else float(e[key])))
             if e.get("part", "layer") != "layer":
                 parts.setdefault(e["part"], {}).setdefault(int(e["tp"]), []).append(
                     (int(e["mbs"]), float(e["fwd_s"]), float(e["bwd_s"])))
@@ -112,14 +117,15 @@ def table_from_dict(data: dict, source: str = "", gpu: str | None = None) -> Pro
             raise PlannerError(f"profile {source}: bad entry {e!r} ({err})") from None
     for rows in (*entries.values(), *(r for by_tp in parts.values() for r in by_tp.values())):
         rows.sort()
-    # a part's sizes without step_s give None (never interpolated over); a part without any, no rows
-    steps = {part: {tp: sorted(rows, key=lambda r: r[0]) for tp, rows in by_tp.items()
-                    if any(v is not None for _, v in rows)} for part, by_tp in steps.items()}
-    steps = {part: by_tp for part, by_tp in steps.items() if by_tp}
+    # a part's sizes without the timing give None (never interpolated over); a part without any, no rows
+    for key, by_part in timed.items():
+        kept = {part: {tp: sorted(rows, key=lambda r: r[0]) for tp, rows in by_tp.items()
+                       if any(v is not None for _, v in rows)} for part, by_tp in by_part.items()}
+        timed[key] = {part: by_tp for part, by_tp in kept.items() if by_tp}
     name = (gpu or data.get("gpu") or "").lower()
     if not name:
         raise PlannerError(f"profile {source}: no GPU type recorded; pass the GPU type it was measured on")
-    return ProfileTable(name, dict(data.get("model", {})), entries, source, parts, steps)
+    return ProfileTable(name, dict(data.get("model", {})), entries, source, parts, timed["step_s"], timed["graph_s"])
 
 
 def load_profile(path: str, gpu: str | None = None) -> ProfileTable:

@@ -2,8 +2,8 @@
 
 What flows through: a TransformerShape, TP degrees and micro-batch sizes go in; a profile dict (the
 file format measured.py reads) comes out, one entry per (tp, mbs) with the median forward and
-backward seconds of one layer shard (and ``step_s``, the two back to back as a step issues them) and
-the bytes it saves for backward, and (runtime layers, tp=1)
+backward seconds of one layer shard (and ``step_s``, the two back to back as a step issues them, and
+on CUDA ``graph_s``, the two replayed as one CUDA graph) and the bytes it saves for backward, and (runtime layers, tp=1)
 one ``"part": "head"`` entry per mbs for the last stage's norm, logits and loss, and one
 ``"part": "recompute"`` entry per (tp, mbs) for the layer under activation checkpointing.
 
@@ -228,7 +228,8 @@ def chain_depth(layer) -> int:
 
 
 def measure(layer, mbs: int, m: TransformerShape, device, dtype, warmup: int = 3, repeats: int = 10,
-            accumulate: bool = False, depth: int | None = None, recompute: bool = False, step: bool = True) -> dict:
+            accumulate: bool = False, depth: int | None = None, recompute: bool = False, step: bool = True,
+            graph: bool = True) -> dict:
     """Median forward and backward seconds of ``layer`` on a (mbs, seq, hidden) input, and the bytes
     of the tensors autograd saves (activations, parameters excluded). ``depth`` copies of the layer
     run in a chain, timed as a whole and divided by ``depth``: as in a model, the host queues a
@@ -243,7 +244,9 @@ def measure(layer, mbs: int, m: TransformerShape, device, dtype, warmup: int = 3
     also adds each parameter's gradient into a float32 accumulator (the trainer's micro-batch loop).
     ``recompute``: each layer runs under activation checkpointing, wrapped by the trainer's own
     ``train.job.recomputed`` (the same checkpoint call and options as ``computron train
-    --recompute``)."""
+    --recompute``). ``graph_s`` (on CUDA, with ``graph``; else None): the chain's forward and backward
+    captured as one CUDA graph (``computron train --cuda-graphs``, which replays each micro-batch so)
+    and the replay timed: the device's time alone, no host launch in it."""
     import copy
 
     import torch
@@ -302,6 +305,15 @@ def measure(layer, mbs: int, m: TransformerShape, device, dtype, warmup: int = 3
         if i >= warmup:
             fwd.append((t1 - t0) / depth)
             bwd.append((t2 - t1) / depth)
+    graph_s = None
+    if cuda and graph:
+        # on copies of the chain: the eager backward above left gradient accumulators of the weights
+        # and of x made on the default stream, on which a capture must not depend (CUDA refuses it)
+        chain_g, copies = fresh_chain(layers, recompute)
+        xg = x.detach().clone().requires_grad_(True)
+        graph_s = replayed(chain_g, xg, grad, [p for one in copies for p in one.parameters()],
+                           [torch.zeros_like(a) for a in acc], device, warmup, repeats) / depth
+        del chain_g, copies, xg
     seen: dict[int, int] = {}
 
     kept: list = []  # the saved tensors, alive until counted (a freed one's address is reused)
@@ -326,7 +338,81 @@ def measure(layer, mbs: int, m: TransformerShape, device, dtype, warmup: int = 3
         y.backward(grad)
         peak = float(torch.cuda.max_memory_allocated(device) - base)
     return {"mbs": mbs, "fwd_s": statistics.median(fwd), "bwd_s": statistics.median(bwd),
-            "step_s": statistics.median(steps) if step else None, "act_bytes": act, "peak_bytes": peak}
+            "step_s": statistics.median(steps) if step else None, "graph_s": graph_s, "act_bytes": act,
+            "peak_bytes": peak}
+
+
+def fresh_chain(layers, recompute: bool = False):
+    """(chain, copies): a function running copies of ``layers`` one after the other (each under the
+    trainer's activation checkpointing with ``recompute``), and the copies, whose parameters no
+    backward has touched yet."""
+    import copy
+
+    copies = [copy.deepcopy(one) for one in layers]
+    if recompute:
+        from ..train.job import recomputed
+
+        runs = [recomputed(one) for one in copies]
+    else:
+        runs = copies
+
+    def chain(y):
+        for one in runs:
+            y = one(y)
+        return y
+
+    return chain, copies
+
+
+_SIDE: dict = {}
+
+
+def side_stream(device):
+    """One side stream per device for the eager runs before a capture, kept: the matrix library
+    allocates a workspace for every stream it runs on and keeps it while the process lives."""
+    import torch
+
+    key = torch.device(device)
+    if key not in _SIDE:
+        _SIDE[key] = torch.cuda.Stream(key)
+    return _SIDE[key]
+
+
+def replayed(chain, x, grad, weights, acc, device, warmup: int, repeats: int) -> float:
+    """Median seconds of one replay of a CUDA graph of ``chain``'s forward on ``x`` and its backward
+    from ``grad`` (to ``x`` and ``weights``, added into the float32 ``acc`` where given), captured as
+    the trainer captures a micro-batch (``train/job.py``): eager runs on a side stream first, so that
+    libraries allocate their workspaces outside the capture."""
+    import torch
+
+    def work():
+        got = torch.autograd.grad(chain(x), [x, *weights], grad)
+        if acc:
+            torch._foreach_add_(acc, list(got[1:]))
+
+    here, side = torch.cuda.current_stream(device), side_stream(device)
+    side.wait_stream(here)
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            work()
+    here.wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        work()
+    times = []
+    for i in range(warmup + repeats):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        graph.replay()
+        torch.cuda.synchronize(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    graph.reset()
+    return statistics.median(times)
+
+
+def _graphed(e: dict) -> str:
+    return "" if e.get("graph_s") is None else f", as a CUDA graph {e['graph_s'] * 1e3:.3f} ms"
 
 
 def run_profile(m: TransformerShape, tps: list[int], sizes: list[int], device: str = "auto", gpu: str | None = None,
@@ -352,13 +438,13 @@ def run_profile(m: TransformerShape, tps: list[int], sizes: list[int], device: s
             e = {"tp": tp, **measure(layer, b, m, dev, dtype, warmup, repeats, accumulate=kind == "runtime")}
             entries.append(e)
             log(f"tp={tp} mbs={b}: forward {e['fwd_s'] * 1e3:.3f} ms, backward {e['bwd_s'] * 1e3:.3f} ms, "
-                f"both as a step {e['step_s'] * 1e3:.3f} ms, saved activations {e['act_bytes'] / 2**20:.1f} MiB")
+                f"both as a step {e['step_s'] * 1e3:.3f} ms{_graphed(e)}, saved activations {e['act_bytes'] / 2**20:.1f} MiB")
             if kind == "runtime" and recompute:
                 r = measure(layer, b, m, dev, dtype, warmup, repeats, accumulate=True, recompute=True)
                 entries.append({"tp": tp, "part": "recompute", "mbs": b, "fwd_s": r["fwd_s"], "bwd_s": r["bwd_s"],
-                                "step_s": r["step_s"]})
+                                "step_s": r["step_s"], "graph_s": r["graph_s"]})
                 log(f"tp={tp} mbs={b}: recomputed layer forward {r['fwd_s'] * 1e3:.3f} ms, "
-                    f"backward {r['bwd_s'] * 1e3:.3f} ms, both as a step {r['step_s'] * 1e3:.3f} ms")
+                    f"backward {r['bwd_s'] * 1e3:.3f} ms, both as a step {r['step_s'] * 1e3:.3f} ms{_graphed(r)}")
         del layer
         head = runtime_head(m, dev, dtype) if tp == 1 else None  # tp > 1: the roofline's head (logits gathered)
         for b in sizes if head is not None else ():

@@ -183,7 +183,8 @@ def _tau(m: TransformerShape, nt, dims: ParallelDims, b: int, cm: CostModel, opt
     key = ("tau", id(nt), dims.tp, dims.cp, b, rec, sp, opts.fp8, opts.tp_overlap)
     tau = cm.cache.get(key)
     if tau is None:
-        f, bw, ftp, btp, again, _ = cm.ops(nt, dims.tp, b, sp, rec, dims.cp, opts.fp8, opts.tp_overlap and sp)
+        f, bw, ftp, btp, again, _ = cm.ops(nt, dims.tp, b, sp, rec, dims.cp, opts.fp8, opts.tp_overlap and sp,
+                                           cm.a.graphed_steps and dims.pp == 1)
         tau = cm.cache[key] = (f + bw + ftp + btp + again) / b
     return tau
 

@@ -131,10 +131,15 @@ def shape_of(c, seq_len: int, global_batch: int):
 FITTED_TP_COLLECTIVE_S = 220e-6  # the fallback when a run measured no tp collective (assumptions)
 
 
-def assumptions(measured: dict[int, float] | None = None, keeps_outputs: bool | None = None):
+def assumptions(measured: dict[int, float] | None = None, keeps_outputs: bool | None = None,
+                graphed: dict[int, float] | None = None, graphs: bool = False):
     """The cost model's assumptions for this trainer: bf16 weight copies, float32 gradients, masters
     and AdamW moments, 18 bytes a parameter; and its own host-bound step:
 
+    - with ``graphs`` (``--cuda-graphs``), ``graphed_steps``: the layouts without a pipeline replay
+      each micro-batch as a CUDA graph, their layers at the profile's ``graph_s`` and each
+      tensor-parallel all-reduce at its ring time plus ``graphed`` ({tp: seconds}, ``tpcoll.py``'s
+      graphed measurement of this run) for each tp it holds, else the ring alone;
     - the tensor-parallel per-collective cost: ``measured`` ({tp: seconds}, ``tpcoll.py``, this run's
       own) for each tp it holds; for any other, ``tp_collective_s`` 220 us, fitted on the two-GPU H200
       run alone (bench/results/plan_accuracy_h200_x4_two.json; the four-GPU run held out,
@@ -161,7 +166,8 @@ def assumptions(measured: dict[int, float] | None = None, keeps_outputs: bool | 
     return Assumptions(bytes_per_param=18, tp_collective_s=FITTED_TP_COLLECTIVE_S, chunk_overhead_s=0.0,
                        tp_collective_by_tp=tuple(sorted((measured or {}).items())), zero_shards_master=False,
                        keep_pipeline_outputs=pipeline_keeps_outputs() if keeps_outputs is None else keeps_outputs,
-                       step_transients=True, unfused_llama=True)
+                       step_transients=True, unfused_llama=True, graphed_steps=graphs,
+                       tp_collective_graphed_by_tp=tuple(sorted((graphed or {}).items())))
 
 
 def tp_collective_used(groups: list[dict]) -> dict:
@@ -170,8 +176,9 @@ def tp_collective_used(groups: list[dict]) -> dict:
     fallback, and which of the two the predictions used."""
     from .tpcoll import by_tp
 
-    got = by_tp(groups)
+    got, graphed = by_tp(groups), by_tp(groups, graphed=True)
     return {"used": "measured" if got else "fitted", "measured_by_tp": {str(t): s for t, s in sorted(got.items())},
+            "graphed_by_tp": {str(t): s for t, s in sorted(graphed.items())},
             "fallback_s": FITTED_TP_COLLECTIVE_S, "groups": groups}
 
 
@@ -207,7 +214,7 @@ def predict(shape, gpu: str, cfg: Config, profile: str | None, a=None) -> tuple[
 
 def graphed(graphs: bool, cfg: Config) -> bool:
     """Whether ``cfg`` trains with CUDA graphs when they are asked for (``job.graphs_refused``: not in a
-    pipeline, not at tp > 1 unless COMPUTRON_GRAPH_COLLECTIVES=1); the others run eager."""
+    pipeline); the others run eager. ``Assumptions.graphed_steps`` predicts the same rows graphed."""
     if not graphs:
         return False
     from .job import graphs_refused
@@ -249,6 +256,7 @@ def _measure_here(cfg: Config, device: str, dtype: str, warmup: int, steps: int,
     recs = [tr.train_step() for _ in range(warmup + steps)][warmup:]
     out = {"time_s": statistics.median(r["time_s"] for r in recs), "peak_bytes": max(max(r["peak_bytes"]) for r in recs),
            "tflops_per_gpu": statistics.median(r["tflops_per_gpu"] for r in recs)}
+    tr.close()  # its graphs go before the process group does
     del tr, recs
     _release()  # else the next configuration's peak would count this one's memory
     return out
@@ -365,7 +373,7 @@ def run(configs: list[Config], gpu: str, device: str, dtype: str, profile: str |
                       for n in sorted({c.world for c in configs} - {1})] if links else []
     tp = tp_collective_used(tpcoll.run(configs, models, gpu, device, dtype, assumptions(), pick, log)
                             if tp_collective else [])
-    a = assumptions(tpcoll.by_tp(tp["groups"]))
+    a = assumptions(tpcoll.by_tp(tp["groups"]), graphed=tpcoll.by_tp(tp["groups"], graphed=True), graphs=graphs)
     picks = picking.search_picks(configs, models, gpu, profile_of, log, a) if pick else {}
     added = picking.to_measure(configs, picks)
     rows, failed = [], {}
@@ -426,8 +434,9 @@ def score(cfg: Config, model_cfg, got: dict, gpu: str, prof: str | None, log=pri
         row["paired_error"] = row["paired_s"] / got["time_s"] - 1
         paired = f", paired {row['paired_s']:.4f} s ({row['paired_error']:+.1%})"
     if cfg.tp > 1:
-        row["tp_collective_s"] = a.tp_collective_at(cfg.tp)
-        row["tp_collective_source"] = "measured" if cfg.tp in dict(a.tp_collective_by_tp) else "fitted"
+        used = a.graph_view() if a.graphed_steps and cfg.pp == 1 else a
+        row["tp_collective_s"] = used.tp_collective_at(cfg.tp)
+        row["tp_collective_source"] = "measured" if cfg.tp in dict(used.tp_collective_by_tp) else "fitted"
     if prof:
         row["roofline_s"], row["roofline_bytes"] = predict(shape, gpu, cfg, None, a)
     log(f"{cfg.label:40s} measured {row['measured_s']:.4f} s predicted {pred_s:.4f} s "
@@ -480,7 +489,8 @@ def rescore(result: dict, profiles: str | None, log=print) -> dict:
               for g in result.get("tp_collective", {}).get("groups", [])]
     tp = tp_collective_used(groups)
     keeps = result.get("pipeline_keeps_outputs", True)  # the trainer kept them before it recorded so
-    a = assumptions(tpcoll.by_tp(groups), keeps)
+    a = assumptions(tpcoll.by_tp(groups), keeps, tpcoll.by_tp(groups, graphed=True),
+                    graphs=any(r.get("cuda_graphs") for r in result["rows"]))
     rows, where = [], {}
     for r in result["rows"]:
         cfg = Config.from_row(r)

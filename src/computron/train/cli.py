@@ -142,6 +142,6 @@ def run_rank(args) -> int:
         with open(args.json, "w") as f:
             json.dump({"config": vars(tr.cfg), "steps": recs, "abandoned": tr.colo.abandoned,
                        "paused_s": tr.colo.paused_s, "yielded_s": tr.colo.yielded_s}, f, indent=1, default=str)
-    tr.colo.close()
+    tr.close()
     dist.close()
     return 0

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import resource
 import time
 from dataclasses import asdict
@@ -54,6 +53,7 @@ from ..parallel.collectives import install_tp_hooks
 from ..parallel.dims import ParallelDims
 from ..parallel.shard_model import build_rank
 from ..parallel.sharding import Shard, uncut
+from ..planner.profile import side_stream
 from .config import TrainConfig
 from .data import TokenData
 from .dist import Mesh
@@ -170,9 +170,6 @@ def _fold_grad(master: torch.Tensor, work: torch.Tensor) -> None:
     work.grad = None
 
 
-GRAPH_COLLECTIVES = "COMPUTRON_GRAPH_COLLECTIVES"
-
-
 @functools.cache
 def pipeline_keeps_outputs() -> bool:
     """Does a pipeline step keep every micro-batch's output on the last stage (and concatenate them
@@ -186,18 +183,21 @@ def pipeline_keeps_outputs() -> bool:
     return "return_outputs" not in inspect.signature(PipelineScheduleSingle.step).parameters
 
 
+def pool_bytes(device: torch.device, pool) -> int:
+    """Bytes the caching allocator holds in the private memory pool ``pool`` of ``device`` (the
+    segments a CUDA graph capture allocated there)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
+               if seg["device"] == index and tuple(seg["segment_pool_id"]) == tuple(pool))
+
+
 def graphs_refused(device: str, pp: int, tp: int, colocate: bool = False) -> str | None:
     """Why a job of this layout cannot train with ``cuda_graphs`` (None: it can). A pipeline's schedule
-    runs eager, colocation resizes micro-batches at run time, and capturing the tensor-parallel
-    all-reduces in a micro-batch's graph hung on two H200s (torch 2.11, NCCL; the tp=2 test of
-    tests/gpu/test_train_gpu.py): tp > 1 is refused unless the environment sets COMPUTRON_GRAPH_COLLECTIVES=1
-    to try it. Data parallelism is fine: its all-reduce runs after the graphs, eager."""
+    runs eager and colocation resizes micro-batches at run time. Tensor parallelism's all-reduces are
+    captured in the graphs; data parallelism's run after them, eager."""
     if not device.startswith("cuda") or pp > 1 or colocate:
         return ("cuda_graphs needs a CUDA device, no pipeline (pp=1) and no colocation: "
                 f"got device {device}, pp={pp}" + (", colocation" if colocate else ""))
-    if tp > 1 and os.environ.get(GRAPH_COLLECTIVES) != "1":
-        return (f"cuda_graphs at tp={tp} would capture the tensor-parallel all-reduces, which hung on two H200s "
-                f"(tests/gpu/test_train_gpu.py); set {GRAPH_COLLECTIVES}=1 to try it")
     return None
 
 
@@ -230,6 +230,7 @@ class Trainer:
         self._graphs: dict[int, dict] = {}
         self._grad_acc: list[torch.Tensor] | None = None
         self._graph_pool = None
+        self._graph_bytes = 0  # what the captures' private pool holds (peak memory counts it)
         self.samples_seen: list[list[int]] = []  # per step, the sample ids in the order they were used
         cuda = self.device.type == "cuda"
         self.parking = Parking(lambda: training_slots(self.params.values(), self.opt), self.device)
@@ -434,7 +435,7 @@ class Trainer:
         inputs = torch.zeros(size, t, dtype=torch.long, device=self.device)
         targets = torch.zeros_like(inputs)
         here = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
+        side = side_stream(self.device)
         side.wait_stream(here)
         with torch.cuda.stream(side):
             for _ in range(2):
@@ -447,9 +448,20 @@ class Trainer:
             torch._foreach_add_(self._grad_acc, grads)
             loss = loss.detach()
         del grads
+        self._graph_bytes = pool_bytes(self.device, self._graph_pool)
         g = self._graphs[size] = {"graph": graph, "inputs": inputs, "targets": targets, "loss": loss}
         self.log(f"captured a CUDA graph of a micro-batch of {size}")
         return g
+
+    def close(self) -> None:
+        """Let go of what outlives a step: the colocation link and the captured graphs. Call it before
+        the process group is destroyed: a graph that captured NCCL collectives and is still alive makes
+        ``destroy_process_group`` wait for ever (pytorch/pytorch#115388)."""
+        self.colo.close()
+        for g in self._graphs.values():
+            g["graph"].reset()
+        self._graphs.clear()
+        self._graph_bytes = 0
 
     def _pipeline(self, ids: list[int]) -> tuple[float, list[int]]:
         """One replica's batch through the pipeline schedule (equal micro-batches)."""
@@ -494,10 +506,12 @@ class Trainer:
         return float(t)
 
     def _peak_bytes(self) -> list[int]:
-        """Peak memory of each rank: allocated GPU memory this step, or the process's peak resident
-        size on the CPU."""
+        """Peak memory of each rank: allocated GPU memory this step, plus what the CUDA graphs' private
+        pool holds (a replay allocates nothing, so the allocator's peak would leave the activations
+        out; a step that captures counts its pool twice, allocated and reserved), or the process's peak
+        resident size on the CPU."""
         if self.device.type == "cuda":
-            mine = torch.cuda.max_memory_allocated(self.device)
+            mine = torch.cuda.max_memory_allocated(self.device) + self._graph_bytes
         else:
             mine = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         if not self.mesh.distributed:

@@ -10,11 +10,15 @@ an all-reduce after the attention's and the MLP's row-parallel projection forwar
 gradients backward). A counting pass says how many all-reduces one layer issues (4). Out comes, per
 shape, each rank's per-layer time in the group and alone and ``per_collective_s`` = (group - alone)
 / all-reduces, at least 0: what one collective costs the step, its ring time, its host's issue and
-the wait for the group's slowest rank together.
+the wait for the group's slowest rank together. On CUDA the same chain is also replayed as one CUDA
+graph, alone and in the group (``profile.replayed``, as ``computron train --cuda-graphs`` runs a
+micro-batch): ``group_graph_s``, ``alone_graph_s`` and ``per_collective_graph_s``, what a collective
+costs a graphed step, where no host issues anything.
 
 :func:`derive` turns that into the planner's ``Assumptions.tp_collective_s`` for ``t``: the cost
 beyond the ring time the planner already charges for the same message (``costs.ring_allreduce``
-on one node of the planner's GPU type), the median over the shapes, at least 0.
+on one node of the planner's GPU type), the median over the shapes, at least 0; and from the graphed
+timings ``Assumptions.tp_collective_graphed_s`` the same way.
 """
 
 from __future__ import annotations
@@ -97,7 +101,8 @@ def _rank(device: str, dtype: str, shapes, warmup: int, repeats: int, depth: int
         group = timed(layer, mbs, m, dev, dt, warmup, repeats, accumulate=True, depth=d, step=False)
         rows.append({"model": m.name, "seq_len": m.seq_len, "mbs": mbs, "depth": d, "allreduces_per_layer": count,
                      "bytes": mbs * m.seq_len * m.hidden * torch.finfo(dt).bits // 8,
-                     "group_s": group["fwd_s"] + group["bwd_s"], "alone_s": alone["fwd_s"] + alone["bwd_s"]})
+                     "group_s": group["fwd_s"] + group["bwd_s"], "alone_s": alone["fwd_s"] + alone["bwd_s"],
+                     "group_graph_s": group["graph_s"], "alone_graph_s": alone["graph_s"]})
         del layer
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -110,6 +115,11 @@ def _rank(device: str, dtype: str, shapes, warmup: int, repeats: int, depth: int
             group_s, alone_s = statistics.fmean(g), statistics.fmean(a)
             entries.append({**r, "group_s": group_s, "alone_s": alone_s, "group_s_by_rank": g, "alone_s_by_rank": a,
                             "per_collective_s": max(0.0, (group_s - alone_s) / r["allreduces_per_layer"])})
+            if r["group_graph_s"] is not None:  # CUDA: the same of the graphed replays
+                g, a = [e[i]["group_graph_s"] for e in every], [e[i]["alone_graph_s"] for e in every]
+                group_s, alone_s = statistics.fmean(g), statistics.fmean(a)
+                entries[-1].update(group_graph_s=group_s, alone_graph_s=alone_s, per_collective_graph_s=max(
+                    0.0, (group_s - alone_s) / r["allreduces_per_layer"]))
         with open(path, "w") as f:
             json.dump({"ranks": n, "backend": tdist.get_backend(), "entries": entries}, f)
     dist.close()
@@ -119,7 +129,8 @@ def _rank(device: str, dtype: str, shapes, warmup: int, repeats: int, depth: int
 def derive(measured: dict, gpu: str, a) -> dict:
     """``measured`` (:func:`measure`) with, per entry, ``ring_s`` (the planner's ring time for its
     message over ``ranks`` GPUs of type ``gpu`` under assumptions ``a``) and ``tp_collective_s`` (its
-    ``per_collective_s`` beyond that, at least 0), and ``tp_collective_s`` over all: their median."""
+    ``per_collective_s`` beyond that, at least 0), and ``tp_collective_s`` over all: their median; where
+    the entries have ``per_collective_graph_s``, ``tp_collective_graphed_s`` the same of those."""
     from ..planner import costs
     from ..planner.hardware import load_cluster
 
@@ -129,8 +140,13 @@ def derive(measured: dict, gpu: str, a) -> dict:
     for e in measured["entries"]:
         ring = costs.ring_allreduce(e["bytes"], t, bw, a.intra_latency_s)
         entries.append({**e, "ring_s": ring, "tp_collective_s": max(0.0, e["per_collective_s"] - ring)})
-    return {**measured, "gpu": gpu, "entries": entries,
-            "tp_collective_s": statistics.median(e["tp_collective_s"] for e in entries)}
+        if e.get("per_collective_graph_s") is not None:
+            entries[-1]["tp_collective_graphed_s"] = max(0.0, e["per_collective_graph_s"] - ring)
+    out = {**measured, "gpu": gpu, "entries": entries,
+           "tp_collective_s": statistics.median(e["tp_collective_s"] for e in entries)}
+    if all("tp_collective_graphed_s" in e for e in entries):
+        out["tp_collective_graphed_s"] = statistics.median(e["tp_collective_graphed_s"] for e in entries)
+    return out
 
 
 def shapes_by_tp(configs, models: dict, search: bool) -> dict[int, list[tuple[str, int, int]]]:
@@ -172,20 +188,27 @@ def run(configs, models: dict, gpu: str, device: str, dtype: str, a, search: boo
         for e in got["entries"]:
             log(f"tp collective over {t} ranks ({got['backend']}) {e['model']} s={e['seq_len']} mbs={e['mbs']}: "
                 f"{_line(e)}")
-        log(f"tp collective over {t} ranks: tp_collective_s = {got['tp_collective_s'] * 1e6:.0f} us")
+        log(f"tp collective over {t} ranks: tp_collective_s = {got['tp_collective_s'] * 1e6:.0f} us"
+            + (f", graphed {got['tp_collective_graphed_s'] * 1e6:.0f} us" if "tp_collective_graphed_s" in got else ""))
         out.append(got)
     return out
 
 
-def by_tp(groups: list[dict]) -> dict[int, float]:
-    """{t: tp_collective_s} of the measurements in ``groups`` (:func:`run`) that did not fail."""
-    return {g["ranks"]: g["tp_collective_s"] for g in groups if "error" not in g}
+def by_tp(groups: list[dict], graphed: bool = False) -> dict[int, float]:
+    """{t: tp_collective_s} (``graphed``: ``tp_collective_graphed_s``) of the measurements in ``groups``
+    (:func:`run`) that did not fail and have it."""
+    key = "tp_collective_graphed_s" if graphed else "tp_collective_s"
+    return {g["ranks"]: g[key] for g in groups if "error" not in g and key in g}
 
 
 def _line(e: dict) -> str:
+    graphed = "" if "tp_collective_graphed_s" not in e else (
+        f"; as CUDA graphs {e['group_graph_s'] * 1e3:.3f} ms in the group, {e['alone_graph_s'] * 1e3:.3f} ms alone, "
+        f"{e['per_collective_graph_s'] * 1e6:.0f} us a collective, {e['tp_collective_graphed_s'] * 1e6:.0f} us beyond the ring")
     return (f"a layer {e['group_s'] * 1e3:.3f} ms in the group, {e['alone_s'] * 1e3:.3f} ms alone, "
             f"{e['allreduces_per_layer']} all-reduces of {e['bytes'] / 2**20:.2f} MiB: {e['per_collective_s'] * 1e6:.0f} us "
-            f"each, {e['ring_s'] * 1e6:.0f} us of it the planner's ring, {e['tp_collective_s'] * 1e6:.0f} us beyond")
+            f"each, {e['ring_s'] * 1e6:.0f} us of it the planner's ring, {e['tp_collective_s'] * 1e6:.0f} us beyond"
+            + graphed)
 
 
 def print_report(tp: dict, out=print) -> None:
@@ -200,3 +223,6 @@ def print_report(tp: dict, out=print) -> None:
     measured = ", ".join(f"tp={t} {s * 1e6:.0f} us" for t, s in tp["measured_by_tp"].items())
     out(f"tp collective cost used: {measured + '; ' if measured else ''}fitted {tp['fallback_s'] * 1e6:.0f} us "
         f"{'for any other tp' if measured else 'throughout (nothing measured)'}")
+    graphed = ", ".join(f"tp={t} {s * 1e6:.0f} us" for t, s in tp.get("graphed_by_tp", {}).items())
+    out(f"  in CUDA graphs (--cuda-graphs): {graphed + '; ' if graphed else ''}the ring alone "
+        f"{'for any other tp' if graphed else 'throughout (nothing measured)'}")

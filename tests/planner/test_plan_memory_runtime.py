@@ -48,6 +48,21 @@ def test_step_transients_without_pipeline():
     assert stage_memory(big, 4, 1, 1, 1, 2, 1, lean) == pytest.approx(5.6e7 - 1.6e7 + 4e8)
 
 
+def test_graphed_steps_keep_the_graphs_pool_beside_the_eager_transients():
+    """Graphed (no pipeline), the private pool holds one micro-batch's activations 4e8 and its bf16
+    gradient 2P = 8e6 through the step, beside the states (14P = 5.6e7 at dp=2 ZeRO-1, gradients held
+    throughout) and, with dp > 1, the all-reduce's flat fp32 copy 4P = 1.6e7; a pipeline is eager."""
+    graphed = replace(TRAINER, graphed_steps=True)
+    big = MemoryTerms(1e6, 0.0, 1e8, 0.0, 0.0, 0.0)
+    assert stage_memory(big, 4, 1, 1, 1, 2, 1, graphed) == pytest.approx(5.6e7 + 4e8 + 8e6 + 1.6e7)
+    assert stage_memory(big, 4, 1, 2, 1, 1, 0, graphed) == pytest.approx(7.2e7 + 4e8 + 8e6)
+    piped = MemoryTerms(1e6, 0.0, 1e8, 0.0, 0.0, 0.0, pipelined=True)
+    assert stage_memory(piped, 4, 1, 2, 1, 2, 1, graphed) == stage_memory(piped, 4, 1, 2, 1, 2, 1, TRAINER)
+    # without the trainer's other runtime peaks (Megatron's defaults), graphs alone still add the pool
+    assert stage_memory(big, 4, 1, 2, 1, 1, 0, Assumptions(bytes_per_param=18, graphed_steps=True)) == \
+        pytest.approx(7.2e7 + 4e8 + 8e6)
+
+
 def test_memory_terms_output_of_the_last_pipeline_stage_only():
     m = TransformerShape("g", "gpt", layers=4, hidden=1024, heads=16, ffn=4096, vocab=50000, seq_len=512,
                          global_batch=4)

@@ -248,13 +248,18 @@ def stage_memory(t: MemoryTerms, n: int, inflight: int, mb: int, v: int, dp: int
       pipeline, the end of each micro-batch's backward holds its whole 16-bit gradient, ``states +
       2P``, and with one micro-batch no gradient is held while it runs (``- G`` above, the gradients
       being freed between steps); with dp > 1 the all-reduce copies every gradient into one flat
-      buffer, ``states + G + mb*O``."""
+      buffer, ``states + G + mb*O``;
+    - ``a.graphed_steps`` without a pipeline: the CUDA graphs' private pool keeps what one captured
+      micro-batch allocates for the whole step, apart from the eager transients, at most its
+      activations and its 16-bit gradient: ``states + A + 2P``, plus the flat copy ``G`` with dp > 1
+      (an upper bound: the backward frees activations as the gradient grows)."""
     params = n * t.layer_params + t.fixed_params
     states = costs.state_bytes(n * t.layer_params, dp, zero, a, fp8) + costs.state_bytes(t.fixed_params, dp, zero, a)
     states += costs.zero_working_bytes(t.layer_params, t.fixed_params, zero, a, fp8)
     first = min(inflight, mb) if first is None else first
     act = inflight * math.ceil(n / v) * t.act_layer + t.act_work + first * t.act_fixed_mb + t.act_fixed
-    if not (a.keep_pipeline_outputs or a.step_transients):  # Megatron-LM's runtime: the search's hot path
+    graphed = a.graphed_steps and not t.pipelined
+    if not (a.keep_pipeline_outputs or a.step_transients or graphed):  # Megatron-LM's: the search's hot path
         return states + act
     kept = mb * t.out_mb if a.keep_pipeline_outputs else 0.0
     peaks = [states + act + kept, states + 2 * kept]
@@ -266,6 +271,8 @@ def stage_memory(t: MemoryTerms, n: int, inflight: int, mb: int, v: int, dp: int
                 peaks[0] -= grads
         if dp > 1:
             peaks += [states + grads + kept]
+    if graphed:
+        peaks += [states + act + 2.0 * params + (params * a.grad_bytes if dp > 1 and zero < 2 else 0.0)]
     return max(peaks)
 
 

@@ -133,6 +133,16 @@ def test_p2p_scatter_gather():
     assert costs.p2p_time(GPT, 4, 1, 25e9, 300e9, replace(a, scatter_gather=False)) == pytest.approx(E / 25e9 + a.p2p_latency_s)
 
 
+def test_torch_zero1_all_reduces_the_gradient_then_broadcasts_the_fp32_masters():
+    """ZeRO-1 as torch's ZeroRedundancyOptimizer over fp32 masters: DDP's all-reduce of the 4-byte
+    gradients, then (n-1)/n of the 4-byte masters received; Megatron's reduce-scatter + 2-byte gather."""
+    p, n, bw = 1e9, 4, 1e10
+    torch_zero = Assumptions(bytes_per_param=18, zero_shards_master=False)
+    assert costs.dp_allreduce(p, n, bw, 0.0, torch_zero, 1) == pytest.approx((2 * 3 / 4 * 4e9 + 3 / 4 * 4e9) / bw)
+    assert costs.dp_allreduce(p, n, bw, 0.0, torch_zero, 0) == pytest.approx(2 * 3 / 4 * 4e9 / bw)
+    assert costs.dp_allreduce(p, n, bw, 0.0, Assumptions(bytes_per_param=18), 1) == pytest.approx(3 / 4 * (4e9 + 2e9) / bw)
+
+
 def test_dp_allreduce_grad_bytes():
     p = 1e9
     assert costs.dp_allreduce(p, 8, 1e10, 0.0, Assumptions()) == pytest.approx(2 * 7 / 8 * 2e9 / 1e10)

@@ -253,27 +253,30 @@ def test_paired_steps_leave_a_committed_rescore_as_it_was(tmp_path, monkeypatch,
 
 def test_a_committed_graphed_run_rescores_to_its_own_predictions():
     """The two-H200 run with ``--cuda-graphs`` (layouts without a pipeline replayed as CUDA graphs),
-    rescored from its committed profiles: every time prediction and pick as the run made them, its
-    graphed rows at their profiles' ``graph_s`` and the graphed per-collective cost, its pipelines
-    eager; its memory as the committed rescore with the graphs' pool has it (the pipelines' as the
-    run predicted them, the graphed rows' higher)."""
+    rescored from its committed profiles: its graphed rows at their profiles' ``graph_s`` and the
+    graphed per-collective cost, its pipelines eager, every time as the run predicted it but for
+    torch's ZeRO-1 (its traffic modelled since); its memory and picks as the committed rescore has
+    them (the graphs' pool: the graphed rows' memory higher, the pipelines' unchanged)."""
     import os
 
     from computron.train import accuracy
 
     root = os.path.join(os.path.dirname(__file__), "../../bench/results/plan_accuracy_h200_x2_graphs")
     result = json.loads(open(os.path.join(root, "plan_accuracy_h200_x2_two.json")).read())
-    pooled = json.loads(open(os.path.join(root, "plan_accuracy_h200_x2_two_rescored_graph_pool.json")).read())
+    pooled = json.loads(open(os.path.join(root, "plan_accuracy_h200_x2_two_rescored.json")).read())
     again = accuracy.rescore(result, root, lambda s: None)
     for old, new, want in zip(result["rows"], again["rows"], pooled["rows"]):
-        assert new["predicted_s"] == old["predicted_s"], old["config"]
-        assert new["predicted_bytes"] == want["predicted_bytes"], old["config"]
+        assert (new["predicted_s"], new["predicted_bytes"]) == (want["predicted_s"], want["predicted_bytes"]), old["config"]
+        if not old["zero1"]:
+            assert new["predicted_s"] == old["predicted_s"], old["config"]
+        else:  # the broadcast of the fp32 masters, now charged
+            assert new["predicted_s"] > old["predicted_s"], old["config"]
         assert new["cuda_graphs"] == (old["pp"] == 1)
         if new["cuda_graphs"]:
             assert new["predicted_bytes"] > old["predicted_bytes"] and abs(new["memory_error"]) < 0.07, old["config"]
         else:
             assert new["predicted_bytes"] == old["predicted_bytes"]
-    assert again["pick"] == result["pick"]
+    assert again["pick"] == pooled["pick"]
     graphed = result["tp_collective"]["graphed_by_tp"]["2"]
     assert 0 < graphed < result["tp_collective"]["measured_by_tp"]["2"] / 4
     for r in again["rows"]:

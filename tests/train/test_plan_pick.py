@@ -95,7 +95,7 @@ def test_the_pick_is_plan_searchs_best_within_the_trainers_options(tmp_path):
     shape = shape_of(resolve_model("gpt2-medium", dtype="float32")[0], 1024, 32)
     (tmp_path / "m.json").write_text(json.dumps(shape.to_dict()))
     assert plan_main(["search", "--model", str(tmp_path / "m.json"), "--cluster", "h100:4x1", "--all-nodes", "--top", "1",
-                      "--no-sequence-parallel", "--zero", "1", "--cp", "1", "--virtual-stages", "1,2",
+                      "--no-sequence-parallel", "--zero", "0,1", "--cp", "1", "--virtual-stages", "1,2",
                       "--bytes-per-param", "18", "--json", str(tmp_path / "plan.json")]) == 0
     best = json.loads((tmp_path / "plan.json").read_text())["plans"][0]
     got = search_pick("gpt2-medium", shape, 4, "h100", cost_model(shape, "h100", None))

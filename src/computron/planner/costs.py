@@ -401,9 +401,15 @@ def dp_allreduce(params_rank: float, dp: int, bw: float, latency: float, a: Assu
 
     ``gathered``: the bytes the all-gather moves when not ``params_rank * e`` (fp8 layer weights
     are gathered in 1 byte, :func:`weight_gather_bytes`).
+
+    Stage 1 without ``a.zero_shards_master`` is torch's ``ZeroRedundancyOptimizer`` over fp32
+    masters: the whole gradient all-reduced, as without ZeRO, then each rank's updated fp32
+    masters broadcast to the others, ``2(n-1)/n * P * g + (n-1)/n * P * 4``.
     """
     if zero == 0:
         return ring_allreduce(params_rank * a.grad_bytes, dp, bw, latency)
+    if zero == 1 and not a.zero_shards_master:
+        return ring_allreduce(params_rank * a.grad_bytes, dp, bw, latency) + ring_half(params_rank * 4, dp, bw, latency)
     ag = ring_half(params_rank * e if gathered is None else gathered, dp, bw, latency)
     if zero == 1:
         return ring_half(params_rank * a.grad_bytes, dp, bw, latency) + ag

@@ -309,7 +309,10 @@ class Trainer:
         if self.cfg.zero1 and self.dims.dp > 1:
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
-            return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, process_group=self.mesh.dp, **kw)
+            # the parameters as views of one bucket per rank: the update's broadcast is one call per rank,
+            # not one per tensor (each a collective of its own, hundreds a step)
+            return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, process_group=self.mesh.dp,
+                                           parameters_as_bucket_view=True, **kw)
         return torch.optim.AdamW(params, **kw)
 
     def _schedule(self):

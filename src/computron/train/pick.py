@@ -18,7 +18,8 @@ from __future__ import annotations
 TOLERANCE = 0.05  # a pick within 5% of its group's fastest measured layout passes
 VIRTUAL_STAGES = (1, 2)  # the interleaving the search tries (plan search --virtual-stages 1,2)
 RESTRICTIONS = (
-    "ZeRO-1 at most: with dp > 1 the search's ZeRO ladder stops at stage 1 (plan search goes on to 2 and 3)",
+    "ZeRO 0, then 1: with dp > 1 the search takes plain data parallelism where it fits and ZeRO-1 where it does "
+    "not (the Trainer's ZeRO-1, torch's, moves more than plain DDP; plan search's default ladder is 1, 2, 3)",
     "no sequence parallelism, context parallelism, fp8 or TP communication overlap (the Trainer runs none)",
     "tp dividing the heads, the key/value heads and the FFN (the Trainer keeps one tensor rank per K/V head)",
     f"virtual stages {', '.join(map(str, VIRTUAL_STAGES))} (plan search tries 1 unless told)",
@@ -112,7 +113,7 @@ def search_pick(model: str, shape, gpus: int, gpu: str, cm) -> dict:
     from .accuracy import Config
     from .launch import LaunchError, layout_from_plan
 
-    opts = SearchOptions(top=1, all_nodes=True, virtual_stages=VIRTUAL_STAGES, sequence_parallel=False, zero=(1,),
+    opts = SearchOptions(top=1, all_nodes=True, virtual_stages=VIRTUAL_STAGES, sequence_parallel=False, zero=(0, 1),
                          cp=(1,), tp=trainer_tps(shape, gpus))
     try:
         plans = search(shape, load_cluster(f"{gpu}:{gpus}x1"), opts, cm).plans

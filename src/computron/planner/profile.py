@@ -265,17 +265,7 @@ def measure(layer, mbs: int, m: TransformerShape, device, dtype, warmup: int = 3
             torch.cuda.synchronize(device)
         return time.perf_counter()
 
-    if recompute:  # checkpointed exactly as the trainer's ``recompute`` wraps its layers
-        from ..train.job import recomputed
-
-        runs = [recomputed(one) for one in layers]
-    else:
-        runs = layers
-
-    def chain(y):
-        for one in runs:
-            y = one(y)
-        return y
+    chain = chained(layers, recompute)
 
     def backward(y):
         y.backward(grad)
@@ -342,26 +332,29 @@ def measure(layer, mbs: int, m: TransformerShape, device, dtype, warmup: int = 3
             "peak_bytes": peak}
 
 
-def fresh_chain(layers, recompute: bool = False):
-    """(chain, copies): a function running copies of ``layers`` one after the other (each under the
-    trainer's activation checkpointing with ``recompute``), and the copies, whose parameters no
-    backward has touched yet."""
-    import copy
-
-    copies = [copy.deepcopy(one) for one in layers]
+def chained(layers, recompute: bool = False):
+    """A function running ``layers`` one after the other, each checkpointed exactly as the trainer's
+    ``recompute`` wraps its layers when ``recompute``."""
     if recompute:
         from ..train.job import recomputed
 
-        runs = [recomputed(one) for one in copies]
-    else:
-        runs = copies
+        layers = [recomputed(one) for one in layers]
 
     def chain(y):
-        for one in runs:
+        for one in layers:
             y = one(y)
         return y
 
-    return chain, copies
+    return chain
+
+
+def fresh_chain(layers, recompute: bool = False):
+    """(chain, copies): :func:`chained` over copies of ``layers``, and the copies, whose parameters
+    no backward has touched yet."""
+    import copy
+
+    copies = [copy.deepcopy(one) for one in layers]
+    return chained(copies, recompute), copies
 
 
 _SIDE: dict = {}

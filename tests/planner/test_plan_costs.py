@@ -140,7 +140,8 @@ def test_torch_zero1_all_reduces_the_gradient_then_broadcasts_the_fp32_masters()
     torch_zero = Assumptions(bytes_per_param=18, zero_shards_master=False)
     assert costs.dp_allreduce(p, n, bw, 0.0, torch_zero, 1) == pytest.approx((2 * 3 / 4 * 4e9 + 3 / 4 * 4e9) / bw)
     assert costs.dp_allreduce(p, n, bw, 0.0, torch_zero, 0) == pytest.approx(2 * 3 / 4 * 4e9 / bw)
-    assert costs.dp_allreduce(p, n, bw, 0.0, Assumptions(bytes_per_param=18), 1) == pytest.approx(3 / 4 * (4e9 + 2e9) / bw)
+    megatron = Assumptions(bytes_per_param=18)
+    assert costs.dp_allreduce(p, n, bw, 0.0, megatron, 1) == pytest.approx(3 / 4 * (4e9 + 2e9) / bw)
 
 
 def test_dp_allreduce_grad_bytes():

@@ -168,7 +168,8 @@ class CostModel:
         plain = self.profile.lookup(gpu.name, tp, mbs) if got is not None else None
         if plain is None:
             return 0.0, fwd
-        got, plain = self.paired("recompute", gpu, tp, mbs, got, graphed), self.paired("layer", gpu, tp, mbs, plain, graphed)
+        got = self.paired("recompute", gpu, tp, mbs, got, graphed)
+        plain = self.paired("layer", gpu, tp, mbs, plain, graphed)
         return max(got[0] - plain[0], 0.0), max(got[1] - plain[1], 0.0)
 
     def paired(self, part: str, gpu: GpuType, tp: int, mbs: int, got: tuple, graphed: bool = False) -> tuple:

@@ -8,9 +8,9 @@ is used then); ``lookup_part`` the same for other parts the profile measured (en
 activations are recomputed in the backward); ``lookup_step`` a layer's (or part's) forward plus
 backward timed back to back as a step issues them (an entry's ``step_s``, which profiles made
 before it was measured lack: None then), or with ``graphed`` the two replayed as one CUDA graph (an
-entry's ``graph_s``: CUDA profiles made since it was measured). Between measured micro-batch sizes times are interpolated
-linearly; outside them they are scaled in proportion to the micro-batch size from the nearest
-measurement.
+entry's ``graph_s``: CUDA profiles made since it was measured). Between measured micro-batch sizes
+times are interpolated linearly; outside them they are scaled in proportion to the micro-batch size
+from the nearest measurement.
 """
 
 from __future__ import annotations

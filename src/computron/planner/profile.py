@@ -3,8 +3,8 @@
 What flows through: a TransformerShape, TP degrees and micro-batch sizes go in; a profile dict (the
 file format measured.py reads) comes out, one entry per (tp, mbs) with the median forward and
 backward seconds of one layer shard (and ``step_s``, the two back to back as a step issues them, and
-on CUDA ``graph_s``, the two replayed as one CUDA graph) and the bytes it saves for backward, and (runtime layers, tp=1)
-one ``"part": "head"`` entry per mbs for the last stage's norm, logits and loss, and one
+on CUDA ``graph_s``, the two replayed as one CUDA graph) and the bytes it saves for backward, and
+(runtime layers, tp=1) one ``"part": "head"`` entry per mbs for the last stage's norm, logits and loss, and one
 ``"part": "recompute"`` entry per (tp, mbs) for the layer under activation checkpointing.
 
 The layer is the one this project's training runtime runs (``computron.models``' decoder layer,
@@ -431,7 +431,8 @@ def run_profile(m: TransformerShape, tps: list[int], sizes: list[int], device: s
             e = {"tp": tp, **measure(layer, b, m, dev, dtype, warmup, repeats, accumulate=kind == "runtime")}
             entries.append(e)
             log(f"tp={tp} mbs={b}: forward {e['fwd_s'] * 1e3:.3f} ms, backward {e['bwd_s'] * 1e3:.3f} ms, "
-                f"both as a step {e['step_s'] * 1e3:.3f} ms{_graphed(e)}, saved activations {e['act_bytes'] / 2**20:.1f} MiB")
+                f"both as a step {e['step_s'] * 1e3:.3f} ms{_graphed(e)}, "
+                f"saved activations {e['act_bytes'] / 2**20:.1f} MiB")
             if kind == "runtime" and recompute:
                 r = measure(layer, b, m, dev, dtype, warmup, repeats, accumulate=True, recompute=True)
                 entries.append({"tp": tp, "part": "recompute", "mbs": b, "fwd_s": r["fwd_s"], "bwd_s": r["bwd_s"],

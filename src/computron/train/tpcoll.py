@@ -204,7 +204,8 @@ def by_tp(groups: list[dict], graphed: bool = False) -> dict[int, float]:
 def _line(e: dict) -> str:
     graphed = "" if "tp_collective_graphed_s" not in e else (
         f"; as CUDA graphs {e['group_graph_s'] * 1e3:.3f} ms in the group, {e['alone_graph_s'] * 1e3:.3f} ms alone, "
-        f"{e['per_collective_graph_s'] * 1e6:.0f} us a collective, {e['tp_collective_graphed_s'] * 1e6:.0f} us beyond the ring")
+        f"{e['per_collective_graph_s'] * 1e6:.0f} us a collective, "
+        f"{e['tp_collective_graphed_s'] * 1e6:.0f} us beyond the ring")
     return (f"a layer {e['group_s'] * 1e3:.3f} ms in the group, {e['alone_s'] * 1e3:.3f} ms alone, "
             f"{e['allreduces_per_layer']} all-reduces of {e['bytes'] / 2**20:.2f} MiB: {e['per_collective_s'] * 1e6:.0f} us "
             f"each, {e['ring_s'] * 1e6:.0f} us of it the planner's ring, {e['tp_collective_s'] * 1e6:.0f} us beyond"

@@ -251,3 +251,28 @@ def test_progress_bar_only_on_a_terminal(monkeypatch, capsys):
         cb(1.0, 2.0, {"simulated": 3})
         assert bar.bar is not None and bar.bar.tasks[0].completed == pytest.approx(0.5)
     assert "best 2.000 s" in capsys.readouterr().err
+
+
+def test_cuda_graphs_plan_a_layout_without_a_pipeline_at_its_graphed_time(tmp_path, capsys):
+    """``--cuda-graphs``: a layout without a pipeline takes the profile's ``graph_s`` and its tp
+    all-reduces their ring time alone; a pipeline keeps the eager figures."""
+    model = tmp_path / "tiny.yaml"
+    model.write_text(TINY)
+    entries = [{"tp": t, "mbs": b, "fwd_s": 1e-3 * b / t, "bwd_s": 2e-3 * b / t, "act_bytes": 1000 * b,
+                "graph_s": 1.5e-3 * b / t} for t in (1, 2) for b in (1, 2)]
+    prof = tmp_path / "prof.json"
+    prof.write_text(json.dumps({"gpu": "a100-80gb", "model": {"name": "tiny", "family": "gpt", "hidden": 64,
+                                                               "heads": 4, "ffn": 256, "seq_len": 32},
+                                "entries": entries}))
+
+    def estimate(layout, *graphs):
+        j = tmp_path / "est.json"
+        code, _, err = run(["estimate", "--model", str(model), "--cluster", "a100-80gb:2x1", *layout, "--mbs", "2",
+                            "--profile", str(prof), "--json", str(j), *graphs], capsys)
+        assert code == 0, err
+        return json.loads(j.read_text())["iteration_s"]
+
+    flat = ["--tp", "2", "--pp", "1", "--dp", "1"]
+    assert estimate(flat, "--cuda-graphs") < estimate(flat)
+    piped = ["--tp", "1", "--pp", "2", "--dp", "1"]
+    assert estimate(piped, "--cuda-graphs") == estimate(piped)

@@ -62,6 +62,10 @@ def _cost_args(p: argparse.ArgumentParser) -> None:
                    help="the layers' weight GEMMs in fp8 (Transformer Engine's recipe; GPUs with fp8 only)")
     p.add_argument("--tp-overlap", action="store_true",
                    help="TP all-gathers/reduce-scatters overlapped with the GEMMs (needs sequence parallelism)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="the runtime replays each micro-batch of a layout without a pipeline as one CUDA graph "
+                        "(computron train --cuda-graphs): its layers at the profile's graph_s where it has them, "
+                        "its tensor-parallel all-reduces at their ring time, with no host cost")
 
 
 def _search_args(p: argparse.ArgumentParser) -> None:
@@ -178,7 +182,8 @@ def _model(args) -> TransformerShape:
 
 
 def _cost_model(args, m: TransformerShape) -> CostModel:
-    a = Assumptions(bytes_per_param=args.bytes_per_param, memory_margin=args.memory_margin)
+    a = Assumptions(bytes_per_param=args.bytes_per_param, memory_margin=args.memory_margin,
+                    graphed_steps=args.cuda_graphs)
     prof = load_profile(args.profile, args.profile_gpu) if args.profile else None
     return CostModel(m, a, prof)
 

@@ -92,6 +92,7 @@ def _run_here(cfg, device: str, warmup: int, graphs: bool = False, trace: str | 
     out = profile_step(tr, device, trace and f"{trace}/{cfg.label.replace(' ', '_')}{'_graphs' * graphs}"
                        f"_rank{os.environ.get('RANK', '0')}.json")
     out["warmup_step_s"] = walls
+    tr.close()  # its graphs go before the process group does (a live one makes its teardown wait)
     return out
 
 

@@ -184,3 +184,36 @@ def test_the_last_stage_emits_contiguous_padded_logits_and_the_loss_ignores_the_
     want = torch.nn.functional.cross_entropy(logits[..., :500].flatten(0, 1).double(), targets.flatten(),
                                              reduction="sum") / (BASE.global_batch * BASE.seq_len)
     assert tr._loss(logits, targets).item() == pytest.approx(want.item(), rel=1e-5)
+
+
+def _count_broadcasts(out):
+    import torch.distributed as dist
+
+    from computron.train import dist as tdist
+
+    tdist.init("cpu", 60.0)
+    calls, real = [], dist.broadcast
+
+    def counted(*args, **kw):
+        calls.append(1)
+        return real(*args, **kw)
+
+    try:
+        tr = Trainer(replace(BASE, model="tiny-opt", dims={"dp": 2}, zero1=True))
+        dist.broadcast = counted
+        tr.train_step()
+        dist.broadcast = real
+        if dist.get_rank() == 0:
+            with open(out, "w") as f:
+                json.dump({"broadcasts": len(calls), "tensors": len(tr.params)}, f)
+    finally:
+        dist.broadcast = real
+        tdist.close()
+
+
+def test_zero1_broadcasts_one_bucket_per_rank_not_one_call_per_tensor(tmp_path):
+    """ZeRO-1's update goes out as one broadcast per rank's bucket of masters: per tensor, a step of
+    a real model makes hundreds of collectives."""
+    spawn(2, _count_broadcasts, str(tmp_path / "n.json"))
+    got = json.loads((tmp_path / "n.json").read_text())
+    assert got["broadcasts"] == 2 and got["tensors"] > 2, got

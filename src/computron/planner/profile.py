@@ -228,8 +228,7 @@ def chain_depth(layer) -> int:
 
 
 def measure(layer, mbs: int, m: TransformerShape, device, dtype, warmup: int = 3, repeats: int = 10,
-            accumulate: bool = False, depth: int | None = None, recompute: bool = False, step: bool = True,
-            graph: bool = True) -> dict:
+            accumulate: bool = False, depth: int | None = None, recompute: bool = False, step: bool = True) -> dict:
     """Median forward and backward seconds of ``layer`` on a (mbs, seq, hidden) input, and the bytes
     of the tensors autograd saves (activations, parameters excluded). ``depth`` copies of the layer
     run in a chain, timed as a whole and divided by ``depth``: as in a model, the host queues a
@@ -244,7 +243,7 @@ def measure(layer, mbs: int, m: TransformerShape, device, dtype, warmup: int = 3
     also adds each parameter's gradient into a float32 accumulator (the trainer's micro-batch loop).
     ``recompute``: each layer runs under activation checkpointing, wrapped by the trainer's own
     ``train.job.recomputed`` (the same checkpoint call and options as ``computron train
-    --recompute``). ``graph_s`` (on CUDA, with ``graph``; else None): the chain's forward and backward
+    --recompute``). ``graph_s`` (on CUDA; else None): the chain's forward and backward
     captured as one CUDA graph (``computron train --cuda-graphs``, which replays each micro-batch so)
     and the replay timed: the device's time alone, no host launch in it."""
     import copy
@@ -296,7 +295,7 @@ def measure(layer, mbs: int, m: TransformerShape, device, dtype, warmup: int = 3
             fwd.append((t1 - t0) / depth)
             bwd.append((t2 - t1) / depth)
     graph_s = None
-    if cuda and graph:
+    if cuda:
         # on copies of the chain: the eager backward above left gradient accumulators of the weights
         # and of x made on the default stream, on which a capture must not depend (CUDA refuses it)
         chain_g, copies = fresh_chain(layers, recompute)

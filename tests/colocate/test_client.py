@@ -4,14 +4,17 @@ A CPU tensor's work is done when its call returns, so these tests hand ``Colocat
 factory that stands in for CUDA events and record when the host waits on each.
 """
 
+import gc
+import sys
 import threading
 import time
+import weakref
 
 import pytest
 import torch
 from torch import nn
 
-from computron.colocate.client import Colocation, cuda_fence
+from computron.colocate.client import Abandoned, Colocation, cuda_fence
 from computron.colocate.memmodel import MemoryModel
 
 
@@ -126,6 +129,40 @@ def test_an_abandon_order_ends_a_yield_and_abandons_there():
     assert done.wait(5.0)
     s, grads = out["result"]
     assert s.abandoned and grads is None and colo.fence.made == 1
+
+
+class KeepsItsError(nn.Module):
+    """A layer whose frame keeps the exception passing through it: the reference cycle (exception,
+    traceback, frame) that only the garbage collector breaks, holding the activation ``y``."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.lin, self.inner, self.seen = nn.Linear(8, 8), inner, []
+
+    def forward(self, x):
+        y = self.lin(x)
+        self.seen.append(weakref.ref(y))
+        try:
+            return self.inner(y)
+        except Abandoned:
+            kept = sys.exc_info()  # noqa: F841 (the cycle)
+            raise
+
+
+def test_an_abandoned_micro_batch_lets_go_of_what_its_frames_held_without_the_garbage_collector():
+    colo = Colocation(memory=MemoryModel(100, 10, rel_margin=0.0), run_ahead=2)
+    limit = {"t": "limit", "id": 1, "bytes": 125, "immediate": True}
+    colo.fence = Fences(on_make=lambda i: colo.deliver(limit) if i == 3 else None)  # in the forward
+    model = KeepsItsError(net())
+    colo.watch(model)
+    gc.disable()
+    try:
+        assert colo.micro_batch(most=4) == 4
+        s, _ = micro_batch(model, colo, torch.randn(4, 8))
+        assert s.abandoned
+        assert model.seen[0]() is None  # the activation went with the step, not at the next collection
+    finally:
+        gc.enable()
 
 
 def test_the_cuda_fence_is_none_for_cpu_tensors():

@@ -2,6 +2,8 @@
 
 import random
 
+import pytest
+
 from computron.colocate.memmodel import MemoryModel
 
 MB = 1 << 20
@@ -67,3 +69,37 @@ def test_the_margin_is_on_the_activations_so_a_measured_size_keeps_fitting_its_o
     assert mm.largest(int(16.41 * gib), most=16) == 16
     assert mm.largest(int(15.6 * gib), most=16) < 16
     assert mm.predict(8) - (15.7 - 8 * 0.567) * gib > 0.2 * gib  # smaller sizes keep a margin too
+
+
+def test_a_size_forgets_a_passing_peak_once_measured_again_at_its_steady_one():
+    """Two steps right after a handover on an H200 (GPT-2-medium, micro-batch 1) peaked 5.4 GiB over
+    the same size's steady 6.9 GiB. Kept as the size's largest for good, they held the job at one
+    sample a micro-batch for a whole run and then paused it under a 13 GiB split it had trained in.
+    The point is the largest of the size's last ``window`` peaks: measured again that many times, the
+    model predicts from the steady peaks."""
+    gib = 2**30
+    mm = MemoryModel(prior_fixed=int(6.61 * gib), prior_per_sample=int(0.567 * gib), window=8)
+    steady = lambda m: int((6.4 + 0.53 * m) * gib)
+    for _ in range(20):
+        mm.record(16, steady(16))
+    for _ in range(10):
+        mm.record(1, steady(1) + int(5.4 * gib))
+    assert mm.largest(13 * gib, most=16) <= 3  # what the passing peak leaves the job
+    for _ in range(7):
+        mm.record(1, steady(1))
+    assert mm.points[1] == steady(1) + int(5.4 * gib)  # still among the last 8
+    mm.record(1, steady(1))
+    assert mm.points[1] == steady(1)
+    assert mm.largest(13 * gib, most=16) == 11  # (13 - 6.4) / (0.53 * 1.05) = 11.9 samples with the margin
+    for m, peak in mm.points.items():
+        assert mm.predict(m) >= peak
+
+
+def test_a_point_the_model_was_made_with_counts_among_its_size_peaks():
+    mm = MemoryModel(0, 0, window=2, points={4: 500})
+    mm.record(4, 300)
+    assert mm.points[4] == 500  # 500 is still among the last two
+    mm.record(4, 300)
+    assert mm.points[4] == 300
+    with pytest.raises(ValueError, match="window is the peaks a size keeps, at least 1; got 0"):
+        MemoryModel(0, 0, window=0)

@@ -131,3 +131,45 @@ def test_cuda_graphs_capture_the_tensor_parallel_collectives(tmp_path):
     spawn(2, _tp_worker, str(tmp_path / "losses.json"))  # a rank whose parameters differ fails the job
     got = json.loads((tmp_path / "losses.json").read_text())
     assert got["True"] == pytest.approx(got["False"], rel=1e-5)
+
+
+def test_an_abandoned_micro_batch_frees_its_activations_at_once():
+    """A handover abandons a micro-batch in its backward: by the next micro-batch's start the device
+    holds what it held before the abandoned one (its activations and autograd graph are gone without
+    waiting for the garbage collector), so the release that follows frees what inference asked for."""
+    import gc
+
+    tr = Trainer(TrainConfig(**{**CFG, "model": "tiny-opt", "seq_len": 256, "global_batch": 16, "micro_batch": 8},
+                             dtype="bfloat16"))
+    colo, calls, seen = tr.colo, {"n": 0}, []
+    per = colo.memory.predict(2) - colo.memory.predict(1)
+
+    def interrupt(grad):  # in the backward of step 2's first micro-batch: a limit that fits 4 samples
+        calls["n"] += 1
+        if calls["n"] == 3:
+            colo.deliver({"t": "limit", "id": 1, "bytes": colo.memory.predict(4) + per // 2, "immediate": True})
+        return grad
+
+    def watch(_mod, _inp, out):  # a forward hook returning something would replace the output
+        out.register_hook(interrupt)
+
+    tr.model.layers[1].mlp.register_forward_hook(watch)
+    choose = colo.micro_batch
+
+    def micro_batch(most):
+        torch.cuda.synchronize()
+        seen.append((colo.abandoned, torch.cuda.memory_allocated()))
+        return choose(most)
+
+    colo.micro_batch = micro_batch
+    gc.disable()
+    try:
+        tr.train_step()
+        tr.train_step()
+    finally:
+        gc.enable()
+    assert colo.abandoned == 1
+    before = next(b for a, b in seen[2:] if a == 0)  # step 2's first micro-batch, the one abandoned
+    after = next(b for a, b in seen if a == 1)
+    assert colo.memory.points[8] - before > (4 << 20)  # a micro-batch of 8 allocates this much and more
+    assert after - before < (256 << 10), (before, after)

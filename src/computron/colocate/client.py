@@ -40,6 +40,7 @@ import collections
 import contextlib
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 
 from .memmodel import MemoryModel
@@ -215,7 +216,11 @@ class Colocation:
             self.measure[0]()
         try:
             yield state
-        except Abandoned:
+        except Abandoned as e:
+            # the frames it unwound (the forward's, autograd's) still hold the micro-batch's tensors through
+            # the traceback; a reference cycle there can keep them until the garbage collector runs, and the
+            # release that follows would not free them: let go of them now
+            traceback.clear_frames(e.__traceback__)
             state.abandoned = True
             self.abandoned += 1
         finally:

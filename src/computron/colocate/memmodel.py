@@ -21,10 +21,18 @@ there shows up as an under-prediction at a measured size. A margin on the whole 
 GPT-2-medium job's 16 GiB) put the job's usual micro-batch of 16 on a knife's edge in the hybrid
 bench: the same 16.41 GiB limit kept it at 16 on one lease and cut it to 11 on the next, a third of
 its throughput gone (bench/results/hybrid_h200_s34/README.md).
+
+A size's point is the largest of its last ``window`` peaks, not of all it ever had. A peak that a
+moment inflated (a micro-batch right after a handover measured 5.4 GiB over the same size's steady
+peak for two steps on an H200, bench/results/hybrid_h200_s38/README.md) kept as the size's largest for
+good raised every prediction through the fit and its margin: the job then paused under a static split
+it had run in at micro-batch 8 one run before, and stayed paused. Measured again ``window`` times at
+its steady peak, the size forgets it; a size not measured again keeps it, on the safe side.
 """
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass, field
 
 
@@ -34,12 +42,23 @@ class MemoryModel:
     prior_per_sample: int
     rel_margin: float = 0.05
     slope_floor: float = 0.5  # the fitted per-sample bytes are at least this share of the prior's
-    points: dict[int, int] = field(default_factory=dict)  # micro-batch size -> largest peak measured
+    window: int = 8  # a size's point is the largest of its last this many peaks
+    points: dict[int, int] = field(default_factory=dict)  # micro-batch size -> largest of its recent peaks
+    _recent: dict[int, collections.deque] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.window < 1:
+            raise ValueError(f"window is the peaks a size keeps, at least 1; got {self.window}")
 
     def record(self, micro_batch: int, peak_bytes: int) -> None:
         if micro_batch < 1 or peak_bytes < 0:
             raise ValueError(f"a measurement needs micro_batch >= 1 and peak >= 0, got {micro_batch}, {peak_bytes}")
-        self.points[micro_batch] = max(peak_bytes, self.points.get(micro_batch, 0))
+        recent = self._recent.get(micro_batch)
+        if recent is None:  # a point the model was made with counts as one of the size's peaks
+            recent = self._recent[micro_batch] = collections.deque(
+                [self.points[micro_batch]] if micro_batch in self.points else [], maxlen=self.window)
+        recent.append(peak_bytes)
+        self.points[micro_batch] = max(recent)
 
     def coefficients(self) -> tuple[float, float]:
         """(fixed, per_sample) bytes: least squares over the measurements, else the prior."""

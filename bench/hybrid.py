@@ -28,7 +28,10 @@ interval (``slo_pooled``), p50/p99 latency and time to first token, training
 samples/s relative to training alone, the handovers (``GET /colocation`` of the server: each
 demand that took training's memory) split into signal, training release, ack, inference
 allocation (the arena mapping the memory again) and swap-in, how often training was told to
-shrink and to yield, and a PNG timeline of memory by owner (with the yields). Writes bench/results/hybrid_<tag>.json (and .png).
+shrink and to yield, and a PNG timeline of memory by owner (with the yields). Writes
+bench/results/hybrid_<tag>.json (and .png). A run that fails (a job or the server that stops or stalls)
+ends the call: the summary still holds every run before it, with the failure in ``failed``, and the
+exit status is 1.
 With ``--profile-job N`` the job (``--job gpt``) profiles N of its steps in every run, a third of the
 way in (``computron train --profile``): its step time, its host operators' time and, on a GPU, its
 kernels' time and the share of the window the GPU worked for it (``job_*`` in each row; the whole
@@ -755,41 +758,46 @@ def main(argv=None) -> int:
     if args.job == "gpt" and set(phases) - {"inference-alone"}:
         ckpt = args.train_model or timed("checkpoint_s", lambda: gpt2_medium_checkpoint(
             Path(tempfile.gettempdir()) / "computron-gpt2-medium"))
-    if "training-alone" in phases:  # first, while no server holds the device
-        prof = profile_dir(args, None) if args.profile_job else None
-        job = Job(job_command(args, ckpt, None, prof), args.job_timeout, prof)
-        startup["alone_job_warmup_s"] = job.wait_steps(args.warmup_steps, 0, "training-alone")
-        for _ in range(args.repeats):
-            record(run_phase(args, "training-alone", trace, None, job))
-        job.stop()
-    modes = [m for m in in_order(phases) if is_arbiter_phase(m)]
-    if "inference-alone" in phases or modes:
-        addr = os.path.join(tempfile.mkdtemp(prefix="computron-hybrid-"), "arbiter.sock")
-        server = timed("serve_ready_s", lambda: Server(args, addr, args.job_timeout))
-        # the trace once, unrecorded: first-use costs (kernels, decode graphs of each batch size, the
-        # swap path) stay out of inference alone's latencies, which every SLO is measured against
-        warm = timed("serve_warmup_s", lambda: run_phase(args, "inference-alone", trace, server, None))
-        if any(q["error"] for q in warm["requests"]):
-            server.fail(f"the warm-up's requests failed: {[q['error'] for q in warm['requests'] if q['error']][:3]}")
-        job, switches = None, []
-        try:
-            for _ in range(args.repeats if "inference-alone" in phases else 0):  # normal, and no job joins
-                record(run_phase(args, "inference-alone", trace, server, None))
-            for _ in range(args.repeats if modes else 0):
-                for mode in modes:  # repeats go round the modes: drift spreads over all of them
-                    switches.append(server.switch(mode))
-                    if job is None:
-                        prof = profile_dir(args, addr) if args.profile_job else None
-                        job = Job(job_command(args, ckpt, addr, prof), args.job_timeout, prof,
-                                  env_pairs(args.colocated_job_env))
-                        startup["colocated_job_warmup_s"] = job.wait_steps(args.warmup_steps, 0, mode)
-                    record(run_phase(args, mode, trace, server, job))
-        finally:
-            if job is not None:
-                job.stop()
-            server.stop()
-        if switches:
-            startup["mode_switch_p50_s"] = float(np.median(switches))
+    failed = None  # a run that fails ends the call; the runs before it are still summarized
+    try:
+        if "training-alone" in phases:  # first, while no server holds the device
+            prof = profile_dir(args, None) if args.profile_job else None
+            job = Job(job_command(args, ckpt, None, prof), args.job_timeout, prof)
+            startup["alone_job_warmup_s"] = job.wait_steps(args.warmup_steps, 0, "training-alone")
+            for _ in range(args.repeats):
+                record(run_phase(args, "training-alone", trace, None, job))
+            job.stop()
+        modes = [m for m in in_order(phases) if is_arbiter_phase(m)]
+        if "inference-alone" in phases or modes:
+            addr = os.path.join(tempfile.mkdtemp(prefix="computron-hybrid-"), "arbiter.sock")
+            server = timed("serve_ready_s", lambda: Server(args, addr, args.job_timeout))
+            # the trace once, unrecorded: first-use costs (kernels, decode graphs of each batch size, the
+            # swap path) stay out of inference alone's latencies, which every SLO is measured against
+            warm = timed("serve_warmup_s", lambda: run_phase(args, "inference-alone", trace, server, None))
+            if any(q["error"] for q in warm["requests"]):
+                server.fail(f"the warm-up's requests failed: {[q['error'] for q in warm['requests'] if q['error']][:3]}")
+            job, switches = None, []
+            try:
+                for _ in range(args.repeats if "inference-alone" in phases else 0):  # normal, and no job joins
+                    record(run_phase(args, "inference-alone", trace, server, None))
+                for _ in range(args.repeats if modes else 0):
+                    for mode in modes:  # repeats go round the modes: drift spreads over all of them
+                        switches.append(server.switch(mode))
+                        if job is None:
+                            prof = profile_dir(args, addr) if args.profile_job else None
+                            job = Job(job_command(args, ckpt, addr, prof), args.job_timeout, prof,
+                                      env_pairs(args.colocated_job_env))
+                            startup["colocated_job_warmup_s"] = job.wait_steps(args.warmup_steps, 0, mode)
+                        record(run_phase(args, mode, trace, server, job))
+            finally:
+                if job is not None:
+                    job.stop()
+                server.stop()
+            if switches:
+                startup["mode_switch_p50_s"] = float(np.median(switches))
+    except RuntimeError as e:
+        failed = str(e)
+        print(f"stopped: {failed}", file=sys.stderr, flush=True)
     for name in ("alone_job_warmup_s", "colocated_job_warmup_s"):
         if name in startup:
             print(f"start-up: {name} {startup[name]:.1f} s (process start to {args.warmup_steps} steps)")
@@ -801,12 +809,13 @@ def main(argv=None) -> int:
 
         device = torch.cuda.get_device_name()
     out.write_text(json.dumps({"args": vars(args), "startup": startup, "requests": len(trace), **summary,
-                               "device": device, "date": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1))
+                               "failed": failed, "device": device, "date": time.strftime("%Y-%m-%d %H:%M:%S")},
+                              indent=1))
     plot(runs, out.with_suffix(".png"))
     for row in summary["rows"]:
         print(json.dumps(row))
-    print(f"wrote {out}")
-    return 0
+    print(f"wrote {out}" + (" (the runs before the failure)" if failed else ""))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

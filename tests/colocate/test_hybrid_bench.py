@@ -82,6 +82,24 @@ def test_one_command_runs_every_phase_against_the_real_server(tmp_path):
     assert (tmp_path / "hybrid_t.png").stat().st_size > 0
 
 
+def test_a_failed_phase_ends_the_call_but_the_runs_before_it_are_summarized(tmp_path):
+    """The server cannot start (a flag it does not know): the call exits 1 and says why, and its
+    summary holds the training-alone run that came first, with the failure."""
+    cmd = [sys.executable, str(ROOT / "bench" / "hybrid.py"), "--device", "cpu", "--preset", "tiny-opt",
+           "--models", "1", "--train-model", "tiny-opt", "--seq-len", "16", "--global-batch", "8",
+           "--micro-batch", "8", "--duration", "1", "--repeats", "1", "--warmup-steps", "1", "--job-timeout", "60",
+           "--serve-args=--no-such-flag", "--tag", "f", "--out", str(tmp_path),
+           "--modes", "inference-alone,training-alone"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "stopped: " in p.stderr and "--no-such-flag" in p.stderr, p.stderr[-3000:]
+    out = json.loads((tmp_path / "hybrid_f.json").read_text())
+    assert [r["mode"] for r in out["rows"]] == ["training-alone"]
+    assert out["rows"][0]["train_samples_per_s"] > 0
+    assert "--no-such-flag" in out["failed"]
+
+
 def test_the_release_bench_compares_bounds_against_unbounded(tmp_path):
     cmd = [sys.executable, str(ROOT / "bench" / "colocate_release.py"), "--device", "cpu", "--train-model", "tiny-opt",
            "--seq-len", "64", "--global-batch", "16", "--micro-batch", "8", "--capacity-gb", "0.0095",

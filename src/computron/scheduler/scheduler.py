@@ -468,25 +468,30 @@ class Scheduler(Memory):
         steps = min(max_steps, end - m.steps)
         growth, last = m.growth, m.steps + steps - 1
         room, taken = self._room(m), 0  # blocks that fit now; nothing else takes or frees any meanwhile
-        same_step: list = []  # entries granted for the step of the last one: undone if that step is cut
+        same_step: list[SchedRequest] = []  # granted a block for step ``at``: given back if that step is cut
+        ties: list[int] = []  # the ties of their entries then
+        at = -1
         while growth and growth[0][0] <= last:
-            entry = growth[0]
-            due, tie, req = entry
+            due, tie, req = growth[0]
             if req.state != "running" or req.due != tie:
                 heappop(growth)
                 continue
-            if same_step and same_step[0][0] != due:
-                same_step.clear()
+            if due != at:
+                at = due
+                if same_step:
+                    same_step.clear()
+                    ties.clear()
             if taken >= room:
-                for entry in same_step:  # the run ends before step ``due``: its blocks are not needed yet
-                    entry[2].blocks -= 1
-                    entry[2].due = entry[1]  # the entry is live again (the newer one pushed is stale)
-                    heappush(growth, entry)
+                for i, r in enumerate(same_step):  # the run ends before step ``due``: its blocks are not needed yet
+                    r.blocks -= 1
+                    r.due = ties[i]  # its entry is live again (the newer one pushed is stale)
+                    heappush(growth, (due, ties[i], r))
                 if same_step:  # as single steps would: blocks given back, memory freed
                     self._epoch += 1
                 self._take_blocks(m, taken - len(same_step))
                 return due - m.steps  # the run ends before the token that needs it
-            same_step.append(entry)
+            same_step.append(req)
+            ties.append(tie)
             req.blocks += 1
             taken += 1
             heapreplace(growth, self._next_growth(req))  # its entry for the block after

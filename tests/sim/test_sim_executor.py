@@ -145,6 +145,6 @@ def test_a_run_that_starts_with_prefills_times_its_first_step_apart():
     assert out.first_at == {"a": t0 + first}
     assert ex.clock.t == pytest.approx(t0 + first + 3 * dt, rel=1e-12)
     assert out.tokens == {"old": [m.token] * 4, "new": [m.token] * 4}
-    assert ex.seqs["new"][1] == (12 + 3 + ex.block_tokens - 1) // ex.block_tokens  # its prompt and 3 tokens
+    assert ex.seqs["new"].blocks == (12 + 3 + ex.block_tokens - 1) // ex.block_tokens  # its prompt and 3 tokens
     one = ex.execute([ExecuteBatch("a", [SeqInput("x", [3] * 12, 0, GREEDY)])]).result()
     assert one.first_at is None  # a single step's tokens come at its end

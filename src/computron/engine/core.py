@@ -417,34 +417,35 @@ class EngineCore:
             loaded = result.loaded.get(b.model, 0.0)
             eos = self.models[b.model].config.eos_token_id
             first = now if first_at is None else first_at.get(b.model, now)
-            for rid in b.requests:
-                r = reqs.get(rid)
-                tokens = out.get(rid)
-                if r is None or tokens is None or rid in requeued:  # requeued: it recomputes them
-                    continue
-                r.compute_s += compute
-                ids = r.output_ids
-                if not ids:
-                    r.first_token_at, r.load_s, r.evict_s = first, loaded, evict_s
-                if not plain:
-                    if isinstance(tokens, int):
-                        self._append(r, tokens, logprobs.get(rid))
-                    else:
-                        self._extend(r, tokens, logprobs.get(rid))
-                elif isinstance(tokens, int):
-                    if tokens == eos and not r.params.ignore_eos:
-                        self.finish(r, "stop")
-                    else:
-                        ids.append(tokens)
-                        if len(ids) >= r.params.max_tokens:
+            for rids in (b.prefill, b.decode):  # b.requests, without making that list
+                for rid in rids:
+                    r = reqs.get(rid)
+                    tokens = out.get(rid)
+                    if r is None or tokens is None or rid in requeued:  # requeued: it recomputes them
+                        continue
+                    r.compute_s += compute
+                    ids = r.output_ids
+                    if not ids:
+                        r.first_token_at, r.load_s, r.evict_s = first, loaded, evict_s
+                    if not plain:
+                        if isinstance(tokens, int):
+                            self._append(r, tokens, logprobs.get(rid))
+                        else:
+                            self._extend(r, tokens, logprobs.get(rid))
+                    elif isinstance(tokens, int):
+                        if tokens == eos and not r.params.ignore_eos:
+                            self.finish(r, "stop")
+                        else:
+                            ids.append(tokens)
+                            if len(ids) >= r.params.max_tokens:
+                                self.finish(r, "length")
+                    elif r.params.ignore_eos or eos not in tokens:
+                        room = r.params.max_tokens - len(ids)
+                        ids.extend(tokens[:room] if room < len(tokens) else tokens)
+                        if room <= len(tokens):
                             self.finish(r, "length")
-                elif r.params.ignore_eos or eos not in tokens:
-                    room = r.params.max_tokens - len(ids)
-                    ids.extend(tokens[:room] if room < len(tokens) else tokens)
-                    if room <= len(tokens):
-                        self.finish(r, "length")
-                else:
-                    self._extend(r, tokens)
+                    else:
+                        self._extend(r, tokens)
 
     def _append(self, r: CoreRequest, token: int, logprob=None) -> None:
         eos = self.models[r.model].config.eos_token_id
@@ -495,9 +496,9 @@ class EngineCore:
         """Evictions, then loads; returns eviction seconds. A failed load fails the requests of its
         batch, and the scheduler is told what really is on the devices."""
         self._flush_frees()
-        loads = plan.loads + plan.prefetch
-        if not (plan.evictions or loads or plan.preempted or plan.kv_out or plan.kv_in):
+        if not (plan.evictions or plan.loads or plan.prefetch or plan.preempted or plan.kv_out or plan.kv_in):
             return 0.0
+        loads = plan.loads + plan.prefetch
         self._preempted(plan.preempted)  # their caches are released below
         self.stats["pauses"] += len(plan.paused)  # theirs stay: the executor evicts weights only
         if plan.kv_out or plan.kv_in:  # caches moved to host memory and back (requests; bytes both ways),

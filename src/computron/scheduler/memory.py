@@ -465,8 +465,11 @@ class Memory:
 
     def _room(self, m: ModelState) -> int:
         """How many more KV blocks of ``m`` fit now on all its devices."""
-        free = self.free
-        return min(free[d] // bb for d, bb in zip(m.devices, m.block_bytes))
+        free, devices, block_bytes = self.free, m.devices, m.block_bytes
+        room = free[devices[0]] // block_bytes[0]
+        for i in range(1, len(devices)):
+            room = min(room, free[devices[i]] // block_bytes[i])
+        return room
 
     def _fits(self, need: dict[int, int]) -> bool:
         return all(n <= self.free[d] for d, n in need.items())

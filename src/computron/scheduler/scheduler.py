@@ -51,11 +51,10 @@ Policies:
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import math
+from heapq import heappop, heappush, heapreplace
 from dataclasses import dataclass
-from typing import Callable, Iterator, cast
+from typing import Callable, cast
 
 from ..memory.units import kv_region_bytes
 from .memory import Memory
@@ -151,7 +150,7 @@ class Scheduler(Memory):
         self.requests: dict[str, SchedRequest] = {}
         self.step_count = 0
         self._heap: list[tuple[float, int, ModelState]] = []  # (oldest arrival, tie, model) of models with work; stale entries skipped
-        self._tie = itertools.count()
+        self._ties = 0  # the next tie: orders entries of equal keys in the heaps by when they were made
         self._fresh: set[str] = set()  # models this plan loads: never evicted by the same plan
         # Bumped whenever memory or what may be evicted changes; a model found unable to start
         # (or to be prefetched) stays so until then, so steady steps do not search again.
@@ -327,21 +326,38 @@ class Scheduler(Memory):
         return [n for n, m in self.models.items() if m.on_device]
 
     # ---- the step ------------------------------------------------------------------------------
+    def _tie(self) -> int:
+        t = self._ties
+        self._ties = t + 1
+        return t
+
     def _queue(self, m: ModelState) -> None:
         key = m.oldest() if self.slo is None else self.slo.earliest(m)
         if key != m.heap_key:
             m.heap_key = key
             if key is not None:
-                heapq.heappush(self._heap, (key, next(self._tie), m))
+                heappush(self._heap, (key, self._tie(), m))
 
-    def _by_age(self) -> Iterator[tuple[float, ModelState]]:
-        """Pop models with work, oldest request first; the caller queues them again with ``_queue``."""
+    def _pop_oldest(self) -> tuple[float, ModelState] | None:
+        """The model with work whose oldest request is oldest, off the heap (stale entries skipped);
+        the caller queues it again with ``_queue``. None when no model has work."""
         heap = self._heap
         while heap:
-            key, _, m = heapq.heappop(heap)
+            key, _, m = heappop(heap)
             if m.heap_key == key and self.models.get(m.name) is m:
                 m.heap_key = None  # any other entry of m is stale from now on
-                yield key, m
+                return key, m
+        return None
+
+    def _by_age(self, seen: list[tuple[float, ModelState]], i: int) -> tuple[float, ModelState] | None:
+        """The ``i``-th model by age in this step: from ``seen``, else the next off the heap (recorded
+        in ``seen``); None when there are no more."""
+        if i < len(seen):
+            return seen[i]
+        item = self._pop_oldest()
+        if item is not None:
+            seen.append(item)
+        return item
 
     def schedule(self, now: float = 0.0, max_steps: int | Bound = 1) -> StepPlan:
         """The next step's plan. ``max_steps`` > 1 lets a plan that only decodes one model's batch
@@ -413,13 +429,13 @@ class Scheduler(Memory):
         tokens need are taken; None (and nothing changed) when they do not fit as they are."""
         growth, due = m.growth, []
         while growth and growth[0][0] <= m.steps:
-            entry = heapq.heappop(growth)
+            entry = heappop(growth)
             if entry[2].state == "running" and entry[2].due == entry[1]:
                 due.append(entry)
         if due:
             if not self._fits_blocks(m, len(due)):
                 for entry in due:
-                    heapq.heappush(growth, entry)
+                    heappush(growth, entry)
                 return None
             for _, _, req in due:
                 req.blocks += 1
@@ -436,7 +452,7 @@ class Scheduler(Memory):
         last token in them)?"""
         ends = m.ends
         while ends and (ends[0][2].state != "running" or ends[0][2].joined + ends[0][2].max_tokens != ends[0][0]):
-            heapq.heappop(ends)  # ended or preempted since: an entry of a request that runs is live
+            heappop(ends)  # ended or preempted since: an entry of a request that runs is live
         return bool(ends) and ends[0][0] - m.steps > steps
 
     def _run_length(self, m: ModelState, max_steps: int) -> int:
@@ -448,32 +464,37 @@ class Scheduler(Memory):
             end, _, req = ends[0]
             if req.state == "running" and req.joined + req.max_tokens == end:
                 break
-            heapq.heappop(ends)  # ended or preempted since: an entry of a request that runs is live
+            heappop(ends)  # ended or preempted since: an entry of a request that runs is live
         steps = min(max_steps, end - m.steps)
         growth, last = m.growth, m.steps + steps - 1
         room, taken = self._room(m), 0  # blocks that fit now; nothing else takes or frees any meanwhile
-        same_step: list = []  # entries granted for the step of the last one: undone if that step is cut
+        same_step: list[SchedRequest] = []  # granted a block for step ``at``: given back if that step is cut
+        ties: list[int] = []  # the ties of their entries then
+        at = -1
         while growth and growth[0][0] <= last:
-            entry = growth[0]
-            due, tie, req = entry
+            due, tie, req = growth[0]
             if req.state != "running" or req.due != tie:
-                heapq.heappop(growth)
+                heappop(growth)
                 continue
-            if same_step and same_step[0][0] != due:
-                same_step.clear()
+            if due != at:
+                at = due
+                if same_step:
+                    same_step.clear()
+                    ties.clear()
             if taken >= room:
-                for entry in same_step:  # the run ends before step ``due``: its blocks are not needed yet
-                    entry[2].blocks -= 1
-                    entry[2].due = entry[1]  # the entry is live again (the newer one pushed is stale)
-                    heapq.heappush(growth, entry)
+                for i, r in enumerate(same_step):  # the run ends before step ``due``: its blocks are not needed yet
+                    r.blocks -= 1
+                    r.due = ties[i]  # its entry is live again (the newer one pushed is stale)
+                    heappush(growth, (due, ties[i], r))
                 if same_step:  # as single steps would: blocks given back, memory freed
                     self._epoch += 1
                 self._take_blocks(m, taken - len(same_step))
                 return due - m.steps  # the run ends before the token that needs it
-            same_step.append(entry)
+            same_step.append(req)
+            ties.append(tie)
             req.blocks += 1
             taken += 1
-            heapq.heapreplace(growth, self._next_growth(req))  # its entry for the block after
+            heapreplace(growth, self._next_growth(req))  # its entry for the block after
         self._take_blocks(m, taken)
         return max(steps, 1)
 
@@ -485,7 +506,6 @@ class Scheduler(Memory):
         full = 0  # devices that can take no more
         claimed: set[str] = set()
         seen: list[tuple[float, ModelState]] = []
-        ages = self._by_age()
         # The oldest model that has nothing running: if memory held by running requests keeps it
         # from starting, every request newer than its head waits (the running models drain).
         hold_after: float | None = None
@@ -493,8 +513,8 @@ class Scheduler(Memory):
         self.deadline = cast("float | None", None)
         if self.slo is not None:
             self._bound(plan, now)
-        for key, m in ages:
-            seen.append((key, m))
+        while (item := self._by_age(seen, len(seen))) is not None:
+            key, m = item
             if not m.running and m.has_work:
                 if not self._can_start(m) and self._busy_near(m):
                     oldest = m.oldest()
@@ -511,7 +531,10 @@ class Scheduler(Memory):
                         if self.preempts and (self.deadline is None or due < self.deadline):
                             self.deadline = due
                 break
-        for key, m in self._chain(seen, ages):
+        i = 0
+        while (item := self._by_age(seen, i)) is not None:
+            key, m = item
+            i += 1
             if full == len(room):
                 break
             if not all(room[d] for d in m.devices):
@@ -575,18 +598,12 @@ class Scheduler(Memory):
                     t = m.waiting[0].arrival + dl.max_wait_s
                     self.deadline = t if self.deadline is None else min(self.deadline, t)
 
-    @staticmethod
-    def _chain(seen: list[tuple[float, ModelState]], ages: Iterator[tuple[float, ModelState]]
-               ) -> Iterator[tuple[float, ModelState]]:
-        """What ``seen`` holds, then more from ``ages``, recorded in ``seen``."""
-        yield from list(seen)
-        for item in ages:
-            seen.append(item)
-            yield item
-
     def _prefetch(self, plan: StepPlan, claimed: set[str], seen: list[tuple[float, ModelState]], now: float) -> None:
         """Load the next model with work that is not on its devices, if it fits beside the busy ones."""
-        for key, m in self._chain(seen, self._by_age()):
+        i = 0
+        while (item := self._by_age(seen, i)) is not None:
+            _, m = item
+            i += 1
             if not m.on_device and m.name not in claimed and m.has_work:
                 if m.stuck_prefetch != self._epoch and not self._make_resident(
                         m, claimed, plan, plan.prefetch, now, evict_waiting=False):
@@ -637,11 +654,11 @@ class Scheduler(Memory):
 
     def _schedule_growth(self, m: ModelState, req: SchedRequest) -> None:
         """Note when the request's next token will not fit its blocks: at that step it needs another."""
-        heapq.heappush(m.growth, self._next_growth(req))
+        heappush(m.growth, self._next_growth(req))
 
     def _next_growth(self, req: SchedRequest) -> tuple[int, int, SchedRequest]:
         """The growth entry of the request's next block: (the step that needs it, tie, request)."""
-        req.due = next(self._tie)  # names its live entry: entries left from before a preemption are stale
+        req.due = self._tie()  # names its live entry: entries left from before a preemption are stale
         return req.blocks * self.config.block_tokens - req.prompt_len + req.joined + 1, req.due, req
 
     def _grow(self, m: ModelState, req: SchedRequest, blocks: int, plan: StepPlan, keep: set[str]) -> bool:
@@ -667,7 +684,7 @@ class Scheduler(Memory):
         keep = claimed | {m.name}
         growth = m.growth
         while growth and growth[0][0] <= m.steps:  # only requests whose next token starts a block
-            due, tie, req = heapq.heappop(growth)
+            due, tie, req = heappop(growth)
             if req.state != "running" or req.due != tie:
                 continue  # preempted or finished since
             if self._grow(m, req, 1, plan, keep):
@@ -704,7 +721,7 @@ class Scheduler(Memory):
             self._take_blocks(m, blocks)
             self._hold(m, req, True)
             self._schedule_growth(m, req)
-            heapq.heappush(m.ends, (req.joined + req.max_tokens, req.due, req))
+            heappush(m.ends, (req.joined + req.max_tokens, req.due, req))
             batch.prefill.append(req.id)
             tokens += length
         return batch

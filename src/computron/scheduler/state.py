@@ -89,8 +89,10 @@ class ModelState:
 
     def oldest(self) -> float | None:
         """Arrival of its oldest outstanding request (running or waiting), None when idle."""
-        first = self.running or self.paused
-        a = next(iter(first.values())).arrival if first else None
+        a: float | None = None
+        for r in (self.running or self.paused).values():  # the first (in admission order)
+            a = r.arrival
+            break
         w = self.waiting
         if w and (a is None or w[0].arrival < a):
             a = w[0].arrival

@@ -18,6 +18,7 @@ R of them (and half a model's bytes of KV cache); the ``computron`` policy keeps
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 POLICIES = ("default", "preempt", "slo", "computron")
@@ -146,8 +147,6 @@ def main(args) -> int:
             raise ValueError("give --trace, --rate, --rates or --preset")
         cal = calibration(args.calibration)
         if getattr(args, "concurrent_step_fraction", None) is not None:
-            import dataclasses
-
             cal = dataclasses.replace(cal, concurrent_step_fraction=args.concurrent_step_fraction)
         if args.sweep:
             return _sweep(args, specs, cfg_kw, cal)
@@ -157,7 +156,7 @@ def main(args) -> int:
         return 2
     out = args.out or f"bench/results/sim_{args.policy}.json"
     write_json(out, {"settings": _settings(args), "calibration": cal.to_dict(), "summary": summary,
-                     "records": [r.__dict__ for r in result.records]})
+                     "records": [dataclasses.asdict(r) for r in result.records]})
     _print(summary, args.policy, args.calibration)
     print(f"wrote {out}" + (f" and plots under {args.plots}" if args.plots else ""))
     return 0

@@ -85,6 +85,15 @@ class _Model:
         self.decode_s: dict[int, float] = {}  # batch size -> seconds of one warm decode step (batch_time's)
 
 
+class _Seq:
+    """A request's KV cache on its model's device: blocks held (0 once freed or moved to host memory)."""
+
+    __slots__ = ("model", "blocks")
+
+    def __init__(self, model: _Model, blocks: int = 0):
+        self.model, self.blocks = model, blocks
+
+
 class SimExecutor:
     def __init__(self, config: EngineConfig | None = None, calibration: Calibration = CPU_DEFAULT,
                  clock: VirtualClock | None = None, devices: int = 1, token: int = 0):
@@ -123,7 +132,7 @@ class SimExecutor:
         self.weights = [0] * devices
         self.kv = [0] * devices
         self.link_free = [0.0] * devices  # when each device's copy stream is idle again
-        self.seqs: dict[str, list] = {}  # req_id -> [model, blocks]
+        self.seqs: dict[str, _Seq] = {}
         self.host: dict[str, int] = {}  # req_id -> blocks of its cache in host memory (moved out)
         self.host_bytes = 0
         self.unreported: dict[str, _Model] = {}  # models whose last load was not reported as ended yet
@@ -213,15 +222,15 @@ class SimExecutor:
     def _kv_out(self, rid: str) -> None:
         """A stopped request's blocks go to host memory: the copy takes the link, the device memory is free."""
         seq = self.seqs.get(rid)
-        if seq is None or not seq[1]:
+        if seq is None or not seq.blocks:
             return
-        m, n = seq[0], seq[1] * seq[0].block_bytes
+        m, n = seq.model, seq.blocks * seq.model.block_bytes
         self._copy(m.device, n)
         self.kv[m.device] -= n
-        self.host[rid] = seq[1]
+        self.host[rid] = seq.blocks
         self.host_bytes += n
         self.stats["host_peak_bytes"] = max(self.stats["host_peak_bytes"], self.host_bytes)
-        seq[1] = 0
+        seq.blocks = 0
 
     def _kv_in(self, rid: str) -> None:
         """Its blocks come back: booked on the device now, its model computes once the copy has landed."""
@@ -229,13 +238,13 @@ class SimExecutor:
         if blocks is None:
             return
         seq = self.seqs[rid]
-        m, n = seq[0], blocks * seq[0].block_bytes
+        m, n = seq.model, blocks * seq.model.block_bytes
         self.host_bytes -= n
         d = m.device
         if self._arena_weights(d) + self.kv[d] + n > self.capacity:
             raise MemoryError(f"the cache of {rid!r} ({n} bytes) coming back exceeds the arena of device {d}")
         self.kv[d] += n
-        seq[1] = blocks
+        seq.blocks = blocks
         m.kv_ready = max(m.kv_ready, self._copy(d, n))
 
     def _load(self, m: _Model, helpers: tuple[int, ...] = ()) -> None:
@@ -279,12 +288,12 @@ class SimExecutor:
     def _release(self, rid: str) -> None:
         blocks = self.host.pop(rid, None)
         if blocks is not None:
-            self.host_bytes -= blocks * self.seqs[rid][0].block_bytes
+            self.host_bytes -= blocks * self.seqs[rid].model.block_bytes
         seq = self.seqs.get(rid)
-        if seq is not None and seq[1]:
-            m = seq[0]
-            self.kv[m.device] -= seq[1] * m.block_bytes
-            seq[1] = 0
+        if seq is not None and seq.blocks:
+            m = seq.model
+            self.kv[m.device] -= seq.blocks * m.block_bytes
+            seq.blocks = 0
 
     def execute(self, batches: list[ExecuteBatch]) -> _Done:
         try:
@@ -319,15 +328,15 @@ class SimExecutor:
                     prompts += 1
                     if self.host and rid in self.host:  # a recompute drops a cache in host memory too
                         self._release(rid)
-                    if seq is not None and seq[1]:  # a recompute starts from an empty cache
-                        kv[d] -= seq[1] * bb
-                        seq[1] = 0
+                    if seq is not None and seq.blocks:  # a recompute starts from an empty cache
+                        kv[d] -= seq.blocks * bb
+                        seq.blocks = 0
                 if seq is None:
-                    seq = seqs[rid] = [m, 0]
+                    seq = seqs[rid] = _Seq(m)
                 need = (past + n + bt - 1) // bt
-                if need > seq[1]:
-                    kv[d] += (need - seq[1]) * bb
-                    seq[1] = need
+                if need > seq.blocks:
+                    kv[d] += (need - seq.blocks) * bb
+                    seq.blocks = need
                     if kv[d] > room:
                         raise MemoryError(f"KV cache of {rid!r} exceeds the arena of device {d}: "
                                           f"{self._arena_weights(d)} + {kv[d]} > {cap} bytes")

@@ -29,7 +29,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from .._mypyc import mypyc_attr
 from ..config import EngineConfig, ModelSpec
 from ..engine.core import CoreRequest, EngineCore
 from ..messages import ModelDescription, SamplingParams
@@ -52,8 +51,15 @@ class Arrival:
     prompt_tokens: int
     output_tokens: int
 
+    # Written out (the dataclass keeps it; frozen, so through object.__setattr__): the compiled build
+    # then makes one natively, where the generated __init__ runs interpreted, ~15x slower.
+    def __init__(self, time: float, model: str, prompt_tokens: int, output_tokens: int) -> None:
+        object.__setattr__(self, "time", time)
+        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "prompt_tokens", prompt_tokens)
+        object.__setattr__(self, "output_tokens", output_tokens)
 
-@mypyc_attr(native_class=False)  # a plain object (its __dict__ is what ``computron sim`` writes)
+
 @dataclass
 class RequestRecord:
     id: str
@@ -66,6 +72,16 @@ class RequestRecord:
     finish_reason: str | None
     error: str | None = None
     step: int = 0  # how many scheduling steps the core had taken when the request was added
+
+    # Written out (the dataclass keeps it): one record is made per request, and the compiled build
+    # makes them natively only with an ``__init__`` of the class's own.
+    def __init__(self, id: str, model: str, arrival: float, prompt_tokens: int, output_tokens: int,
+                 first_token: float | None, finish: float | None, finish_reason: str | None,
+                 error: str | None = None, step: int = 0) -> None:
+        self.id, self.model, self.arrival, self.prompt_tokens, self.output_tokens = (id, model, arrival,
+                                                                                     prompt_tokens, output_tokens)
+        self.first_token, self.finish, self.finish_reason, self.error, self.step = (first_token, finish,
+                                                                                    finish_reason, error, step)
 
     @property
     def latency(self) -> float | None:
@@ -95,12 +111,17 @@ class SimResult:
         return out
 
 
-def _arrivals(trace) -> list:
-    out = []
+def _arrivals(trace) -> list[Arrival]:
+    """The trace as ``Arrival``s, by time."""
+    out: list[Arrival] = []
     for a in trace:
         if isinstance(a, tuple):
-            a = Arrival(*a)
-        out.append(a)
+            time, model, prompt_tokens, output_tokens = a
+            out.append(Arrival(time, model, prompt_tokens, output_tokens))
+        elif isinstance(a, Arrival):
+            out.append(a)
+        else:
+            out.append(Arrival(a.time, a.model, a.prompt_tokens, a.output_tokens))
     out.sort(key=lambda a: a.time)  # stable: equal times keep their order
     return out
 
@@ -122,7 +143,7 @@ class Simulation:
         self.step: Callable[..., StepPlan] = self.core.step
         self.records: dict[str, RequestRecord] = {}
         self._params: dict[int, SamplingParams] = {}
-        self._prompts: dict[tuple[str, int], list[int]] = {}
+        self._prompts: dict[str, dict[int, list[int]]] = {}  # model -> prompt length -> its prompt (shared)
         self.schedule_calls = 0  # core steps (``EngineCore.step`` calls) that runs have made
         self.origin = 0.0  # the clock when the trace starts: times in records are relative to it
         for m in models:
@@ -181,15 +202,17 @@ class Simulation:
         rec.first_token, rec.finish, rec.finish_reason, rec.error = (req.first_token_at, req.finished_at,
                                                                      req.finish_reason, req.error)
 
-    def _add(self, i: int, a, rid: str | None = None) -> None:
+    def _add(self, i: int, a: Arrival, rid: str | None = None) -> None:
         n = a.output_tokens
         params = self._params.get(n)
         if params is None:
             params = self._params[n] = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-        key = (a.model, a.prompt_tokens)
-        prompt = self._prompts.get(key)
+        prompts = self._prompts.get(a.model)
+        if prompts is None:
+            prompts = self._prompts[a.model] = {}
+        prompt = prompts.get(a.prompt_tokens)
         if prompt is None:
-            prompt = self._prompts[key] = [self.executor.models[a.model].token] * a.prompt_tokens \
+            prompt = prompts[a.prompt_tokens] = [self.executor.models[a.model].token] * a.prompt_tokens \
                 if a.model in self.executor.models else [0] * a.prompt_tokens
         rid = rid or f"r{i}"
         rec = self.records[rid] = RequestRecord(rid, a.model, a.time, a.prompt_tokens, n, None, None, None,
@@ -199,7 +222,7 @@ class Simulation:
         except ValueError as e:  # EngineError: the request is refused, as a server would answer 4xx
             rec.finish_reason, rec.error = "error", str(e)
 
-    def _run_bound(self, arrivals: list, i: int, cap: int) -> Bound:
+    def _run_bound(self, arrivals: list[Arrival], i: int, cap: int) -> Bound:
         """The bound of a run of decode steps, for the scheduler to ask once it knows the batch: as
         many steps as end before the first arrival from ``arrivals[i]`` on that would change a plan
         (one that only joins a queue behind others does not), and before the preempt policy's

@@ -12,8 +12,9 @@ from computron import _fast
 from computron.engine.core import CoreRequest
 from computron.messages import ExecuteBatch, SamplingParams, SeqInput, StepResult
 from computron.scheduler.state import Batch, SchedRequest, StepPlan
+from computron.sim.run import Arrival, RequestRecord
 
-WRITTEN = (CoreRequest, SeqInput, ExecuteBatch, StepResult, SchedRequest, Batch, StepPlan)
+WRITTEN = (CoreRequest, SeqInput, ExecuteBatch, StepResult, SchedRequest, Batch, StepPlan, Arrival, RequestRecord)
 # the source is what can drift; the compiled build's methods take (*args, **kwargs) and typed values
 pytestmark = pytest.mark.skipif(bool(_fast.compiled_modules()), reason="checks the Python modules' source; "
                                 "the compiled build is made from the same source")

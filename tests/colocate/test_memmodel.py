@@ -72,8 +72,8 @@ def test_the_margin_is_on_the_activations_so_a_measured_size_keeps_fitting_its_o
 
 
 def test_a_size_forgets_a_passing_peak_once_measured_again_at_its_steady_one():
-    """Two steps right after a handover on an H200 (GPT-2-medium, micro-batch 1) peaked 5.4 GiB over
-    the same size's steady 6.9 GiB. Kept as the size's largest for good, they held the job at one
+    """Two steps right after a handover on an H200 (GPT-2-medium, micro-batch 1) peaked 5.3 GiB over
+    the same size's steady 6.8 GiB. Kept as the size's largest for good, they held the job at one
     sample a micro-batch for a whole run and then paused it under a 13 GiB split it had trained in.
     The point is the largest of the size's last ``window`` peaks: measured again that many times, the
     model predicts from the steady peaks."""
@@ -83,11 +83,11 @@ def test_a_size_forgets_a_passing_peak_once_measured_again_at_its_steady_one():
     for _ in range(20):
         mm.record(16, steady(16))
     for _ in range(10):
-        mm.record(1, steady(1) + int(5.4 * gib))
+        mm.record(1, steady(1) + int(5.3 * gib))
     assert mm.largest(13 * gib, most=16) <= 3  # what the passing peak leaves the job
     for _ in range(7):
         mm.record(1, steady(1))
-    assert mm.points[1] == steady(1) + int(5.4 * gib)  # still among the last 8
+    assert mm.points[1] == steady(1) + int(5.3 * gib)  # still among the last 8
     mm.record(1, steady(1))
     assert mm.points[1] == steady(1)
     assert mm.largest(13 * gib, most=16) == 11  # (13 - 6.4) / (0.53 * 1.05) = 11.9 samples with the margin

@@ -23,7 +23,7 @@ bench: the same 16.41 GiB limit kept it at 16 on one lease and cut it to 11 on t
 its throughput gone (bench/results/hybrid_h200_s34/README.md).
 
 A size's point is the largest of its last ``window`` peaks, not of all it ever had. A peak that a
-moment inflated (a micro-batch right after a handover measured 5.4 GiB over the same size's steady
+moment inflated (a micro-batch right after a handover measured 5.3 GiB over the same size's steady
 peak for two steps on an H200, bench/results/hybrid_h200_s38/README.md) kept as the size's largest for
 good raised every prediction through the fit and its margin: the job then paused under a static split
 it had run in at micro-batch 8 one run before, and stayed paused. Measured again ``window`` times at

@@ -58,6 +58,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import httpx
@@ -795,8 +796,10 @@ def main(argv=None) -> int:
                 server.stop()
             if switches:
                 startup["mode_switch_p50_s"] = float(np.median(switches))
-    except RuntimeError as e:
-        failed = str(e)
+    except Exception as e:  # a stopped process (RuntimeError, with its last lines) or anything unforeseen
+        failed = str(e) if isinstance(e, RuntimeError) else f"{type(e).__name__}: {e}"
+        if not isinstance(e, RuntimeError):
+            traceback.print_exc()
         print(f"stopped: {failed}", file=sys.stderr, flush=True)
     for name in ("alone_job_warmup_s", "colocated_job_warmup_s"):
         if name in startup:

@@ -6,9 +6,10 @@ same run) one training job process (``--job gpt``: ``computron train`` on a GPT-
 (``colocate`` mode, ``--capacity-gb``). Each of ``--rounds`` rounds measures, in turn:
 
 - throughput: the job's samples/s over ``--window`` seconds with no handover;
-- ``--handovers`` handovers: inference demands ``--demand-gb`` at a random moment, the job
+- ``--handovers`` handovers: inference demands ``--demand-gb`` more than it keeps while idle
+  (once the shares have settled) at a random moment, the job
   shrinks its micro-batch (abandoning the running one) and acknowledges; the demand's wait and its
-  parts (signal, the job's release, ack) are recorded; after ``--idle`` s the memory goes back.
+  parts (signal, the job's release: reaching its release point, then the release itself; ack) are recorded; after ``--idle`` s the memory goes back.
 
 Reports per bound the median samples/s over rounds (and relative to unbounded) and the
 p50/p99 of the wait and of the release over all handovers. Writes
@@ -37,6 +38,21 @@ from computron.colocate.arbiter import Arbiter, ArbiterConfig  # noqa: E402
 from computron.colocate.protocol import ArbiterServer  # noqa: E402
 
 
+def wait_settled(server: ArbiterServer, job: Job, timeout: float = 60.0) -> int:
+    """Wait until both sides hold what they hold while inference is idle; inference's share then.
+
+    Training gets back all it can use, not the whole capacity: ``colocate`` caps its limit at the
+    most the job says it can use, and idle inference keeps the rest."""
+    deadline = time.monotonic() + timeout
+    while not (rec := server.records(since=time.monotonic()))["settled"][0]:
+        if time.monotonic() > deadline:
+            state = "running" if job.p.poll() is None else f"exited with {job.p.returncode}"
+            raise RuntimeError(f"the shares did not settle within {timeout} s: (inference, training) "
+                               f"{rec['shares'][0]}; the job ({state}) said last:\n" + "\n".join(job.last_lines))
+        time.sleep(0.005)
+    return rec["shares"][0][0]
+
+
 def measure(args, run_ahead: int, ckpt: str | None) -> dict:
     addr = tempfile.mktemp(suffix=".sock")
     capacity = int(args.capacity_gb * GB)
@@ -44,7 +60,7 @@ def measure(args, run_ahead: int, ckpt: str | None) -> dict:
     args.run_ahead = run_ahead
     job = Job(job_command(args, ckpt, addr))
     rng = random.Random(args.seed)
-    out = {"run_ahead": run_ahead, "samples_per_s": [], "handovers": []}
+    out = {"run_ahead": run_ahead, "samples_per_s": [], "handovers": [], "no_release": 0}
     try:
         out["warmup_s"] = job.wait_steps(args.warmup_steps, 0, f"run-ahead {run_ahead}")
         for _ in range(args.rounds):
@@ -52,18 +68,18 @@ def measure(args, run_ahead: int, ckpt: str | None) -> dict:
             time.sleep(args.window)
             out["samples_per_s"].append(job.samples_per_s(t0, time.monotonic(), args.global_batch))
             for _ in range(args.handovers):
-                deadline = time.monotonic() + 60  # the memory is back with training before the next demand
-                while server.arbiter.shares(0)[1] < capacity and time.monotonic() < deadline:
-                    time.sleep(0.005)
+                idle_share = wait_settled(server, job)  # the memory is back with training before the next demand
                 time.sleep(rng.uniform(0, args.gap))  # a random moment of the job's step
-                try:
-                    rec = server.demand(0, int(args.demand_gb * GB), timeout=60)
+                try:  # on top of what idle inference keeps (in colocate, what the job cannot use)
+                    rec = server.demand(0, idle_share + int(args.demand_gb * GB), timeout=60)
                 except TimeoutError as e:  # say what the job and the arbiter were doing
                     state = "running" if job.p.poll() is None else f"exited with {job.p.returncode}"
                     raise RuntimeError(f"{e}; arbiter shares (inference, training) {server.arbiter.shares(0)}; the "
                                        f"job ({state}) said last:\n" + "\n".join(job.last_lines)) from None
                 if rec["release_s"] is not None:
-                    out["handovers"].append({k: rec[k] for k in ("wait_s", "signal_s", "release_s", "ack_s")})
+                    out["handovers"].append({k: rec[k] for k in ("wait_s", "signal_s", "release_s", "reach_s", "empty_s", "ack_s")})
+                else:  # the job's memory was not needed: no handover to time
+                    out["no_release"] += 1
                 server.demand(0, 0)  # inference idles from now: after --idle the memory goes back
     finally:
         job.stop()
@@ -73,10 +89,13 @@ def measure(args, run_ahead: int, ckpt: str | None) -> dict:
 
 def row(r: dict, unbounded: float | None) -> dict:
     rate = float(np.median(r["samples_per_s"]))
-    out = {"run_ahead": r["run_ahead"], "samples_per_s": rate, "handovers": len(r["handovers"])}
+    out = {"run_ahead": r["run_ahead"], "samples_per_s": rate, "handovers": len(r["handovers"]),
+           "no_release": r["no_release"]}
     if unbounded:
         out["relative"] = rate / unbounded
-    for key in ("wait_s", "release_s", "signal_s", "ack_s"):
+    for key in ("wait_s", "release_s", "reach_s", "empty_s", "signal_s", "ack_s"):
+        if any(h.get(key) is None for h in r["handovers"]):
+            continue
         vals = [h[key] for h in r["handovers"]]
         if vals:
             out[f"{key[:-2]}_p50_ms"] = 1e3 * float(np.percentile(vals, 50))

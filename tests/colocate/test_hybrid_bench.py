@@ -101,8 +101,10 @@ def test_a_failed_phase_ends_the_call_but_the_runs_before_it_are_summarized(tmp_
 
 
 def test_the_release_bench_compares_bounds_against_unbounded(tmp_path):
+    # more capacity than the job can use: colocate caps it, idle inference keeps the rest, and each demand
+    # must come on top of that to take memory from the job
     cmd = [sys.executable, str(ROOT / "bench" / "colocate_release.py"), "--device", "cpu", "--train-model", "tiny-opt",
-           "--seq-len", "64", "--global-batch", "16", "--micro-batch", "8", "--capacity-gb", "0.0095",
+           "--seq-len", "64", "--global-batch", "16", "--micro-batch", "8", "--capacity-gb", "0.05",
            "--demand-gb", "0.003", "--run-ahead", "0,8", "--rounds", "1", "--window", "2", "--handovers", "3",
            "--warmup-steps", "1", "--tag", "t", "--out", str(tmp_path)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
@@ -110,8 +112,51 @@ def test_the_release_bench_compares_bounds_against_unbounded(tmp_path):
     rows = json.loads((tmp_path / "colocate_release_t.json").read_text())["rows"]
     assert [r["run_ahead"] for r in rows] == [0, 8]
     for r in rows:  # every demand took memory from the job: each one a timed release
-        assert r["handovers"] == 3 and r["samples_per_s"] > 0 and r["release_p99_ms"] >= r["release_p50_ms"] >= 0
+        assert r["handovers"] == 3 and r["no_release"] == 0, r
+        assert r["samples_per_s"] > 0 and r["release_p99_ms"] >= r["release_p50_ms"] >= 0
     assert rows[0]["relative"] == 1.0
+
+
+def test_the_release_bench_demands_on_top_of_what_idle_inference_keeps_beside_a_capped_job(tmp_path):
+    """A job that says it uses at most 190 of 1000 bytes: colocate leaves idle inference 810, so the bench
+    waits for that settled split (not for training to hold all 1000, which it never will) and demands on
+    top of it; before the shares settle it says so rather than wait for ever."""
+    import importlib.util
+
+    from computron.colocate.arbiter import Arbiter, ArbiterConfig
+    from computron.colocate.client import Colocation
+    from computron.colocate.memmodel import MemoryModel
+    from computron.colocate.protocol import ArbiterServer
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("release_bench", ROOT / "bench" / "colocate_release.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    class Job:  # what the bench's error message reads of its job process
+        p = subprocess.Popen([sys.executable, "-c", "pass"])
+        last_lines = ["step 3"]
+
+    addr = str(tmp_path / "arbiter.sock")
+    server = ArbiterServer(Arbiter(ArbiterConfig(mode="colocate", capacity=1000, idle_s=0.5)), addr)
+    memory = MemoryModel(100, 10, rel_margin=0.0)
+    colo = Colocation(addr, memory=memory, reconnect_s=0.01)
+    try:
+        assert colo.wait_connected(5.0)
+        server.demand(0, 600)  # inference busy with 600: not settled while it holds more than its idle share
+        try:
+            bench.wait_settled(server, Job(), timeout=0.2)
+            raise AssertionError("an unsettled split was taken as settled")
+        except RuntimeError as e:
+            assert "did not settle within 0.2 s" in str(e) and "step 3" in str(e), e
+        server.demand(0, 0)
+        memory.record(8, 190)  # 8 samples peaked at 190 bytes: the most the job can use
+        assert colo.micro_batch(most=8) == 8
+        assert bench.wait_settled(server, Job(), timeout=5.0) == 810
+        assert server.records()["shares"][0] == [810, 190]
+    finally:
+        colo.close()
+        server.close()
 
 
 def _hybrid_module():

@@ -208,10 +208,14 @@ class ExecuteBatch:
     # The engine expects to ask next for this batch again, every sequence one token on (its plan
     # ``repeats``): an executor may start that step early and use it if so (the workers' run-ahead).
     ahead: bool = False
+    # Sequences that run fewer of the ``steps`` (req_id -> how many: they make their last token then);
+    # only for an executor that runs such runs (``ExecutorStatus.end_runs``). None: all run ``steps``.
+    lasts: dict[str, int] | None = None
 
     def __init__(self, model: str, seqs: list[SeqInput], trace: bool = False, steps: int = 1,
-                 ahead: bool = False) -> None:
+                 ahead: bool = False, lasts: dict[str, int] | None = None) -> None:
         self.model, self.seqs, self.trace, self.steps, self.ahead = model, seqs, trace, steps, ahead
+        self.lasts = lasts
 
     def __reduce__(self) -> tuple:
         return _by_fields(self)
@@ -240,13 +244,16 @@ class StepResult:
     # model -> when (the engine's clock) the first step of its batch ended, for a batch of several steps
     # whose first prefills (its new requests' first tokens came then, not at the run's end); None: none
     first_at: dict[str, float] | None = None
+    # req_id -> when (the engine's clock) the step of its last token ended, for the sequences of
+    # ``ExecuteBatch.lasts``; None: none
+    ended_at: dict[str, float] | None = None
 
     def __init__(self, tokens: dict[str, int | list[int]] | None = None,
                  logprobs: dict[str, tuple | list[tuple]] | None = None, prompt_logprobs: dict[str, list] | None = None,
                  loaded: dict[str, float] | None = None, compute_s: dict[str, float] | None = None,
                  failed: dict[str, str] | None = None, lost_devices: list[int] | None = None,
                  reset_devices: list[int] | None = None, trace: dict[str, dict] | None = None,
-                 first_at: dict[str, float] | None = None) -> None:
+                 first_at: dict[str, float] | None = None, ended_at: dict[str, float] | None = None) -> None:
         self.tokens = {} if tokens is None else tokens
         self.logprobs = {} if logprobs is None else logprobs
         self.prompt_logprobs = {} if prompt_logprobs is None else prompt_logprobs
@@ -257,6 +264,7 @@ class StepResult:
         self.reset_devices = [] if reset_devices is None else reset_devices
         self.trace = {} if trace is None else trace
         self.first_at = first_at
+        self.ended_at = ended_at
 
     def __reduce__(self) -> tuple:
         return _by_fields(self)
@@ -284,3 +292,5 @@ class ExecutorStatus:
     stats: dict = field(default_factory=dict)  # counters of its own (e.g. CUDA graph captures and their seconds)
     # a batch of several steps may start with prefills (its later steps decode them too); the simulator's
     prefill_runs: bool = False
+    # a batch of several steps may have sequences that end before its last (``ExecuteBatch.lasts``)
+    end_runs: bool = False

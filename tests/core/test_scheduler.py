@@ -459,6 +459,87 @@ def test_steady_steps_plan_exactly_what_the_full_search_plans(seed, rate):
         assert shortcuts > 10
 
 
+@pytest.mark.parametrize("devices", [1, 2])
+@pytest.mark.parametrize("seed", range(6))
+def test_plans_kept_across_finishes_are_what_the_full_search_plans(seed, devices):
+    """Requests of the one model a step decoded end, and the scheduler keeps its batch without a
+    search where nothing could use the memory they freed (``_keeps``); a twin that searches after
+    every finish must make the same plans, step for step, under memory pressure, with models that
+    wait for it, on one device or two (one model on both, one alone on the second)."""
+    layout = [(0,), (0,), (0,), (0,)] if devices == 1 else [(0,), (0,), (1,), (0, 1)]
+    plans, kept = [], 0
+    for shortcut in (True, False):
+        rng = random.Random(seed)
+        s = _sched((400_000,) * devices, max_batch_size=rng.randint(8, 16), block_tokens=4)
+        for i, on in enumerate(layout):
+            s.add_model(f"m{i}", (512 * rng.randint(200, 300),) * len(on), (KVT,) * len(on), devices=on)
+        lengths, out, n = {}, [], 0
+        for step in range(800):
+            if rng.random() < 0.5:  # some arrive late (an older arrival time): the order by age changes
+                r = SchedRequest(f"r{n}", f"m{rng.randrange(4)}", rng.randint(1, 40), rng.randint(1, 60),
+                                 float(step - rng.choice([0, 0, 0, 30])))
+                s.add_request(r)
+                lengths[r.id] = rng.randint(1, r.max_tokens)
+                n += 1
+            if not shortcut and s._recheck:
+                s._steady = None  # the full search after every finish
+            rechecking, before = s._recheck, s._steady
+            p = _run_step(s, lengths, now=float(step))
+            kept += shortcut and rechecking and p.batches != [] and s._steady is before
+            out.append((p.evictions, p.loads, p.prefetch, p.preempted, p.failed,
+                        [(b.model, b.prefill, b.decode) for b in p.batches]))
+        plans.append(out)
+    assert plans[0] == plans[1]
+    assert kept > 10
+
+
+def test_a_finish_that_frees_a_place_in_the_batch_admits_the_next_request():
+    """The batch was full: once one of its requests ends, the waiting one joins (no plan is kept)."""
+    s = _sched(10**6, max_batch_size=2)
+    s.add_model("a", 1000, KVT)
+    for i in range(3):
+        s.add_request(_req(i, "a", max_tokens=2 if i == 0 else 5))
+    assert _run_step(s).loads == ["a"]
+    p = _run_step(s)  # r0 makes its last token
+    assert p.batches[0].decode == ["r0", "r1"] and "r0" not in s.requests
+    p = _run_step(s)
+    assert p.batches[0].prefill == ["r2"] and p.batches[0].decode == ["r1"]
+
+
+def test_a_finish_that_makes_another_running_model_the_oldest_hands_it_the_device():
+    """The oldest request of the model decoding ends: a model on the same device whose requests
+    are older now than all it has left takes the device (no plan is kept)."""
+    s = _sched(10**6)
+    s.add_model("a", 1000, KVT)
+    s.add_model("b", 1000, KVT)
+    s.add_request(_req(0, "b", max_tokens=50, t=1.0))
+    _run_step(s)  # b loads, r0 starts
+    s.add_request(_req(1, "a", max_tokens=2, t=0.0))  # a request older than r0, seen late
+    s.add_request(_req(2, "a", max_tokens=50, t=1.5))
+    assert _models(_run_step(s)) == ["a"]  # a loads, is the oldest: it takes the device
+    p = _run_step(s)  # r1 makes its last token
+    assert _models(p) == ["a"] and "r1" not in s.requests
+    assert _models(_run_step(s)) == ["b"]  # r0 (1.0) is older than r2 (1.5)
+
+
+def test_a_finish_that_frees_room_for_a_waiting_models_weights_prefetches_it():
+    """A model waits, its weights not fitting beside the running requests' KV cache; once a long
+    prompt's request ends they fit, and it is loaded (no plan is kept)."""
+    s = _sched(200_000)
+    s.add_model("a", 50_000, KVT)
+    s.add_model("x", 100_000, KVT)
+    s.add_request(_req(0, "a", prompt=160, max_tokens=3, t=0.0))  # 10 blocks and more: 80 KiB
+    s.add_request(_req(1, "a", prompt=4, max_tokens=50, t=1.0))
+    assert _run_step(s).loads == ["a"]
+    s.add_request(_req(2, "x", t=5.0))
+    p = _run_step(s)
+    assert _models(p) == ["a"] and not p.prefetch  # x does not fit: a decodes on
+    p = _run_step(s)  # r0 makes its last token
+    assert _models(p) == ["a"] and not p.prefetch and "r0" not in s.requests
+    p = _run_step(s)
+    assert _models(p) == ["a"] and p.prefetch == ["x"]
+
+
 @pytest.mark.parametrize("policy", ["default", "preempt", "preempt-keep-kv"])
 @pytest.mark.parametrize("seed", range(3))
 def test_runs_of_several_steps_keep_the_books(policy, seed):
@@ -619,7 +700,7 @@ def test_a_step_that_admits_starts_a_run_only_while_what_stopped_admission_holds
     assert [(b.prefill, b.decode) for b in plan.batches] == [(["r1"], ["r0"])]  # r2 left waiting
     if case == "memory":
         assert plan.steps == 5  # r1's last token (its 8th, 3 made before) in the run's last step
-        assert asked == [("a", 2, (43, 1))]  # the first step prefills one prompt of 40 + 3 tokens
+        assert asked == [("a", 2, (43, 1), [])]  # the first step prefills one prompt of 40 + 3 tokens (a run begun)
     else:
         assert asked == [] and plan.steps == 1  # a single step: no bound asked
         s.update(plan)

@@ -33,13 +33,15 @@ def test_same_outcome_as_single_steps(seed, budget, batch, cal):
     slow_sim = Simulation(models, cal, cfg, fast_forward=False)
     slow = slow_sim.run(trace)
     fast_sim = Simulation(models, cal, cfg)
-    calls, spans = [], []
+    calls, spans, through = [], [], []
     inner = fast_sim.step
 
     def step(k=1):
         t0 = fast_sim.clock.t
         plan = inner(k)
         calls.append(plan.steps)
+        if plan.ends:
+            through.append(len(plan.ends))  # a run that went on past some of its requests' last tokens
         if any(t0 < t < fast_sim.clock.t for t, *_ in trace):
             spans.append(plan.steps)  # requests arrived during this run: they queued behind others
         return plan
@@ -56,6 +58,10 @@ def test_same_outcome_as_single_steps(seed, budget, batch, cal):
     assert max(spans) > 1
     if budget == "3.2GiB":
         assert slow.stats["preemptions"] > 0 and slow.stats["evictions"] > 0
+    if cal is CAPTURING:  # a smaller batch may capture a graph: its steps are not shorter, runs stop at ends
+        assert not fast_sim.executor.end_runs and not through
+    else:
+        assert fast_sim.executor.end_runs and len(through) > 5 and max(through) > 1
     if cal is CAPTURING:  # captured again after loads, at several batch sizes
         captures = slow_sim.executor.stats["graph_captures"]
         assert captures == fast_sim.executor.stats["graph_captures"] and captures > slow.stats["swap_ins"] > 3

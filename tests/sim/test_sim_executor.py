@@ -148,3 +148,29 @@ def test_a_run_that_starts_with_prefills_times_its_first_step_apart():
     assert ex.seqs["new"].blocks == (12 + 3 + ex.block_tokens - 1) // ex.block_tokens  # its prompt and 3 tokens
     one = ex.execute([ExecuteBatch("a", [SeqInput("x", [3] * 12, 0, GREEDY)])]).result()
     assert one.first_at is None  # a single step's tokens come at its end
+
+
+def test_a_run_whose_sequences_end_early_times_each_stretch_as_separate_runs_would():
+    """``lasts``: of three sequences decoding 6 steps, one ends after 2 and one after 4. Each stretch
+    costs the steps of the batch left, added up as three runs one after another would be (the same
+    floats); each ending sequence gets its tokens and its stretch's end (``ended_at``); ``steps_before``
+    after those stretches counts from there. A cold model's run may not shrink."""
+    from computron.sim.costs import batch_time
+
+    ex = executor()
+    assert ex.end_runs  # no decode graphs to capture: a smaller batch never takes longer
+    ex.apply(Residency(load=["a"]))
+    ex.wait_loads()
+    m = ex.models["a"]
+    t0 = ex.clock.t
+    seqs = [SeqInput(r, [1], 8, GREEDY) for r in ("x", "y", "z")]
+    out = ex.execute([ExecuteBatch("a", seqs, steps=6, lasts={"x": 2, "y": 4})]).result()
+    t1 = t0 + batch_time(CAL, m.nbytes, 0, 3) * 2
+    t2 = t1 + batch_time(CAL, m.nbytes, 0, 2) * 2
+    t3 = t2 + batch_time(CAL, m.nbytes, 0, 1) * 2
+    assert out.ended_at == {"x": t1, "y": t2} and ex.clock.t == t3
+    assert out.tokens == {"x": [m.token] * 2, "y": [m.token] * 4, "z": [m.token] * 6}
+    assert ex.after_stretches("a", [(2, 3), (2, 2), (2, 1)]) == pytest.approx(t3 + (t3 - t0), rel=1e-12)  # from now
+    ex.apply(Residency(load=["b"]))  # copies in flight: its first run is cold
+    with pytest.raises(ValueError, match="whose sequences end early must decode a warm batch"):
+        ex.execute([ExecuteBatch("b", [SeqInput("w", [1] * 8, 0, GREEDY)], steps=3, lasts={"w": 1})]).result()

@@ -45,9 +45,13 @@ def _record(stepper) -> list:
         plans.append((tuple(p.evictions), tuple(p.loads), tuple(p.prefetch),
                       tuple((b.model, tuple(b.prefill), tuple(b.decode)) for b in p.batches),
                       tuple(p.preempted), tuple(rid for rid, _ in p.failed)))
-        # a run: its later steps decode the whole batch, the requests it admitted after those running
-        plans.extend([((), (), (), tuple((b.model, (), tuple(b.decode) + tuple(b.prefill)) for b in p.batches),
-                       (), ())] * (p.steps - 1))
+        # a run: its later steps decode the whole batch, the requests it admitted after those running,
+        # less those that made their last token in an earlier step of it (``p.ends``)
+        ends = p.ends or {}
+        for k in range(1, p.steps):
+            plans.append(((), (), (), tuple((b.model, (), tuple(r for r in tuple(b.decode) + tuple(b.prefill)
+                                                                if ends.get(r, p.steps) > k)) for b in p.batches),
+                          (), ()))
         return p
 
     stepper.step = step

@@ -118,7 +118,7 @@ class EngineCore:
                 block_tokens=st.kv_block_tokens, max_wait_s=cfg.max_wait_s, preempt_keeps_kv=cfg.preempt_keeps_kv,
                 slo_scale=cfg.slo_scale, kv_host_bytes=cfg.kv_host_bytes, stripe_devices=stripe,
                 stripe_staging=staging_bytes(int(cfg.stripe_chunk_bytes)) if stripe else 0,
-                prefill_runs=st.prefill_runs))
+                prefill_runs=st.prefill_runs, end_runs=st.end_runs))
         except ValueError as e:
             raise EngineError(str(e)) from None
         self._slo_config = cfg  # slo policy: the SLOs given and the calibration of the costs
@@ -283,10 +283,12 @@ class EngineCore:
     def has_work(self) -> bool:
         return bool(self.requests)
 
-    def finish(self, req: CoreRequest, reason: str, error: str | None = None, unavailable: bool = False) -> None:
+    def finish(self, req: CoreRequest, reason: str, error: str | None = None, unavailable: bool = False,
+               at: float | None = None) -> None:
+        """``at``: when it ended, if not now (a run's request that made its last token before the run's end)."""
         if req.done:
             return
-        req.finish_reason, req.error, req.finished_at = reason, error, self.clock()
+        req.finish_reason, req.error, req.finished_at = reason, error, self.clock() if at is None else at
         req.unavailable = unavailable
         self.ended += 1
         self.requests.pop(req.id, None)
@@ -358,7 +360,7 @@ class EngineCore:
             self._count_shared(batches)
         msgs = [ExecuteBatch(b.model, [self._prefill(reqs[rid]) for rid in b.prefill] + [self._decode(reqs[rid])
                                                                                         for rid in b.decode],
-                             self.trace, plan.steps, plan.repeats)
+                             self.trace, plan.steps, plan.repeats, plan.ends)
                 for b in batches]
         try:
             result = self.executor.execute(msgs).result()
@@ -411,6 +413,7 @@ class EngineCore:
                     c.prompt_logprobs = lps
         now = self.clock()
         reqs, out, logprobs, first_at = self.requests, result.tokens, result.logprobs, result.first_at
+        ended_at = result.ended_at  # requests that ended before the run's last step: when
         plain = not logprobs and self.on_token is None  # tokens can go in at once (as _append would)
         for b in batches:
             compute = result.compute_s.get(b.model, 0.0)
@@ -427,30 +430,32 @@ class EngineCore:
                     ids = r.output_ids
                     if not ids:
                         r.first_token_at, r.load_s, r.evict_s = first, loaded, evict_s
+                    at = None if ended_at is None else ended_at.get(rid)
                     if not plain:
                         if isinstance(tokens, int):
-                            self._append(r, tokens, logprobs.get(rid))
+                            self._append(r, tokens, logprobs.get(rid), at)
                         else:
-                            self._extend(r, tokens, logprobs.get(rid))
+                            self._extend(r, tokens, logprobs.get(rid), at)
                     elif isinstance(tokens, int):
                         if tokens == eos and not r.params.ignore_eos:
-                            self.finish(r, "stop")
+                            self.finish(r, "stop", at=at)
                         else:
                             ids.append(tokens)
                             if len(ids) >= r.params.max_tokens:
-                                self.finish(r, "length")
+                                self.finish(r, "length", at=at)
                     elif r.params.ignore_eos or eos not in tokens:
                         room = r.params.max_tokens - len(ids)
                         ids.extend(tokens[:room] if room < len(tokens) else tokens)
                         if room <= len(tokens):
-                            self.finish(r, "length")
+                            self.finish(r, "length", at=at)
                     else:
-                        self._extend(r, tokens)
+                        self._extend(r, tokens, None, at)
 
-    def _append(self, r: CoreRequest, token: int, logprob=None) -> None:
+    def _append(self, r: CoreRequest, token: int, logprob=None, at: float | None = None) -> None:
+        """One token; ``at``: when the request's last step ended, should this token end it."""
         eos = self.models[r.model].config.eos_token_id
         if token == eos and not r.params.ignore_eos:
-            self.finish(r, "stop")
+            self.finish(r, "stop", at=at)
             return
         r.output_ids.append(token)
         if logprob is not None:
@@ -458,13 +463,14 @@ class EngineCore:
         if self.on_token:
             self.on_token(r, token)  # may end it (a stop string)
         if not r.done and len(r.output_ids) >= r.params.max_tokens:
-            self.finish(r, "length")
+            self.finish(r, "length", at=at)
 
-    def _extend(self, r: CoreRequest, tokens: list[int], logprobs: Sequence | None = None) -> None:
+    def _extend(self, r: CoreRequest, tokens: list[int], logprobs: Sequence | None = None,
+                at: float | None = None) -> None:
         """The tokens of a run of several steps one at a time (with their log-probabilities, when
         asked, or to be seen one by one); those after the request ended are dropped."""
         for i, t in enumerate(tokens):
-            self._append(r, t, logprobs[i] if logprobs is not None else None)
+            self._append(r, t, logprobs[i] if logprobs is not None else None, at)
             if r.done:
                 return
 

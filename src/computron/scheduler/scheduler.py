@@ -63,8 +63,9 @@ from .state import LOADING, RESIDENT, Batch, ModelState, SchedRequest, StepPlan
 
 POLICIES = ("default", "preempt", "slo", "computron")
 # a driver's bound on a run of steps, asked once the batch is known: (model, batch size, (tokens, prompts)
-# its first step prefills, or None) -> steps
-Bound = Callable[[str, int, "tuple[int, int] | None"], int]
+# its first step prefills, or None; the stretches of the same run before this one, as (steps, batch size),
+# where it goes on past some of its requests' ends) -> steps from there
+Bound = Callable[[str, int, "tuple[int, int] | None", "list[tuple[int, int]]"], int]
 
 
 @dataclass
@@ -90,6 +91,9 @@ class SchedulerConfig:
     stripe_staging: int = 0
     # the executor runs a batch of several steps whose first prefills (``ExecutorStatus.prefill_runs``)
     prefill_runs: bool = False
+    # the executor runs a batch of several steps some of whose requests end before its last step
+    # (``ExecutorStatus.end_runs``, ``StepPlan.ends``)
+    end_runs: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.budgets, int):
@@ -157,6 +161,13 @@ class Scheduler(Memory):
         self._epoch = 0
         self._changes = 0  # bumped by arrivals and model changes; with _epoch it says "nothing changed"
         self._steady: tuple[tuple[int, int], ModelState] | None = None  # ((epoch, changes), model) after a step that only decoded it
+        # Requests of the steady model ended since (``finish``): its batch goes on only if ``_keeps`` says
+        # nothing could use the memory they freed. ``_held``: what held back admission where the last
+        # full search made its batch (``hold_after`` then; the steady model's head waits while newer).
+        self._recheck = False
+        self._held: float | None = None
+        self._keeps_plans = config.policy == "default" and config.models_per_step == 1  # ``_keeps`` may say yes
+        self._ends: dict[str, int] | None = None  # the last run's ``StepPlan.ends``
         self._cut = False  # this plan's admission stopped at the token budget (the next step admits more)
         self.shares = list(self.budgets)  # what inference may use now (colocation: see set_budget)
         self.free = list(self.shares)  # per device: the share less what is booked (kept as it changes)
@@ -257,6 +268,9 @@ class Scheduler(Memory):
         if req is None:
             return
         m = self.models[req.model]
+        steady = self._steady
+        mine = steady is not None and steady[1] is m and req.state == "running" and \
+            steady[0] == (self._epoch, self._changes)  # a running request of the steady batch, nothing else since
         self._epoch += 1
         if req.state in ("running", "paused", "offloaded"):
             del (m.running if req.state == "running" else m.paused)[req_id]
@@ -265,6 +279,8 @@ class Scheduler(Memory):
             m.waiting.remove(req)
         req.state = "finished"
         self._queue(m)
+        if mine and m.running:  # its batch may go on: ``_keeps`` decides at the next step
+            self._steady, self._recheck = ((self._epoch, self._changes), m), True
 
     def update(self, plan: StepPlan, steps: int = 1) -> None:
         """The plan's batches ran ``steps`` times (several decode steps advanced in one call).
@@ -361,8 +377,10 @@ class Scheduler(Memory):
 
     def schedule(self, now: float = 0.0, max_steps: int | Bound = 1) -> StepPlan:
         """The next step's plan. ``max_steps`` > 1 lets a plan that only decodes one model's batch
-        run up to that many steps back to back (``plan.steps``): it stops before any of its requests
-        would end by length and before a block its tokens need does not fit, so the run decides
+        run up to that many steps back to back (``plan.steps``): it stops after the step where any of
+        its requests ends by length (where the executor can, ``end_runs``, it may go on without them if
+        the full search would plan the rest again: ``plan.ends``, see ``_run_length``) and before a
+        block its tokens need does not fit, so the run decides
         exactly what as many single steps would, provided no request arrives (other than behind
         others, ``joins_queue``) or ends otherwise in between. Where the executor can
         (``prefill_runs``), a plan of one model that also admits requests may start such a run (its
@@ -375,7 +393,8 @@ class Scheduler(Memory):
         self.step_count += 1
         steady = self._steady
         if steady is not None and steady[0] == (self._epoch, self._changes) and \
-                (self.deadline is None or now < self.deadline):
+                (self.deadline is None or now < self.deadline) and (not self._recheck or self._keeps(steady[1])):
+            self._recheck = False  # (a run through ends may set it again)
             plan = self._steady_step(steady[1], max_steps)
             if plan is not None:
                 return plan
@@ -384,7 +403,7 @@ class Scheduler(Memory):
         quiet = bool(b) and not (plan.loads or plan.prefetch or plan.evictions or plan.preempted or plan.failed
                                  or plan.kv_out)
         prefill = quiet and any(x.prefill for x in b)
-        self._steady = None
+        self._steady, self._recheck = None, False
         # One model's batch: the next steps decode it (``_steady``), and a run of them may start now.
         # After requests were just admitted, only while what stopped admission holds (memory, the
         # batch's size, an older request elsewhere; not the token budget) and not under a preempting
@@ -395,6 +414,7 @@ class Scheduler(Memory):
             self._steady = ((self._epoch, self._changes), m)
             if not prefill:
                 plan.steps = self._run(m, max_steps)
+                plan.ends = self._ends
                 plan.repeats = max_steps == 1 and self._lasts(m, 1)
             elif self.config.prefill_runs:
                 plan.steps = self._run(m, max_steps, self._prefill_of(m, b[0]))
@@ -402,6 +422,67 @@ class Scheduler(Memory):
             # none of its requests ends
             plan.repeats = max_steps == 1 and all(self._lasts(self.models[x.model], 1) for x in b)
         return plan
+
+    def _keeps(self, m: ModelState) -> bool:
+        """Requests of ``m``, the last plan's only batch, ended since (and nothing else changed): would
+        the full search plan its batch again? Yes, under the default policy with one batch a device,
+        when nothing it looks at could use the memory they freed on ``m``'s devices, as it then meets
+        what it met the last time. ``m`` (it still runs requests) admits nothing: its head waits for an
+        older request of another model. Every other model with work on ``m``'s devices is either on
+        them, runs requests and is newer than ``m`` (``m``'s batch takes their devices first), or it
+        is not on them and its weights do not fit there even evicting every model with nothing running,
+        where the search looks at it: one older than ``m`` or the first not on its devices (it loads
+        them, or prefetches), or the oldest with nothing running (whose start, weights and head's
+        blocks, decides that wait); they could not then either, with less memory free. The others
+        it does not look at, and models elsewhere find their devices as they were (should ``m``'s
+        oldest request have ended, those it falls behind by age are looked at before it, to the same
+        effect: its batch was not what kept them from anything)."""
+        if not self._keeps_plans:
+            return False
+        if m.waiting and (self._held is None or m.waiting[0].arrival <= self._held):
+            return False
+        key, mine = m.heap_key, m.devices
+        assert key is not None  # it runs requests
+        inf = math.inf
+        first_idle = first_off = inf  # keys of the oldest with nothing running, and of the oldest not on its devices
+        for c in self.models.values():
+            k = c.heap_key
+            if c is m or k is None:  # no work
+                continue
+            if not c.running and k < first_idle:
+                first_idle = k
+            if not c.on_device and k < first_off:
+                first_off = k
+        if not (self.config.prefetch and self.counts_bytes):
+            first_off = -inf
+        free, on_device = self.free, self.on_device
+        for c in self.models.values():
+            k = c.heap_key
+            if c is m or k is None:
+                continue
+            devices = c.devices
+            for d in devices:
+                if d in mine:
+                    break
+            else:
+                continue  # no device of ``m``'s
+            if c.on_device:
+                if k <= key or (not c.running and k <= first_idle):
+                    return False  # it may come first by age, or start
+                continue
+            if k > key and k > first_off and k > first_idle:
+                continue  # the search does not look at it
+            weights = c.weights
+            for i, d in enumerate(devices):
+                n = weights[i]
+                for x in on_device[d].values():
+                    if not x.running and not x.pinned:
+                        n -= x.weights[x.devices.index(d)]
+                if n > free[d]:
+                    break  # it does not fit on ``d``
+            else:
+                return False
+        return True
 
     def _prefill_of(self, m: ModelState, batch: Batch) -> tuple[int, int]:
         """(tokens, prompts) the prefills of ``batch`` compute in its first step: each prompt and the
@@ -414,11 +495,14 @@ class Scheduler(Memory):
              prefill: tuple[int, int] | None = None) -> int:
         """Steps the batch of ``m`` runs from this one on (see ``_run_length``): decode steps, after a
         first step that also computes ``prefill`` (tokens, prompts) when requests were just admitted."""
+        self._ends = None
+        bound = None
         if not isinstance(max_steps, int):
-            max_steps = max_steps(m.name, len(m.running), prefill)
+            bound = max_steps
+            max_steps = bound(m.name, len(m.running), prefill, [])
         if max_steps <= 1:
             return 1
-        steps = self._run_length(m, max_steps)
+        steps = self._run_length(m, max_steps, prefill is None and self._keeps_plans and self.config.end_runs, bound)
         self.step_count += steps - 1
         m.last_used = self.step_count
         return steps
@@ -442,9 +526,11 @@ class Scheduler(Memory):
                 self._schedule_growth(m, req)
             self._take_blocks(m, len(due))
         m.last_used = self.step_count
+        batch = Batch(m.name, decode=list(m.running))  # before the run: requests it ends are in it
         steps = self._run(m, max_steps)
-        return StepPlan(batches=[Batch(m.name, decode=list(m.running))], steps=steps,
-                        repeats=max_steps == 1 and self._lasts(m, 1))
+        plan = StepPlan(batches=[batch], steps=steps, repeats=max_steps == 1 and self._lasts(m, 1))
+        plan.ends = self._ends
+        return plan
 
     @staticmethod
     def _lasts(m: ModelState, steps: int) -> bool:
@@ -455,48 +541,86 @@ class Scheduler(Memory):
             heappop(ends)  # ended or preempted since: an entry of a request that runs is live
         return bool(ends) and ends[0][0] - m.steps > steps
 
-    def _run_length(self, m: ModelState, max_steps: int) -> int:
+    def _run_length(self, m: ModelState, max_steps: int, through_ends: bool = False,
+                    bound: Bound | None = None) -> int:
         """How many steps (at most ``max_steps``) the batch may run from now: none of its requests
         reaches its last token before the last step, and the blocks its later tokens need are
-        taken now, in the order single steps would take them, up to the first that does not fit."""
-        ends = m.ends
-        while True:
-            end, _, req = ends[0]
-            if req.state == "running" and req.joined + req.max_tokens == end:
-                break
-            heappop(ends)  # ended or preempted since: an entry of a request that runs is live
-        steps = min(max_steps, end - m.steps)
-        growth, last = m.growth, m.steps + steps - 1
-        room, taken = self._room(m), 0  # blocks that fit now; nothing else takes or frees any meanwhile
+        taken now, in the order single steps would take them, up to the first that does not fit.
+        ``through_ends``: the run may go on past the step where some of its requests make their last
+        token, if the full search would then plan the rest of the batch again (``_keeps``): those
+        requests end here, at once, and ``_ends`` says after how many steps. The run then goes on as
+        far as a run that started there could: ``bound`` asked again for the batch left, or what was
+        left of ``max_steps``."""
+        ends, growth, base = m.ends, m.growth, m.steps
+        stop = base + max_steps  # where the longest run allowed leaves ``m.steps``
+        done: dict[str, int] | None = None
+        stretches: list[tuple[int, int]] | None = None  # (steps, batch size) of each stretch before ``end``
+        begun = base  # where this stretch began
+        size = len(m.running)  # the batch of this stretch
         same_step: list[SchedRequest] = []  # granted a block for step ``at``: given back if that step is cut
         ties: list[int] = []  # the ties of their entries then
-        at = -1
-        while growth and growth[0][0] <= last:
-            due, tie, req = growth[0]
-            if req.state != "running" or req.due != tie:
-                heappop(growth)
-                continue
-            if due != at:
-                at = due
-                if same_step:
-                    same_step.clear()
-                    ties.clear()
-            if taken >= room:
-                for i, r in enumerate(same_step):  # the run ends before step ``due``: its blocks are not needed yet
-                    r.blocks -= 1
-                    r.due = ties[i]  # its entry is live again (the newer one pushed is stale)
-                    heappush(growth, (due, ties[i], r))
-                if same_step:  # as single steps would: blocks given back, memory freed
-                    self._epoch += 1
-                self._take_blocks(m, taken - len(same_step))
-                return due - m.steps  # the run ends before the token that needs it
-            same_step.append(req)
-            ties.append(tie)
-            req.blocks += 1
-            taken += 1
-            heapreplace(growth, self._next_growth(req))  # its entry for the block after
-        self._take_blocks(m, taken)
-        return max(steps, 1)
+        while True:
+            while True:
+                end, _, req = ends[0]
+                if req.state == "running" and req.joined + req.max_tokens == end:
+                    break
+                heappop(ends)  # ended or preempted since: an entry of a request that runs is live
+            upto = min(stop, end)  # this stretch ends there; nothing else takes or frees blocks meanwhile
+            last = upto - 1
+            room, taken = self._room(m), 0  # blocks that fit now
+            at = -1
+            same_step.clear()
+            ties.clear()
+            while growth and growth[0][0] <= last:
+                due, tie, req = growth[0]
+                if req.state != "running" or req.due != tie:
+                    heappop(growth)
+                    continue
+                if due != at:
+                    at = due
+                    if same_step:
+                        same_step.clear()
+                        ties.clear()
+                if taken >= room:
+                    for i, r in enumerate(same_step):  # the run ends before step ``due``: its blocks are not needed yet
+                        r.blocks -= 1
+                        r.due = ties[i]  # its entry is live again (the newer one pushed is stale)
+                        heappush(growth, (due, ties[i], r))
+                    if same_step:  # as single steps would: blocks given back, memory freed
+                        self._epoch += 1
+                    self._take_blocks(m, taken - len(same_step))
+                    self._ends = done
+                    return due - base  # the run ends before the token that needs it
+                same_step.append(req)
+                ties.append(tie)
+                req.blocks += 1
+                taken += 1
+                heapreplace(growth, self._next_growth(req))  # its entry for the block after
+            self._take_blocks(m, taken)
+            if not through_ends or upto < end or end >= stop:
+                self._ends = done
+                return max(upto - base, 1)
+            # Some requests make their last token at ``end`` and the run may go on: they end now, as the
+            # engine would end them after that step, and the rest of the batch goes on if the full
+            # search would plan it again then.
+            if done is None:
+                done = {}
+            while ends and ends[0][0] == end:
+                _, _, req = heappop(ends)
+                if req.state == "running" and req.joined + req.max_tokens == end:
+                    done[req.id] = end - base
+                    self.finish(req.id)
+            if not m.running or not self._keeps(m):
+                self._ends = done
+                return end - base
+            if bound is not None:  # where a run starting at ``end`` would stop
+                if stretches is None:
+                    stretches = []
+                stretches.append((end - begun, size))
+                begun = end
+                more = bound(m.name, len(m.running), None, stretches)
+                stop = end + max(more, 1)
+            size = len(m.running)
 
     def _schedule(self, now: float) -> StepPlan:
         self._fresh.clear()
@@ -556,6 +680,7 @@ class Scheduler(Memory):
                 continue
             if batch.prefill or batch.decode:
                 plan.batches.append(batch)
+                self._held = hold_after  # the steady model's, where the plan has one batch
                 claimed.add(m.name)
                 for d in m.devices:
                     room[d] -= 1

@@ -151,12 +151,17 @@ class StepPlan:
     stripes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     steps: int = 1
     repeats: bool = False
+    # Requests of a run of several steps that make their last token before its last step (req_id ->
+    # the steps they run): the scheduler has ended them already; only where the executor runs such
+    # runs (``ExecutorStatus.end_runs``). None: every request runs all ``steps``.
+    ends: dict[str, int] | None = None
 
     def __init__(self, evictions: list[str] | None = None, loads: list[str] | None = None,
                  prefetch: list[str] | None = None, batches: list[Batch] | None = None,
                  preempted: list[str] | None = None, paused: list[str] | None = None, kv_out: list[str] | None = None,
                  kv_in: list[str] | None = None, failed: list[tuple[str, str]] | None = None,
-                 stripes: dict[str, tuple[int, ...]] | None = None, steps: int = 1, repeats: bool = False) -> None:
+                 stripes: dict[str, tuple[int, ...]] | None = None, steps: int = 1, repeats: bool = False,
+                 ends: dict[str, int] | None = None) -> None:
         self.evictions = [] if evictions is None else evictions
         self.loads = [] if loads is None else loads
         self.prefetch = [] if prefetch is None else prefetch
@@ -169,6 +174,7 @@ class StepPlan:
         self.stripes = {} if stripes is None else stripes
         self.steps = steps
         self.repeats = repeats
+        self.ends = ends
 
     @property
     def empty(self) -> bool:

@@ -127,6 +127,11 @@ class SimExecutor:
         capture = calibration.graph_capture_s or calibration.graph_capture_s_per_byte or \
             calibration.graph_warmup_s or calibration.graph_warmup_s_per_byte
         self.graph_sizes = buckets(cfg.max_batch_size) if cfg.cuda_graphs and capture and not legacy else None
+        # A run may go on past the ends of some of its sequences (``ExecuteBatch.lasts``) where a step of
+        # fewer sequences never takes longer (no graph to capture for a smaller bucket, no negative cost
+        # a sequence): the engine's bound for the run (``steps_before`` of the whole batch) still holds.
+        self.end_runs = self.graph_sizes is None and \
+            min(calibration.decode_seq_s, calibration.decode_seq_s_per_byte, calibration.server_seq_s) >= 0
         self.pinned_free = 0  # legacy: bytes of page-locked host copies freed and cached for reuse (process-wide)
         self.models: dict[str, _Model] = {}
         self.weights = [0] * devices
@@ -311,15 +316,17 @@ class SimExecutor:
             m = self.models[batch.model]
             if m.ready is None:
                 raise RuntimeError(f"model {batch.model!r} runs a batch but is not on its device")
-            d, bb, k = m.device, m.block_bytes, batch.steps
+            d, bb, k, lasts = m.device, m.block_bytes, batch.steps, batch.lasts
             room = cap - self._arena_weights(d)  # for its KV blocks (no weights move during a step)
             if k > steps:
                 steps = k
             tok: int | list[int] = [m.token] * k if k > 1 else m.token
             prefill = decode = prompts = 0
+            ended = 0  # blocks of the sequences that end before the run's last step
             for s in batch.seqs:
                 rid, past = s.req_id, s.past
-                n = len(s.tokens) + k - 1  # a run of k steps writes k positions
+                ks = k if lasts is None else lasts.get(rid, k)  # the steps it runs
+                n = len(s.tokens) + ks - 1  # a run of k steps writes k positions
                 seq = seqs.get(rid)
                 if past:
                     decode += 1
@@ -337,18 +344,31 @@ class SimExecutor:
                 if need > seq.blocks:
                     kv[d] += (need - seq.blocks) * bb
                     seq.blocks = need
-                    if kv[d] > room:
+                    if kv[d] > room and lasts is None:
                         raise MemoryError(f"KV cache of {rid!r} exceeds the arena of device {d}: "
                                           f"{self._arena_weights(d)} + {kv[d]} > {cap} bytes")
-                tokens[rid] = tok
+                if ks == k:
+                    tokens[rid] = tok
+                else:
+                    tokens[rid] = [m.token] * ks if ks > 1 else m.token
+                    ended += seq.blocks * bb
+            if lasts is not None and kv[d] - ended > room:  # the blocks of those that end are free by its end
+                raise MemoryError(f"KV cache of {batch.model!r}'s run exceeds the arena of device {d}: "
+                                  f"{self._arena_weights(d)} + {kv[d] - ended} > {cap} bytes")
             compute = batch_time(self.cal, m.nbytes, prefill, decode, prompts) if prefill else \
                 self._decode_time(m, decode)
-            capture = self._capture(m, decode) if not prefill and self.graph_sizes else 0.0
+            capture = self._capture(m, decode) if not prefill and self.graph_sizes and not lasts else 0.0
             run = bool(prefill) and k > 1  # its first step prefills, the k - 1 after it decode the whole batch
+            if lasts and (prefill or m.load_end > now or m.kv_ready > now):
+                raise ValueError(f"a run of {batch.model!r} whose sequences end early must decode a warm batch")
             if m.load_end > now:  # cold: group i computes once group i has landed (legacy: once all have)
                 finish = pipelined_finish(now, compute, m.groups, m.ready) if self.overlap else m.load_end + compute
             elif run:
                 finish = now + compute
+            elif lasts:  # the batch shrinks where some of its sequences end: a stretch of equal steps each
+                finish = self._stretches(m, batch, decode, result, now)
+                compute = finish - now
+                capture = 0.0  # counted by the stretches
             else:
                 compute *= k  # a run is warm: k equal steps
                 finish = now + compute
@@ -366,7 +386,8 @@ class SimExecutor:
             result.compute_s[batch.model] = finish - now
             if shared is not None:
                 shared.setdefault(d, []).append((batch.model, finish - now, m.nbytes, compute + capture))
-            self.stats["compute_s"] += compute + capture
+            if not lasts:
+                self.stats["compute_s"] += compute + capture
             if not m.reported:
                 result.loaded[batch.model] = m.load_end - m.load_start
                 m.reported = True
@@ -388,6 +409,34 @@ class SimExecutor:
         if self.unreported:
             self._poll_loads(result.loaded)
         return result
+
+    def _stretches(self, m: _Model, batch: ExecuteBatch, decode: int, result: StepResult, now: float) -> float:
+        """When a warm decode run whose sequences of ``batch.lasts`` end early ends: a stretch of equal
+        steps up to each end, timed as a run of that many steps of the sequences left would be, one
+        after the other (the same sums, in the same order); each ending sequence's ``ended_at`` is
+        its stretch's end. Books the compute and the graph captures of each stretch."""
+        lasts = batch.lasts
+        assert lasts is not None
+        at: dict[int, list[str]] = {}
+        for rid, ks in lasts.items():
+            at.setdefault(ks, []).append(rid)
+        ended_at = result.ended_at
+        if ended_at is None:
+            ended_at = result.ended_at = {}
+        t, done, left = now, 0, decode
+        for ks in sorted(at) + [batch.steps]:
+            if ks <= done:
+                continue
+            compute = self._decode_time(m, left) * (ks - done)
+            capture = self._capture(m, left) if self.graph_sizes else 0.0
+            t = t + compute
+            t += capture
+            self.stats["compute_s"] += compute + capture
+            for rid in at.get(ks, ()):
+                ended_at[rid] = t
+                left -= 1
+            done = ks
+        return t
 
     def _decode_time(self, m: _Model, batch: int) -> float:
         """``batch_time`` of a decode step of ``batch`` sequences of ``m``, computed once per batch size
@@ -411,14 +460,23 @@ class SimExecutor:
         self.stats["graph_captures"] += 1
         return self.cal.capture_time(m.nbytes, first)
 
+    def after_stretches(self, model: str, stretches: list[tuple[int, int]]) -> float:
+        """The clock after these stretches of (steps, batch size) of a warm decode run of ``model`` from
+        now, as ``_stretches`` adds them up (without graphs: see ``end_runs``)."""
+        m, t = self.models[model], self.clock.t
+        for k, n in stretches:
+            t = t + self._decode_time(m, n) * k
+        return t
+
     def steps_before(self, model: str, batch: int, until: float, cap: int,
-                     prefill: tuple[int, int] | None = None) -> int:
+                     prefill: tuple[int, int] | None = None, after: list[tuple[int, int]] | None = None) -> int:
         """How many steps of ``batch`` sequences of a warm ``model``, one after another from now, run
         before one ends at or after ``until`` (that one included), at most ``cap``: the run that single
         steps would make before a request arriving at ``until`` is seen. Decode steps; with ``prefill``
-        (tokens, prompts), the first step also computes those prompts."""
+        (tokens, prompts), the first step also computes those prompts. ``after``: from the end of these
+        stretches of (steps, batch size) of a warm run instead of now, timed as ``_stretches`` times them."""
         m = self.models[model]
-        now = self.clock.t
+        now = self.after_stretches(model, after) if after else self.clock.t
         if cap <= 1 or m.ready is None or m.load_end > now:
             return 1
         if until == math.inf:
@@ -464,7 +522,8 @@ class SimExecutor:
                 for d in range(self.n_devices)]
         models = {n: ("loading" if m.load_end > t else "resident") for n, m in self.models.items()
                   if m.ready is not None}
-        return ExecutorStatus(devs, models, self.block_tokens, dict(self.stats), prefill_runs=True)
+        return ExecutorStatus(devs, models, self.block_tokens, dict(self.stats), prefill_runs=True,
+                              end_runs=self.end_runs)
 
     def probe_link(self, name: str, repeats: int) -> list[float]:
         m = self.models[name]

@@ -222,16 +222,27 @@ class Simulation:
         except ValueError as e:  # EngineError: the request is refused, as a server would answer 4xx
             rec.finish_reason, rec.error = "error", str(e)
 
-    def _run_bound(self, arrivals: list[Arrival], i: int, cap: int) -> Bound:
+    def _run_bound(self, arrivals: list[Arrival], i: int, cap: int, capped: bool) -> Bound:
         """The bound of a run of decode steps, for the scheduler to ask once it knows the batch: as
         many steps as end before the first arrival from ``arrivals[i]`` on that would change a plan
         (one that only joins a queue behind others does not), and before the preempt policy's
-        deadline."""
-        sched, n = self.core.scheduler, len(arrivals)
+        deadline. After the stretches ``before`` of a run that goes on past some of its requests'
+        ends: what a run starting there would be given, the arrivals until then queued (each joined
+        its queue, or the run would have stopped before it) and the cap counted afresh (less the
+        steps made, where ``capped``: a run of so many steps in all)."""
+        sched, n, executor = self.core.scheduler, len(arrivals), self.executor
 
-        def bound(model: str, batch: int, prefill: tuple[int, int] | None) -> int:
-            j, stop = i, min(n, i + ARRIVALS_AHEAD)
+        def bound(model: str, batch: int, prefill: tuple[int, int] | None, before: list[tuple[int, int]]) -> int:
+            j, limit = i, cap
             joins: set[str] = set()  # models whose first arrival here joins: their later ones do too
+            if before:
+                t = executor.after_stretches(model, before)
+                while j < n and arrivals[j].time <= t:
+                    joins.add(arrivals[j].model)
+                    j += 1
+                if capped:
+                    limit = max(1, cap - sum(k for k, _ in before))
+            stop = min(n, j + ARRIVALS_AHEAD)
             while j < stop:
                 a = arrivals[j]
                 if a.model not in joins:
@@ -242,7 +253,7 @@ class Simulation:
             until = arrivals[j].time if j < n else math.inf
             if sched.deadline is not None:  # a full search is due then
                 until = min(until, sched.deadline)
-            return self.executor.steps_before(model, batch, until, cap, prefill)
+            return executor.steps_before(model, batch, until, limit, prefill, before)
 
         return bound
 
@@ -276,7 +287,7 @@ class Simulation:
             k: int | Bound = 1
             if self.fast_forward:
                 cap = FAST_FORWARD_MAX if max_steps is None else max(1, max_steps - steps)
-                k = self._run_bound(arrivals, i, cap)
+                k = self._run_bound(arrivals, i, cap, max_steps is not None)
             plan = step(k)
             self.schedule_calls += 1
             if plan.batches:

@@ -7,9 +7,10 @@ same run) one training job process (``--job gpt``: ``computron train`` on a GPT-
 
 - throughput: the job's samples/s over ``--window`` seconds with no handover;
 - ``--handovers`` handovers: inference demands ``--demand-gb`` more than it keeps while idle
-  (once the shares have settled) at a random moment, the job
-  shrinks its micro-batch (abandoning the running one) and acknowledges; the demand's wait and its
-  parts (signal, the job's release: reaching its release point, then the release itself; ack) are recorded; after ``--idle`` s the memory goes back.
+  (once the shares have settled) at a random moment, the job shrinks its micro-batch (abandoning
+  the running one) and acknowledges; the demand's wait and its parts (signal, the job's release:
+  reaching its release point, then the release itself; ack) are recorded; after ``--idle`` s the
+  memory goes back.
 
 Reports per bound the median samples/s over rounds (and relative to unbounded) and the
 p50/p99 of the wait and of the release over all handovers. Writes
@@ -38,6 +39,16 @@ from computron.colocate.arbiter import Arbiter, ArbiterConfig  # noqa: E402
 from computron.colocate.protocol import ArbiterServer  # noqa: E402
 
 
+# a handover's wait, from the demand to the memory free, and its parts (``ArbiterServer.demand``)
+PARTS = ("wait_s", "signal_s", "release_s", "reach_s", "empty_s", "ack_s")
+
+
+def said(job: Job) -> str:
+    """Whether the job runs, and its last lines: for an error."""
+    state = "running" if job.p.poll() is None else f"exited with {job.p.returncode}"
+    return f"the job ({state}) said last:\n" + "\n".join(job.last_lines)
+
+
 def wait_settled(server: ArbiterServer, job: Job, timeout: float = 60.0) -> int:
     """Wait until both sides hold what they hold while inference is idle; inference's share then.
 
@@ -46,9 +57,8 @@ def wait_settled(server: ArbiterServer, job: Job, timeout: float = 60.0) -> int:
     deadline = time.monotonic() + timeout
     while not (rec := server.records(since=time.monotonic()))["settled"][0]:
         if time.monotonic() > deadline:
-            state = "running" if job.p.poll() is None else f"exited with {job.p.returncode}"
             raise RuntimeError(f"the shares did not settle within {timeout} s: (inference, training) "
-                               f"{rec['shares'][0]}; the job ({state}) said last:\n" + "\n".join(job.last_lines))
+                               f"{rec['shares'][0]}; {said(job)}")
         time.sleep(0.005)
     return rec["shares"][0][0]
 
@@ -73,11 +83,10 @@ def measure(args, run_ahead: int, ckpt: str | None) -> dict:
                 try:  # on top of what idle inference keeps (in colocate, what the job cannot use)
                     rec = server.demand(0, idle_share + int(args.demand_gb * GB), timeout=60)
                 except TimeoutError as e:  # say what the job and the arbiter were doing
-                    state = "running" if job.p.poll() is None else f"exited with {job.p.returncode}"
-                    raise RuntimeError(f"{e}; arbiter shares (inference, training) {server.arbiter.shares(0)}; the "
-                                       f"job ({state}) said last:\n" + "\n".join(job.last_lines)) from None
+                    raise RuntimeError(f"{e}; arbiter shares (inference, training) {server.arbiter.shares(0)}; "
+                                       f"{said(job)}") from None
                 if rec["release_s"] is not None:
-                    out["handovers"].append({k: rec[k] for k in ("wait_s", "signal_s", "release_s", "reach_s", "empty_s", "ack_s")})
+                    out["handovers"].append({k: rec[k] for k in PARTS})
                 else:  # the job's memory was not needed: no handover to time
                     out["no_release"] += 1
                 server.demand(0, 0)  # inference idles from now: after --idle the memory goes back
@@ -93,9 +102,7 @@ def row(r: dict, unbounded: float | None) -> dict:
            "no_release": r["no_release"]}
     if unbounded:
         out["relative"] = rate / unbounded
-    for key in ("wait_s", "release_s", "reach_s", "empty_s", "signal_s", "ack_s"):
-        if any(h.get(key) is None for h in r["handovers"]):
-            continue
+    for key in PARTS:
         vals = [h[key] for h in r["handovers"]]
         if vals:
             out[f"{key[:-2]}_p50_ms"] = 1e3 * float(np.percentile(vals, 50))
@@ -141,12 +148,13 @@ def main(argv=None) -> int:
     out.write_text(json.dumps({"args": vars(args), "rows": rows, "runs": runs,
                                "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
                                "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1))
-    print(f"{'run-ahead':>9} {'samples/s':>10} {'relative':>8} {'wait p50/p99 ms':>16} {'release p50/p99 ms':>19} n")
+    print(f"{'run-ahead':>9} {'samples/s':>10} {'relative':>8} {'wait p50/p99 ms':>16} {'release p50/p99 ms':>19} n"
+          " (no release)")
     for r in rows:
         print(f"{r['run_ahead'] or 'unbounded':>9} {r['samples_per_s']:10.1f} {r.get('relative', float('nan')):8.3f} "
               f"{r.get('wait_p50_ms', float('nan')):7.1f}/{r.get('wait_p99_ms', float('nan')):<8.1f} "
               f"{r.get('release_p50_ms', float('nan')):9.1f}/{r.get('release_p99_ms', float('nan')):<9.1f} "
-              f"{r['handovers']}")
+              f"{r['handovers']} ({r['no_release']})")
     print(f"wrote {out}")
     return 0
 

@@ -65,3 +65,30 @@ def test_same_outcome_as_single_steps(seed, budget, batch, cal):
     if cal is CAPTURING:  # captured again after loads, at several batch sizes
         captures = slow_sim.executor.stats["graph_captures"]
         assert captures == fast_sim.executor.stats["graph_captures"] and captures > slow.stats["swap_ins"] > 3
+
+
+@pytest.mark.parametrize("limit", [30, 90, 150])
+def test_a_run_cut_at_max_steps_stops_there_even_through_ends(limit):
+    """``run(trace, max_steps=N)`` stops after exactly N steps, runs that go on past requests' ends
+    included (the cap of each stretch counts the steps made before it), with what single steps would
+    have by then. One model's twenty requests at once: nothing arrives to bound the runs, only the cap."""
+    rng = random.Random(0)
+    trace = [(0.0, "a", rng.randint(1, 50), rng.randint(5, 200)) for _ in range(20)]
+    cfg = EngineConfig(device="cpu", gpu_memory_budget="8GiB", max_batch_size=256)
+    slow = Simulation(["opt-1.3b=a"], H200_ROUGH, cfg, fast_forward=False).run(trace, max_steps=limit)
+    sim = Simulation(["opt-1.3b=a"], H200_ROUGH, cfg)
+    ends, inner = [], sim.step
+
+    def step(k=1):
+        plan = inner(k)
+        ends.append(len(plan.ends or ()))
+        return plan
+
+    sim.step = step
+    fast = sim.run(trace, max_steps=limit)
+    assert slow.steps == fast.steps == limit and sum(ends) > 0
+    assert [(r.id, r.finish_reason) for r in fast.records] == [(r.id, r.finish_reason) for r in slow.records]
+    for a, b in zip(fast.records, slow.records):
+        assert (a.finish is None) == (b.finish is None), a.id
+        if a.finish is not None:
+            assert a.finish == pytest.approx(b.finish, rel=1e-12, abs=1e-12), a.id

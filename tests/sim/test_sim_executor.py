@@ -1,6 +1,7 @@
 """SimExecutor's answers to the executor protocol (load reports, the clock, errors in the future), and
 the run loop's hold on the garbage collector."""
 
+import dataclasses
 import gc
 
 import pytest
@@ -171,6 +172,17 @@ def test_a_run_whose_sequences_end_early_times_each_stretch_as_separate_runs_wou
     assert out.ended_at == {"x": t1, "y": t2} and ex.clock.t == t3
     assert out.tokens == {"x": [m.token] * 2, "y": [m.token] * 4, "z": [m.token] * 6}
     assert ex.after_stretches("a", [(2, 3), (2, 2), (2, 1)]) == pytest.approx(t3 + (t3 - t0), rel=1e-12)  # from now
+    for lasts, why in (({"z": 7}, "runs 1 to 6 steps"), ({"z": 0}, "runs 1 to 6 steps"), ({"q": 2}, "of the batch")):
+        with pytest.raises(ValueError, match=why):
+            ex.execute([ExecuteBatch("a", [SeqInput("z", [1], 14, GREEDY)], steps=6, lasts=lasts)]).result()
     ex.apply(Residency(load=["b"]))  # copies in flight: its first run is cold
-    with pytest.raises(ValueError, match="whose sequences end early must decode a warm batch"):
-        ex.execute([ExecuteBatch("b", [SeqInput("w", [1] * 8, 0, GREEDY)], steps=3, lasts={"w": 1})]).result()
+    with pytest.raises(ValueError, match="whose sequences end early: they must decode a warm batch"):
+        ex.execute([ExecuteBatch("b", [SeqInput("w", [1], 8, GREEDY)], steps=3, lasts={"w": 1})]).result()
+    capturing = SimExecutor(EngineConfig(gpu_memory_budget=4_000_000, workspace_bytes=0),
+                            dataclasses.replace(CAL, graph_capture_s=0.01))
+    capturing.register(ModelDescription("a", "tiny-opt"))
+    capturing.apply(Residency(load=["a"]))
+    capturing.wait_loads()
+    assert not capturing.end_runs and not capturing.status().end_runs
+    with pytest.raises(ValueError, match="does not run them"):
+        capturing.execute([ExecuteBatch("a", [SeqInput("w", [1], 8, GREEDY)], steps=3, lasts={"w": 1})]).result()

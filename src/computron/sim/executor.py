@@ -317,6 +317,8 @@ class SimExecutor:
             if m.ready is None:
                 raise RuntimeError(f"model {batch.model!r} runs a batch but is not on its device")
             d, bb, k, lasts = m.device, m.block_bytes, batch.steps, batch.lasts
+            if lasts:
+                self._check_lasts(m, batch, now)
             room = cap - self._arena_weights(d)  # for its KV blocks (no weights move during a step)
             if k > steps:
                 steps = k
@@ -357,10 +359,8 @@ class SimExecutor:
                                   f"{self._arena_weights(d)} + {kv[d] - ended} > {cap} bytes")
             compute = batch_time(self.cal, m.nbytes, prefill, decode, prompts) if prefill else \
                 self._decode_time(m, decode)
-            capture = self._capture(m, decode) if not prefill and self.graph_sizes and not lasts else 0.0
+            capture = self._capture(m, decode) if not prefill and self.graph_sizes else 0.0
             run = bool(prefill) and k > 1  # its first step prefills, the k - 1 after it decode the whole batch
-            if lasts and (prefill or m.load_end > now or m.kv_ready > now):
-                raise ValueError(f"a run of {batch.model!r} whose sequences end early must decode a warm batch")
             if m.load_end > now:  # cold: group i computes once group i has landed (legacy: once all have)
                 finish = pipelined_finish(now, compute, m.groups, m.ready) if self.overlap else m.load_end + compute
             elif run:
@@ -368,7 +368,6 @@ class SimExecutor:
             elif lasts:  # the batch shrinks where some of its sequences end: a stretch of equal steps each
                 finish = self._stretches(m, batch, decode, result, now)
                 compute = finish - now
-                capture = 0.0  # counted by the stretches
             else:
                 compute *= k  # a run is warm: k equal steps
                 finish = now + compute
@@ -410,11 +409,30 @@ class SimExecutor:
             self._poll_loads(result.loaded)
         return result
 
+    def _check_lasts(self, m: _Model, batch: ExecuteBatch, now: float) -> None:
+        """Refuse a run whose sequences end early (``ExecuteBatch.lasts``) unless this executor runs
+        such runs (``end_runs``), it decodes a warm batch, and each of those sequences is in it and runs
+        1 to ``steps`` of its steps."""
+        lasts, k = batch.lasts, batch.steps
+        assert lasts is not None
+        why = None
+        if not self.end_runs:
+            why = "this executor does not run them (end_runs: its calibration captures decode graphs)"
+        elif m.load_end > now or m.kv_ready > now or any(not s.past for s in batch.seqs):
+            why = "they must decode a warm batch"
+        else:
+            rids = {s.req_id for s in batch.seqs}
+            bad = [(r, n) for r, n in lasts.items() if r not in rids or not 0 < n <= k]
+            if bad:
+                why = f"each must be a sequence of the batch that runs 1 to {k} steps, got {bad[:3]}"
+        if why is not None:
+            raise ValueError(f"a run of {batch.model!r} whose sequences end early: {why}")
+
     def _stretches(self, m: _Model, batch: ExecuteBatch, decode: int, result: StepResult, now: float) -> float:
         """When a warm decode run whose sequences of ``batch.lasts`` end early ends: a stretch of equal
         steps up to each end, timed as a run of that many steps of the sequences left would be, one
         after the other (the same sums, in the same order); each ending sequence's ``ended_at`` is
-        its stretch's end. Books the compute and the graph captures of each stretch."""
+        its stretch's end. Books the compute of each stretch (no decode graphs: ``end_runs``)."""
         lasts = batch.lasts
         assert lasts is not None
         at: dict[int, list[str]] = {}
@@ -428,10 +446,8 @@ class SimExecutor:
             if ks <= done:
                 continue
             compute = self._decode_time(m, left) * (ks - done)
-            capture = self._capture(m, left) if self.graph_sizes else 0.0
             t = t + compute
-            t += capture
-            self.stats["compute_s"] += compute + capture
+            self.stats["compute_s"] += compute
             for rid in at.get(ks, ()):
                 ended_at[rid] = t
                 left -= 1

@@ -40,7 +40,7 @@ from computron.colocate.protocol import ArbiterServer  # noqa: E402
 
 
 # a handover's wait, from the demand to the memory free, and its parts (``ArbiterServer.demand``)
-PARTS = ("wait_s", "signal_s", "release_s", "reach_s", "empty_s", "ack_s")
+PARTS = ("wait_s", "signal_s", "release_s", "reach_s", "drain_s", "empty_s", "ack_s")
 
 
 def said(job: Job) -> str:
@@ -155,6 +155,10 @@ def main(argv=None) -> int:
               f"{r.get('wait_p50_ms', float('nan')):7.1f}/{r.get('wait_p99_ms', float('nan')):<8.1f} "
               f"{r.get('release_p50_ms', float('nan')):9.1f}/{r.get('release_p99_ms', float('nan')):<9.1f} "
               f"{r['handovers']} ({r['no_release']})")
+    for r in rows:
+        print(f"{r['run_ahead'] or 'unbounded':>9} parts p50/p99 ms: " + "  ".join(
+            f"{k[:-2]} {r[f'{k[:-2]}_p50_ms']:.1f}/{r[f'{k[:-2]}_p99_ms']:.1f}" for k in PARTS[1:]
+            if f"{k[:-2]}_p50_ms" in r))
     print(f"wrote {out}")
     return 0
 

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from computron.colocate.client import Colocation
+from computron.colocate.devpool import releaser
 from computron.colocate.memmodel import MemoryModel
 from computron.colocate.park import Parking, training_slots
 
@@ -143,7 +144,7 @@ def train(args, log=print) -> list[dict]:
     parking = Parking(lambda: training_slots(params, opt, model.buffers()), device)
     colo = Colocation(args.colocate, args.colocate_device, memory_model(args),
                       on_pause=parking.park, on_resume=lambda: parking.unpark(colo.resume_stopped),
-                      release=torch.cuda.empty_cache if cuda else (lambda: None),
+                      release=releaser(device),
                       measure=(torch.cuda.reset_peak_memory_stats, torch.cuda.max_memory_allocated) if cuda else None,
                       run_ahead=args.run_ahead if args.colocate else 0)
     colo.watch(model)

@@ -74,7 +74,8 @@ def test_no_bound_records_no_fences_and_a_negative_bound_is_refused():
 
 @pytest.mark.parametrize("at", [2, 7])  # a forward point, a backward point
 def test_an_order_arriving_while_the_host_waits_abandons_at_that_point(at):
-    colo = Colocation(memory=MemoryModel(100, 10, rel_margin=0.0), run_ahead=2)
+    kept = []
+    colo = Colocation(memory=MemoryModel(100, 10, rel_margin=0.0), run_ahead=2, release=kept.append)
     limit = {"t": "limit", "id": 1, "bytes": 125, "immediate": True}  # fits 2 samples, not 4
     fences = Fences(on_make=lambda i: colo.deliver(limit) if i == at else None)
     colo.fence = fences
@@ -84,7 +85,15 @@ def test_an_order_arriving_while_the_host_waits_abandons_at_that_point(at):
     s, grads = micro_batch(model, colo, torch.randn(4, 8))
     assert s.abandoned and grads is None and colo.abandoned == 1
     assert fences.made == at + 1  # nothing was queued past the point where the order was seen
+    colo._chan = Sent()
+    waited = len(fences.waits)
     assert colo.micro_batch(most=4) == 2  # redone at the size that fits
+    # before the release, the host waited for the newest fence: the work the abandoned micro-batch queued
+    assert fences.waits[waited:] == [(at, at + 1)]
+    assert kept == [125]  # released down to the limit, not to nothing
+    (ack,) = colo._chan.msgs
+    assert ack["t"] == "ack" and ack["id"] == 1 and ack["bytes"] == 125
+    assert ack["received"] <= ack["reached"] <= ack["drained"] <= ack["released"]
     s, grads = micro_batch(model, colo, torch.randn(2, 8))
     assert not s.abandoned and len(grads) == 10
 
@@ -205,7 +214,7 @@ def test_an_ack_tells_when_the_loop_reached_the_release_and_when_it_ended():
     """An order for memory the job holds is acknowledged at its next micro-batch: ``reached`` is when
     the loop got there (here 50 ms after the order), ``released`` when the release (30 ms) ended; an
     order for memory already free is acknowledged at once, reached as received."""
-    colo = Colocation(memory=MemoryModel(100, 10, rel_margin=0.0), release=lambda: time.sleep(0.03))
+    colo = Colocation(memory=MemoryModel(100, 10, rel_margin=0.0), release=lambda keep: time.sleep(0.03))
     colo._chan = Sent()
     assert colo.micro_batch(most=4) == 4  # committed: 100 + 4 * 10 bytes
     colo.deliver({"t": "limit", "id": 1, "bytes": 125, "immediate": False})

@@ -78,10 +78,10 @@ def test_two_process_handover_survives_restarts_and_death(tmp_path):
         # inference asks; training shrinks to what is left (3 samples), acknowledged and timed
         rec = server.ask(f"demand 0 {demand} 30")
         assert rec["granted"] == demand
-        for part in ("signal_s", "release_s", "reach_s", "empty_s", "ack_s"):
+        for part in ("signal_s", "release_s", "reach_s", "drain_s", "empty_s", "ack_s"):
             assert rec[part] is not None and 0 <= rec[part] < 5, rec
         assert rec["wait_s"] >= rec["signal_s"] + rec["release_s"]
-        assert rec["reach_s"] + rec["empty_s"] == pytest.approx(rec["release_s"], abs=1e-9)
+        assert rec["reach_s"] + rec["drain_s"] + rec["empty_s"] == pytest.approx(rec["release_s"], abs=1e-9)
         assert server.ask("status 0") == {"connected": True, "inference": demand, "training": capacity - demand,
                                           "budget": demand}
         n = len(job.lines)

@@ -16,8 +16,9 @@ A background thread holds the connection to the server (:class:`~.protocol.Arbit
 receives limits. A limit that the committed memory already fits is acknowledged at once by that
 thread. Otherwise, with ``immediate`` the running micro-batch is abandoned (hooks on the watched
 modules raise :class:`Abandoned` in its forward or backward), else it finishes; the loop's next
-``micro_batch`` call frees memory (``release``: on CUDA the caching allocator's
-``empty_cache``), picks a micro-batch that fits, and acknowledges. A limit under the smallest
+``micro_batch`` call frees memory (``release(keep)``, down to the limit; on CUDA
+``devpool.releaser``: the memory pool trimmed under ``cudaMallocAsync``, else the caching
+allocator's ``empty_cache``), picks a micro-batch that fits, and acknowledges. A limit under the smallest
 micro-batch pauses training: ``on_pause`` moves its state off the GPU, ``on_resume`` back
 (``park.py``: through pinned host buffers; a resume stops when an order needs the memory again).
 Without an address, nothing limits the job. Lives in the training process; CPU or GPU.
@@ -68,6 +69,10 @@ def _noop() -> None:
     pass
 
 
+def _keep_noop(keep: int) -> None:
+    pass
+
+
 def cuda_fence(t):
     """A CUDA event recorded on ``t``'s device's current stream (None for a CPU tensor: its work is done)."""
     if not t.is_cuda:
@@ -81,7 +86,7 @@ def cuda_fence(t):
 
 class Colocation:
     def __init__(self, address: str | None = None, device: int = 0, memory: MemoryModel | None = None,
-                 on_pause=_noop, on_resume=_noop, release=_noop, measure=None, reconnect_s: float = 0.05,
+                 on_pause=_noop, on_resume=_noop, release=_keep_noop, measure=None, reconnect_s: float = 0.05,
                  run_ahead: int = 8, fence=None):
         if run_ahead < 0:
             raise ValueError(f"run_ahead must be >= 0 (0: unbounded), got {run_ahead}")
@@ -100,6 +105,7 @@ class Colocation:
         self._limit_id = self._acked_id = 0
         self._received = 0.0
         self._reached: float | None = None  # when the loop reached the newest order's release (None: not yet)
+        self._drained: float | None = None  # when the GPU work queued before that release was done
         self._committed = 0  # bytes the job may be using now (its running or last micro-batch)
         self._running = 0
         self._abandon = self._immediate = False
@@ -138,7 +144,8 @@ class Colocation:
                 if m >= 1 and not self._paused:
                     if self._limit_id > self._acked_id:
                         self._reached = time.monotonic()
-                        self.release()
+                        self._drain()
+                        self.release(self._limit)
                         self._committed = self.memory.predict(m)
                         self._ack()
                     self._committed = max(self._committed, self.memory.predict(m))
@@ -154,8 +161,9 @@ class Colocation:
                     self._resuming = True
             if m < 1:  # committed stays until the state is off: an order under it waits for the pause
                 self._reached = time.monotonic()
+                self._drain()
                 self.on_pause()
-                self.release()
+                self.release(0)
                 with self._cond:
                     self._paused, self._committed = True, 0
                     self._ack()
@@ -172,7 +180,7 @@ class Colocation:
                     else:
                         self._committed = 0
             if not back:
-                self.release()
+                self.release(0)
 
     def _tell_most(self, most: int) -> None:
         """Tell the server the most the job can use (its largest micro-batch's predicted peak, and
@@ -266,6 +274,14 @@ class Colocation:
         while len(q) > self.run_ahead:
             q.popleft().synchronize()
 
+    def _drain(self) -> None:
+        """Wait for the GPU work queued before the release (the last micro-batch's, up to its newest
+        fence) so that the ack tells that wait (``drained``) apart from the release itself."""
+        if self._fences:
+            self._fences[-1].synchronize()
+            self._fences.clear()
+        self._drained = time.monotonic()
+
     def _hold(self) -> None:
         """Wait while the server holds the compute (an abandon order or a lost server ends it)."""
         t0 = time.monotonic()
@@ -285,14 +301,17 @@ class Colocation:
     def _ack(self) -> None:
         """Acknowledge the newest limit (the condition's lock is held): when it was received, when the
         loop reached its release (the order seen at a micro-batch's start, after an abandoned one's
-        unwinding; when nothing had to be freed, as received) and when the memory was released."""
+        unwinding; when nothing had to be freed, as received), when the GPU work queued before it was
+        done and when the memory was released."""
         if self._limit_id > self._acked_id and self._chan is not None:
             now = time.monotonic()
             reached = self._received if self._reached is None or self._reached < self._received else self._reached
+            reached = min(reached, now)
+            drained = reached if self._drained is None or self._drained < reached else min(self._drained, now)
             self._chan.send({"t": "ack", "id": self._limit_id, "bytes": self._limit, "received": self._received,
-                             "reached": min(reached, now), "released": now})
+                             "reached": reached, "drained": drained, "released": now})
         self._acked_id = self._limit_id
-        self._reached = None
+        self._reached = self._drained = None
 
     def deliver(self, msg: dict) -> None:
         """Handle one message from the server (the receiving thread calls this)."""

@@ -11,7 +11,7 @@ Training side: :class:`~computron.colocate.client.Colocation` (``client.py``).
 
 Messages (one JSON object a line; times are ``time.monotonic()``, one clock for all the
 processes of a machine): training → server ``hello{device, min_bytes, max_bytes}``, ``ack{id,
-bytes, received, released}``, ``most{bytes}`` (the most it can use, when that changes); server →
+bytes, received, reached, drained, released}``, ``most{bytes}`` (the most it can use, when that changes); server →
 training ``limit{id, bytes, immediate, sent}`` and, with ``yield_compute``, ``yield{on, sent}``
 (stop or go on queuing GPU work; nothing to acknowledge). A training job
 that disconnects (finished or killed) gives its share back at once; a server that restarts is
@@ -134,10 +134,11 @@ class ArbiterServer:
     def demand(self, device: int, nbytes: int, timeout: float | None = None) -> dict:
         """Block until inference's budget on ``device`` is at least ``nbytes``; the handover's timing.
 
-        Returns ``{"t", "wait_s", "signal_s", "release_s", "reach_s", "empty_s", "ack_s", "granted", "alloc_s",
-        "swap_s", "free_s"}`` (``t``: when it was asked; ``release_s``, training's part, is ``reach_s``, until
-        its loop reached the release, plus ``empty_s``, the release itself (the allocator's cache emptied,
-        or the state parked); the parts are None when no training memory had to move; the
+        Returns ``{"t", "wait_s", "signal_s", "release_s", "reach_s", "drain_s", "empty_s", "ack_s", "granted",
+        "alloc_s", "swap_s", "free_s"}`` (``t``: when it was asked; ``release_s``, training's part, is
+        ``reach_s``, until its loop reached the release, plus ``drain_s``, until the GPU work it had queued
+        was done, plus ``empty_s``, the release itself (the allocator's cache emptied, or the state
+        parked); the parts are None when no training memory had to move; the
         engine fills ``alloc_s``, ``swap_s`` and ``free_s`` in, see ``serving.EngineLink``). Raises TimeoutError
         after ``timeout`` seconds.
         """
@@ -153,13 +154,13 @@ class ArbiterServer:
             t1 = time.monotonic()
             acks = [a for i, a in self._acks.items() if i > first_id and a["device"] == device]
         rec = {"t": t0, "device": device, "bytes": nbytes, "wait_s": t1 - t0, "granted": self.budgets[device],
-               "signal_s": None, "release_s": None, "reach_s": None, "empty_s": None, "ack_s": None,
+               "signal_s": None, "release_s": None, "reach_s": None, "drain_s": None, "empty_s": None, "ack_s": None,
                "alloc_s": None, "swap_s": None, "free_s": None}
         if acks:
             a = acks[-1]
-            reached = a.get("reached", a["received"])  # a job of an older client sends no "reached"
+            reached, drained = a["reached"], a["drained"]
             rec.update(signal_s=a["received"] - a["sent"], release_s=a["released"] - a["received"],
-                       reach_s=reached - a["received"], empty_s=a["released"] - reached,
+                       reach_s=reached - a["received"], drain_s=drained - reached, empty_s=a["released"] - drained,
                        ack_s=a["arrived"] - a["released"])
             self.handovers.append(rec)
         return rec
@@ -304,7 +305,9 @@ class ArbiterServer:
                 sent = self._sent.get(msg["id"])
                 if sent is not None:
                     self._acks[msg["id"]] = dict(device=device, sent=sent[0], received=msg["received"],
-                                                 reached=msg.get("reached", msg["received"]),
+                                                 # an older client sends no "reached" or "drained"
+                                                 reached=(r := msg.get("reached", msg["received"])),
+                                                 drained=msg.get("drained", r),
                                                  released=msg["released"], arrived=time.monotonic())
                 self._dispatch(self.arbiter.train_ack(device, msg["id"], int(msg["bytes"]), time.monotonic()))
 

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..colocate.client import Colocation
+from ..colocate.devpool import releaser
 from ..colocate.memmodel import MemoryModel, estimate
 from ..colocate.park import Parking, training_slots
 from ..models import checkpoint as ckpt
@@ -236,7 +237,7 @@ class Trainer:
         self.parking = Parking(lambda: training_slots(self.params.values(), self.opt), self.device)
         self.colo = Colocation(cfg.colocate, cfg.colocate_device, self.memory_model(),
                                on_pause=self._pause, on_resume=self._resume,
-                               release=torch.cuda.empty_cache if cuda else (lambda: None),
+                               release=releaser(self.device),
                                measure=(torch.cuda.reset_peak_memory_stats, torch.cuda.max_memory_allocated)
                                if cuda else None, run_ahead=cfg.colocate_run_ahead if cfg.colocate else 0)
         self.colo.watch(self.model)

@@ -86,7 +86,7 @@ def measure(args, run_ahead: int, ckpt: str | None) -> dict:
                     raise RuntimeError(f"{e}; arbiter shares (inference, training) {server.arbiter.shares(0)}; "
                                        f"{said(job)}") from None
                 if rec["release_s"] is not None:
-                    out["handovers"].append({k: rec[k] for k in PARTS})
+                    out["handovers"].append({**{k: rec[k] for k in PARTS}, "at": rec["at"]})
                 else:  # the job's memory was not needed: no handover to time
                     out["no_release"] += 1
                 server.demand(0, 0)  # inference idles from now: after --idle the memory goes back
@@ -159,6 +159,12 @@ def main(argv=None) -> int:
         print(f"{r['run_ahead'] or 'unbounded':>9} parts p50/p99 ms: " + "  ".join(
             f"{k[:-2]} {r[f'{k[:-2]}_p50_ms']:.1f}/{r[f'{k[:-2]}_p99_ms']:.1f}" for k in PARTS[1:]
             if f"{k[:-2]}_p50_ms" in r))
+    for r in runs:  # where the job's loop was when each order came, and what the wait was then
+        by_at: dict[str, list[float]] = {}
+        for h in r["handovers"]:
+            by_at.setdefault(h.get("at") or "?", []).append(1e3 * h["wait_s"])
+        print(f"{r['run_ahead'] or 'unbounded':>9} wait by where the order found the job: " + "  ".join(
+            f"{at} {len(v)}: p50 {np.percentile(v, 50):.1f} max {max(v):.1f} ms" for at, v in sorted(by_at.items())))
     print(f"wrote {out}")
     return 0
 

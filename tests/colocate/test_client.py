@@ -94,6 +94,7 @@ def test_an_order_arriving_while_the_host_waits_abandons_at_that_point(at):
     (ack,) = colo._chan.msgs
     assert ack["t"] == "ack" and ack["id"] == 1 and ack["bytes"] == 125
     assert ack["received"] <= ack["reached"] <= ack["drained"] <= ack["released"]
+    assert ack["at"] == "running"  # the order came while the micro-batch ran (not at a fence's wait)
     s, grads = micro_batch(model, colo, torch.randn(2, 8))
     assert not s.abandoned and len(grads) == 10
 
@@ -330,3 +331,59 @@ def test_a_job_that_sends_what_the_arbiter_cannot_take_is_dropped_and_its_device
             colo.close()
     finally:
         server.close()
+
+
+def test_an_order_after_the_size_was_chosen_waits_for_the_micro_batch_which_it_abandons():
+    """Once ``micro_batch`` chose a size the loop is about to run it: an order that size exceeds abandons the
+    micro-batch at its start, and the loop's next call releases and acknowledges (``at``: chosen)."""
+    kept = []
+    colo = Colocation(memory=MemoryModel(100, 10, rel_margin=0.0), release=kept.append)
+    colo._chan = Sent()
+    model = net()
+    colo.watch(model)
+    assert colo.micro_batch(most=4) == 4
+    colo.deliver({"t": "limit", "id": 1, "bytes": 125, "immediate": True})
+    assert kept == [] and colo._chan.msgs == []
+    s, _ = micro_batch(model, colo, torch.randn(4, 8))
+    assert s.abandoned
+    assert colo.micro_batch(most=4) == 2 and kept == [125] and [m["id"] for m in colo._chan.msgs] == [1]
+    assert colo._chan.msgs[0]["at"] == "chosen"
+
+
+def test_an_order_no_micro_batch_fits_waits_for_the_loop_which_pauses():
+    """Between micro-batches, an order under the smallest micro-batch waits for the loop, which pauses (moves
+    the state off the device), releases everything and acknowledges (``at``: between)."""
+    paused, kept = [], []
+    colo = Colocation(memory=MemoryModel(100, 10, rel_margin=0.0), release=kept.append,
+                      on_pause=lambda: paused.append(True))
+    colo._chan = Sent()
+    assert colo.micro_batch(most=4) == 4
+    micro_batch(net(), colo, torch.randn(4, 8))
+    colo.deliver({"t": "limit", "id": 1, "bytes": 105, "immediate": True})  # under 100 + 1 * 10
+    assert kept == [] and colo._chan.msgs == []
+    out, done = run_in_thread(lambda: colo.micro_batch(most=4))
+    deadline = time.monotonic() + 5
+    while not paused and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert paused == [True] and kept == [0] and [m["id"] for m in colo._chan.msgs] == [1]
+    assert colo._chan.msgs[0]["at"] == "between"
+    colo.deliver({"t": "limit", "id": 2, "bytes": 1000, "immediate": True})
+    assert done.wait(5.0) and out["result"] == 4
+
+
+def test_an_order_that_finds_the_host_waiting_at_a_fence_says_so():
+    colo = Colocation(memory=MemoryModel(100, 10, rel_margin=0.0), run_ahead=1)
+    colo._chan = Sent()
+
+    class Fence:
+        def synchronize(self):  # the order comes while the host waits here
+            if not colo._chan.msgs and colo._limit is None:
+                colo.deliver({"t": "limit", "id": 1, "bytes": 125, "immediate": True})
+
+    colo.fence = lambda t: Fence()
+    model = net()
+    colo.watch(model)
+    assert colo.micro_batch(most=4) == 4
+    s, _ = micro_batch(model, colo, torch.randn(4, 8))
+    assert s.abandoned
+    assert colo.micro_batch(most=4) == 2 and colo._chan.msgs[-1]["at"] == "fence"

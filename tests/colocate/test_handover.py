@@ -82,6 +82,7 @@ def test_two_process_handover_survives_restarts_and_death(tmp_path):
             assert rec[part] is not None and 0 <= rec[part] < 5, rec
         assert rec["wait_s"] >= rec["signal_s"] + rec["release_s"]
         assert rec["reach_s"] + rec["drain_s"] + rec["empty_s"] == pytest.approx(rec["release_s"], abs=1e-9)
+        assert rec["at"] in ("between", "chosen", "running", "fence")
         assert server.ask("status 0") == {"connected": True, "inference": demand, "training": capacity - demand,
                                           "budget": demand}
         n = len(job.lines)

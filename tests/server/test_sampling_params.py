@@ -203,7 +203,12 @@ def test_echo_with_logprobs_scores_the_prompt_like_transformers(served):
                 for ch in chunk["choices"]:
                     texts[ch["index"]] += ch["text"]
                     lps[ch["index"]] += (ch["logprobs"] or {}).get("token_logprobs", [])
-    assert texts == [r.choices[0].text] * 2 and lps == [lp.token_logprobs] * 2
+    assert texts == [r.choices[0].text] * 2
+    # two choices decode as a batch of two, the request above as one: the same within float rounding (a
+    # CPU's matrix kernels may differ by batch size), not always to the bit
+    for got in lps:
+        assert got[0] is None and len(got) == len(lp.token_logprobs)
+        torch.testing.assert_close(torch.tensor(got[1:]), torch.tensor(lp.token_logprobs[1:]), atol=1e-4, rtol=1e-4)
     assert usage == {"prompt_tokens": P, "completion_tokens": 10, "total_tokens": P + 10}
 
 

@@ -108,6 +108,9 @@ class Colocation:
         self._drained: float | None = None  # when the GPU work queued before that release was done
         self._committed = 0  # bytes the job may be using now (its running or last micro-batch)
         self._running = 0
+        self._busy = False  # a micro-batch is chosen or running (from micro_batch's return to step's end)
+        self._fencing = False  # the host waits at a fence
+        self._at = ""  # where the loop was when the newest order came (for the ack)
         self._abandon = self._immediate = False
         self._paused = self._resuming = False
         # the first micro-batch after a resume rebuilds state (the trainer remakes its bf16 weights from
@@ -149,6 +152,7 @@ class Colocation:
                         self._committed = self.memory.predict(m)
                         self._ack()
                     self._committed = max(self._committed, self.memory.predict(m))
+                    self._busy = True
                     return m
                 if m < 1 and self._paused:
                     self._ack()
@@ -233,7 +237,7 @@ class Colocation:
             self.abandoned += 1
         finally:
             with self._cond:
-                self._running, self._abandon = 0, False
+                self._running, self._abandon, self._busy = 0, False, False
         if not state.abandoned and self.measure is not None:
             state.peak_bytes = self.measure[1]()
             if self._settling:
@@ -272,7 +276,9 @@ class Colocation:
         q = self._fences
         q.append(ev)
         while len(q) > self.run_ahead:
+            self._fencing = True
             q.popleft().synchronize()
+            self._fencing = False
 
     def _drain(self) -> None:
         """Wait for the GPU work queued before the release (the last micro-batch's, up to its newest
@@ -302,14 +308,15 @@ class Colocation:
         """Acknowledge the newest limit (the condition's lock is held): when it was received, when the
         loop reached its release (the order seen at a micro-batch's start, after an abandoned one's
         unwinding; when nothing had to be freed, as received), when the GPU work queued before it was
-        done and when the memory was released."""
+        done and when the memory was released; and where the loop was when the order came (``at``:
+        ``between`` micro-batches, a size ``chosen``, a micro-batch ``running``, or waiting at a ``fence``)."""
         if self._limit_id > self._acked_id and self._chan is not None:
             now = time.monotonic()
             reached = self._received if self._reached is None or self._reached < self._received else self._reached
             reached = min(reached, now)
             drained = reached if self._drained is None or self._drained < reached else min(self._drained, now)
             self._chan.send({"t": "ack", "id": self._limit_id, "bytes": self._limit, "received": self._received,
-                             "reached": reached, "drained": drained, "released": now})
+                             "reached": reached, "drained": drained, "released": now, "at": self._at})
         self._acked_id = self._limit_id
         self._reached = self._drained = None
 
@@ -324,6 +331,8 @@ class Colocation:
             return
         with self._cond:
             self._limit, self._limit_id, self._received = int(msg["bytes"]), int(msg["id"]), time.monotonic()
+            self._at = ("fence" if self._fencing else "running") if self._running else (
+                "chosen" if self._busy else "between")
             self._immediate = bool(msg.get("immediate"))
             if self._committed <= self._limit:
                 self._ack()  # nothing to free: answer now (a paused job has committed nothing)

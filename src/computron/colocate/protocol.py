@@ -135,7 +135,8 @@ class ArbiterServer:
         """Block until inference's budget on ``device`` is at least ``nbytes``; the handover's timing.
 
         Returns ``{"t", "wait_s", "signal_s", "release_s", "reach_s", "drain_s", "empty_s", "ack_s", "granted",
-        "alloc_s", "swap_s", "free_s"}`` (``t``: when it was asked; ``release_s``, training's part, is
+        "alloc_s", "swap_s", "free_s", "at"}`` (``t``: when it was asked; ``at``: where the job's loop was when
+        the order came, ``Colocation._ack``; ``release_s``, training's part, is
         ``reach_s``, until its loop reached the release, plus ``drain_s``, until the GPU work it had queued
         was done, plus ``empty_s``, the release itself (the allocator's cache emptied, or the state
         parked); the parts are None when no training memory had to move; the
@@ -155,11 +156,11 @@ class ArbiterServer:
             acks = [a for i, a in self._acks.items() if i > first_id and a["device"] == device]
         rec = {"t": t0, "device": device, "bytes": nbytes, "wait_s": t1 - t0, "granted": self.budgets[device],
                "signal_s": None, "release_s": None, "reach_s": None, "drain_s": None, "empty_s": None, "ack_s": None,
-               "alloc_s": None, "swap_s": None, "free_s": None}
+               "alloc_s": None, "swap_s": None, "free_s": None, "at": None}
         if acks:
             a = acks[-1]
             reached, drained = a["reached"], a["drained"]
-            rec.update(signal_s=a["received"] - a["sent"], release_s=a["released"] - a["received"],
+            rec.update(at=a["at"], signal_s=a["received"] - a["sent"], release_s=a["released"] - a["received"],
                        reach_s=reached - a["received"], drain_s=drained - reached, empty_s=a["released"] - drained,
                        ack_s=a["arrived"] - a["released"])
             self.handovers.append(rec)
@@ -308,7 +309,8 @@ class ArbiterServer:
                                                  # an older client sends no "reached" or "drained"
                                                  reached=(r := msg.get("reached", msg["received"])),
                                                  drained=msg.get("drained", r),
-                                                 released=msg["released"], arrived=time.monotonic())
+                                                 released=msg["released"], arrived=time.monotonic(),
+                                                 at=msg.get("at"))
                 self._dispatch(self.arbiter.train_ack(device, msg["id"], int(msg["bytes"]), time.monotonic()))
 
     def _ticker(self, tick_s: float) -> None:

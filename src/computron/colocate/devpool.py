@@ -1,13 +1,14 @@
 """Giving back part of a CUDA device's cached memory: the stream-ordered pool trimmed to a size.
 
 PyTorch's own caching allocator can only give back all it caches (``empty_cache``), and each
-``cudaFree`` takes time in proportion to the bytes it unmaps (``bench/release_cost.py``: about
-0.8 ms per GB on an H200). Under ``PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync`` PyTorch
-allocates from the device's default stream-ordered memory pool instead, and CUDA can trim that pool
-down to a given size (``cudaMemPoolTrimTo``), so a handover gives back what the demand needs and
-keeps the rest cached for the next micro-batch. :func:`releaser` gives a colocated job's release:
-the pool trimmed to what the job may keep under that backend, the whole cache emptied under the
-native one. CUDA runtime calls through ctypes, on the ``libcudart`` that torch loaded.
+``cudaFree`` takes time in proportion to the bytes it unmaps (``bench/release_cost.py``: 0.4 to
+1.0 ms per GB for blocks of 64 MB and more on an H200). Under
+``PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync`` PyTorch allocates from the device's default
+stream-ordered memory pool instead, and CUDA can trim that pool down to a given size
+(``cudaMemPoolTrimTo``), so a handover gives back what the demand needs and keeps the rest cached
+for the next micro-batch. :func:`releaser` gives a colocated job's release: the pool trimmed to
+what the job may keep under that backend, the whole cache emptied under the native one. CUDA
+runtime calls through ctypes, on the ``libcudart`` that torch loaded.
 """
 
 from __future__ import annotations

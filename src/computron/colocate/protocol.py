@@ -11,7 +11,7 @@ Training side: :class:`~computron.colocate.client.Colocation` (``client.py``).
 
 Messages (one JSON object a line; times are ``time.monotonic()``, one clock for all the
 processes of a machine): training → server ``hello{device, min_bytes, max_bytes}``, ``ack{id,
-bytes, received, reached, drained, released}``, ``most{bytes}`` (the most it can use, when that changes); server →
+bytes, received, reached, drained, released, at}``, ``most{bytes}`` (the most it can use, when that changes); server →
 training ``limit{id, bytes, immediate, sent}`` and, with ``yield_compute``, ``yield{on, sent}``
 (stop or go on queuing GPU work; nothing to acknowledge). A training job
 that disconnects (finished or killed) gives its share back at once; a server that restarts is

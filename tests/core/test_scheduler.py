@@ -575,6 +575,54 @@ def test_runs_of_several_steps_keep_the_books(policy, seed):
     assert s.kv_used[0] == 0
 
 
+def _growth_books(s):
+    """Each model's live growth entries in the heap's order, as (due step, request), and the tie counter:
+    what later steps read of the growth heaps (stale entries and the ties' values aside)."""
+    books = {}
+    for name, m in s.models.items():
+        live = sorted((due, tie, req.id) for due, tie, req in m.growth if req.state == "running" and req.due == tie)
+        books[name] = [(due, rid) for due, _, rid in live]
+    return books, s._ties
+
+
+@pytest.mark.parametrize("policy", ["default", "preempt"])
+@pytest.mark.parametrize("seed", range(3))
+def test_a_runs_blocks_granted_at_once_match_one_at_a_time(policy, seed):
+    """Long runs grant every block their requests need in one pass where all fit (``_grant_all``). Twin
+    runs, with and without it, under KV pressure and preemption, with prompts that make many requests
+    need blocks at the same steps: the same plans, and the same growth books after every step (the
+    order among entries of one step included, which decides who grows first in a short step)."""
+    def run(at_once):
+        rng = random.Random(seed)
+        s = _sched(300_000, policy=policy, max_batch_size=rng.randint(4, 12), block_tokens=4, max_wait_s=2.0)
+        s._at_once = at_once
+        for i in range(3):
+            s.add_model(f"m{i}", 512 * rng.randint(100, 200), KVT)
+        n, now, out = 0, 0.0, []
+        for step in range(2500):
+            if step < 1200 and rng.random() < 0.3:
+                s.add_request(SchedRequest(f"r{n}", f"m{rng.randrange(3)}", rng.randint(1, 16), rng.randint(1, 90),
+                                           now))
+                n += 1
+            plan = s.schedule(now, max_steps=rng.choice([1, 3, 20, 60]))
+            s.update(plan, plan.steps)
+            now += plan.steps
+            for b in plan.batches:
+                for rid in b.requests:
+                    if s.generated(rid) >= s.requests[rid].max_tokens:
+                        s.finish(rid)
+            out.append(([(b.model, b.prefill, b.decode) for b in plan.batches], plan.steps, plan.preempted,
+                        plan.evictions, plan.loads, _growth_books(s)))
+            if step >= 1200 and not s.requests:
+                break
+        return out, s.at_once
+
+    with_bulk, (granted, refused) = run(True)
+    assert granted > 50 and refused > 0  # granted at once often, and refused where they did not all fit
+    without, counts = run(False)
+    assert counts == [0, 0] and without == with_bulk
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_a_plan_that_repeats_is_followed_by_the_same_batch(seed):
     """``plan.repeats`` (single steps): when nothing arrives and requests end only by length, the

@@ -52,7 +52,7 @@ Policies:
 from __future__ import annotations
 
 import math
-from heapq import heappop, heappush, heapreplace
+from heapq import heapify, heappop, heappush, heapreplace
 from dataclasses import dataclass
 from typing import Callable, cast
 
@@ -168,6 +168,8 @@ class Scheduler(Memory):
         self._held: float | None = None
         self._keeps_plans = config.policy == "default" and config.models_per_step == 1  # ``_keeps`` may say yes
         self._ends: dict[str, int] | None = None  # the last run's ``StepPlan.ends``
+        self._at_once = True  # long stretches' blocks granted in one pass (``_grant_all``; off: one at a time)
+        self.at_once = [0, 0]  # stretches whose blocks were granted in one pass, and those that did not all fit
         self._cut = False  # this plan's admission stopped at the token budget (the next step admits more)
         self.shares = list(self.budgets)  # what inference may use now (colocation: see set_budget)
         self.free = list(self.shares)  # per device: the share less what is booked (kept as it changes)
@@ -559,6 +561,8 @@ class Scheduler(Memory):
         size = len(m.running)  # the batch of this stretch
         same_step: list[SchedRequest] = []  # granted a block for step ``at``: given back if that step is cut
         ties: list[int] = []  # the ties of their entries then
+        block_tokens = self.config.block_tokens
+        granted = base  # the growth entries up to this step are dealt with
         while True:
             while True:
                 end, _, req = ends[0]
@@ -568,10 +572,14 @@ class Scheduler(Memory):
             upto = min(stop, end)  # this stretch ends there; nothing else takes or frees blocks meanwhile
             last = upto - 1
             room, taken = self._room(m), 0  # blocks that fit now
+            # a stretch of a block's tokens or more: nearly every request needs a block in it, and one pass
+            # over the heap beats an operation on it per block, where all of them fit (``_grant_all``)
+            bulk = self._at_once and last - granted >= block_tokens and self._grant_all(m, last, room)
+            granted = last
             at = -1
             same_step.clear()
             ties.clear()
-            while growth and growth[0][0] <= last:
+            while not bulk and growth and growth[0][0] <= last:
                 due, tie, req = growth[0]
                 if req.state != "running" or req.due != tie:
                     heappop(growth)
@@ -596,7 +604,8 @@ class Scheduler(Memory):
                 req.blocks += 1
                 taken += 1
                 heapreplace(growth, self._next_growth(req))  # its entry for the block after
-            self._take_blocks(m, taken)
+            if not bulk:
+                self._take_blocks(m, taken)
             if not through_ends or upto < end or end >= stop:
                 self._ends = done
                 return max(upto - base, 1)
@@ -621,6 +630,46 @@ class Scheduler(Memory):
                 more = bound(m.name, len(m.running), None, stretches)
                 stop = end + max(more, 1)
             size = len(m.running)
+
+    def _grant_all(self, m: ModelState, last: int, room: int) -> bool:
+        """Every block the running requests of ``m`` need up to step ``last``, if all of them fit in
+        ``room``, at once: what granting them one at a time in the growth heap's order does, the ties
+        included (False, and nothing changed, where they do not all fit).
+
+        The ties: one entry is made per block granted, numbered in the order the heap hands entries out,
+        and only each request's last entry stays. Entries of one step compare by tie, and a request's
+        entries come every ``block_tokens`` steps, so only requests whose dues agree modulo that ever
+        meet, and those granted here all end at the same step: there the order of a step's entries is its
+        first entries (those made before, by tie) then those carried from the step a block before, in
+        their order there. So the last entries go by their first due, latest first, then by tie; the
+        numbers they get lie in the same range as one at a time would use, above every entry before."""
+        growth, bt = m.growth, self.config.block_tokens
+        need, due_now, later = 0, [], []
+        for entry in growth:
+            due, tie, req = entry
+            if req.state != "running" or req.due != tie:
+                continue  # stale (ended or preempted since): dropped here as a pop would drop it
+            if due <= last:
+                n = (last - due) // bt + 1
+                need += n
+                due_now.append((-due, tie, req, n))
+            else:
+                later.append(entry)
+        if need > room:
+            self.at_once[1] += 1
+            return False
+        self.at_once[0] += 1
+        due_now.sort()  # by (first due, latest first; tie): ties differ, so the comparison ends there
+        first = self._ties + need - len(due_now)  # the ties of the entries used up within the stretch come first
+        self._ties += need
+        for i, (_, _, req, n) in enumerate(due_now):
+            req.blocks += n
+            req.due = first + i
+            later.append((req.blocks * bt - req.prompt_len + req.joined + 1, req.due, req))
+        heapify(later)
+        growth[:] = later
+        self._take_blocks(m, need)
+        return True
 
     def _schedule(self, now: float) -> StepPlan:
         self._fresh.clear()

@@ -540,6 +540,29 @@ def test_a_finish_that_frees_room_for_a_waiting_models_weights_prefetches_it():
     assert _models(p) == ["a"] and p.prefetch == ["x"]
 
 
+def _drive(s, rng, steps, arriving, max_tokens, lengths, after, early_end=0.0):
+    """The simulator's way of driving ``s``: for ``arriving`` steps a request arrives with chance 0.3 (one of
+    models m0-m2, prompts of 1-16 tokens, 1 to ``max_tokens`` tokens), each call runs up to a length drawn
+    from ``lengths``, requests end by length (or, with chance ``early_end``, at any step), and ``after(plan)``
+    sees each plan; it stops once every request has ended after the arrivals."""
+    n, now = 0, 0.0
+    for step in range(steps):
+        if step < arriving and rng.random() < 0.3:
+            s.add_request(SchedRequest(f"r{n}", f"m{rng.randrange(3)}", rng.randint(1, 16),
+                                       rng.randint(1, max_tokens), now))
+            n += 1
+        plan = s.schedule(now, max_steps=rng.choice(lengths))
+        s.update(plan, plan.steps)
+        now += plan.steps
+        for b in plan.batches:
+            for rid in b.requests:
+                if s.generated(rid) >= s.requests[rid].max_tokens or early_end and rng.random() < early_end:
+                    s.finish(rid)
+        after(plan)
+        if step >= arriving and not s.requests:
+            break
+
+
 @pytest.mark.parametrize("policy", ["default", "preempt", "preempt-keep-kv"])
 @pytest.mark.parametrize("seed", range(3))
 def test_runs_of_several_steps_keep_the_books(policy, seed):
@@ -552,25 +575,14 @@ def test_runs_of_several_steps_keep_the_books(policy, seed):
                max_wait_s=2.0, preempt_keeps_kv=policy == "preempt-keep-kv")
     for i in range(3):
         s.add_model(f"m{i}", 512 * rng.randint(100, 250), KVT)
-    n, now = 0, 0.0
-    for step in range(3000):
-        if step < 1500 and rng.random() < 0.3:
-            s.add_request(SchedRequest(f"r{n}", f"m{rng.randrange(3)}", rng.randint(1, 16), rng.randint(1, 60), now))
-            n += 1
-        plan = s.schedule(now, max_steps=rng.choice([1, 2, 5, 50]))
-        s.update(plan, plan.steps)
-        now += plan.steps
-        for b in plan.batches:
-            for rid in b.requests:
-                r = s.requests[rid]
-                if s.generated(rid) >= r.max_tokens or rng.random() < 0.01:
-                    s.finish(rid)
+
+    def books(plan):
         assert s.kv_used[0] >= 0 and s.free_bytes(0) >= 0
         for r in s.requests.values():  # a running request holds the blocks its tokens fill, no more
             if r.state in ("running", "paused"):
                 assert r.blocks == -(-(r.prompt_len + s.generated(r.id) - 1) // 4), r
-        if step >= 1500 and not s.requests:
-            break
+
+    _drive(s, rng, 3000, 1500, 60, [1, 2, 5, 50], books, early_end=0.01)
     assert not s.requests
     assert s.kv_used[0] == 0
 
@@ -598,23 +610,10 @@ def test_a_runs_blocks_granted_at_once_match_one_at_a_time(policy, seed):
         s._at_once = at_once
         for i in range(3):
             s.add_model(f"m{i}", 512 * rng.randint(100, 200), KVT)
-        n, now, out = 0, 0.0, []
-        for step in range(2500):
-            if step < 1200 and rng.random() < 0.3:
-                s.add_request(SchedRequest(f"r{n}", f"m{rng.randrange(3)}", rng.randint(1, 16), rng.randint(1, 90),
-                                           now))
-                n += 1
-            plan = s.schedule(now, max_steps=rng.choice([1, 3, 20, 60]))
-            s.update(plan, plan.steps)
-            now += plan.steps
-            for b in plan.batches:
-                for rid in b.requests:
-                    if s.generated(rid) >= s.requests[rid].max_tokens:
-                        s.finish(rid)
-            out.append(([(b.model, b.prefill, b.decode) for b in plan.batches], plan.steps, plan.preempted,
-                        plan.evictions, plan.loads, _growth_books(s)))
-            if step >= 1200 and not s.requests:
-                break
+        out = []
+        _drive(s, rng, 2500, 1200, 90, [1, 3, 20, 60], lambda plan: out.append((
+            [(b.model, b.prefill, b.decode) for b in plan.batches], plan.steps, plan.preempted, plan.evictions,
+            plan.loads, _growth_books(s))))
         return out, s.at_once
 
     with_bulk, (granted, refused) = run(True)

@@ -108,6 +108,14 @@ def main(argv=None) -> int:
     ap.add_argument("--tag", default="h200")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)
+    try:
+        totals = [float(x) for x in args.totals_gb.split(",")]
+        blocks = [None if b == "mix" else int(b) for b in args.blocks_mb.split(",")]
+    except ValueError as e:
+        ap.error(f"--totals-gb takes GB numbers and --blocks-mb MB integers or 'mix', comma-separated ({e})")
+    if any(t <= 0 for t in totals) or any(b is not None and b <= 0 for b in blocks) or args.reps < 1 \
+            or args.demand_gb <= 0:
+        ap.error("sizes, --demand-gb and --reps must be positive")
     if not torch.cuda.is_available():
         sys.exit("release_cost.py: needs a CUDA GPU")
     if args.async_child:
@@ -122,9 +130,9 @@ def main(argv=None) -> int:
         torch.cuda.synchronize(dev)
         sync.append(time.perf_counter() - t0)
     rows = []
-    for b in args.blocks_mb.split(","):
-        block_mb = None if b == "mix" else int(b)
-        for tgb in (float(x) for x in args.totals_gb.split(",")):
+    for block_mb in blocks:
+        b = "mix" if block_mb is None else str(block_mb)
+        for tgb in totals:
             runs = [once(dev, int(tgb * GB), block_mb, rng) for _ in range(args.reps)]
             ms = [1e3 * s for s, _ in runs]
             row = {"blocks_mb": b, "total_gb": tgb, "segments": runs[0][1], "empty_cache_ms": statistics.median(ms),

@@ -103,11 +103,13 @@ def releaser(device):
         return lambda keep: None
     if not async_backend():
         return lambda keep: torch.cuda.empty_cache()
-    pool = DevicePool(device.index if device.index is not None else torch.cuda.current_device())
-    stream = torch.cuda.current_stream(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    pools: list[DevicePool] = []  # made at the first release: a job that never releases needs no pool
 
     def release(keep: int) -> None:
-        stream.synchronize()  # stream-ordered frees become releasable once the stream reaches them
-        pool.trim_to(keep)
+        if not pools:
+            pools.append(DevicePool(index))
+        torch.cuda.current_stream(device).synchronize()  # stream-ordered frees are releasable once reached
+        pools[0].trim_to(keep)
 
     return release

@@ -129,17 +129,18 @@ def ask_profile(job: "Job", after_s: float) -> threading.Timer:
     return t
 
 
-def take_profile(job: "Job", before: set[str], run: tuple[float, float], timeout_s: float) -> dict | None:
+def take_profile(job: "Job", before: set[str], run: tuple[float, float], timeout_s: float,
+                 top: int = 5) -> dict | None:
     """The window the job wrote since ``before`` (the files there then), waiting up to ``timeout_s``
     (a job paused by the arbiter takes the request only when it steps again); ``inside_run``: whether
-    the window lay within ``run`` (its start and end, ``time.time()``). None, and the request taken
-    back, when none came."""
+    the window lay within ``run`` (its start and end, ``time.time()``); its ``top`` costliest kernels and
+    host calls. None, and the request taken back, when none came."""
     deadline = time.monotonic() + timeout_s
     while True:
         new = sorted(set(p.name for p in job.profile.glob("profile_*.json")) - before)
         if new:
             d = json.loads((job.profile / new[0]).read_text())
-            return {**d, "top_device": d["top_device"][:5], "top_host": d["top_host"][:5],
+            return {**d, "top_device": d["top_device"][:top], "top_host": d["top_host"][:top],
                     "inside_run": run[0] <= d["start_unix"] and d["end_unix"] <= run[1]}
         if time.monotonic() > deadline or job.p.poll() is not None:
             (job.profile / "request").unlink(missing_ok=True)  # not left for the next run to answer

@@ -62,6 +62,23 @@ def test_the_host_waits_for_the_fence_run_ahead_points_back(run_ahead):
     assert fences.waits == [(i, i + run_ahead + 1) for i in range(fences.made - run_ahead)]
 
 
+@pytest.mark.parametrize("run_ahead,every", [(4, 2), (8, 4), (6, 4)])
+def test_spaced_fences_keep_the_bound_in_points(run_ahead, every):
+    fences = Fences()
+    model, colo = net(depth=12), Colocation(run_ahead=run_ahead, fence=fences, fence_every=every)
+    colo.watch(model)
+    micro_batch(model, colo, torch.randn(4, 8))
+    points = 24  # 12 Linears, a forward and a backward point each
+    assert fences.made == points // every
+    # fence i lies at point (i + 1) * every; it is waited for at the first fence at least run_ahead points later
+    at = [(i + 1) * every for i in range(fences.made)]
+    later = [next((j for j, n in enumerate(at) if n >= p + run_ahead), None) for p in at]
+    assert fences.waits == sorted(((i, j + 1) for i, j in enumerate(later) if j is not None), key=lambda w: w[1])
+    assert all(at[made - 1] - at[i] < run_ahead + every for i, made in fences.waits)  # the queue stays bounded
+    with pytest.raises(ValueError, match="fence_every must be from 1 to run_ahead"):
+        Colocation(run_ahead=2, fence_every=3)
+
+
 def test_no_bound_records_no_fences_and_a_negative_bound_is_refused():
     fences = Fences()
     model, colo = net(), Colocation(run_ahead=0, fence=fences)

@@ -107,16 +107,20 @@ def test_the_release_bench_compares_bounds_against_unbounded(tmp_path):
     # must come on top of that to take memory from the job
     cmd = [sys.executable, str(ROOT / "bench" / "colocate_release.py"), "--device", "cpu", "--train-model", "tiny-opt",
            "--seq-len", "64", "--global-batch", "16", "--micro-batch", "8", "--capacity-gb", "0.05",
-           "--demand-gb", "0.003", "--run-ahead", "0,8", "--rounds", "1", "--window", "2", "--handovers", "3",
+           "--demand-gb", "0.003", "--run-ahead", "0,8", "--fence-every", "4", "--rounds", "1", "--window", "2",
+           "--handovers", "3",
            "--warmup-steps", "1", "--tag", "t", "--out", str(tmp_path)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     rows = json.loads((tmp_path / "colocate_release_t.json").read_text())["rows"]
-    assert [r["run_ahead"] for r in rows] == [0, 8]
+    assert [(r["run_ahead"], r["fence_every"]) for r in rows] == [(0, 1), (8, 4)]  # unbounded needs no spacing
     for r in rows:  # every demand took memory from the job: each one a timed release
         assert r["handovers"] == 3 and r["no_release"] == 0, r
         assert r["samples_per_s"] > 0 and r["release_p99_ms"] >= r["release_p50_ms"] >= 0
     assert rows[0]["relative"] == 1.0
+    runs = json.loads((tmp_path / "colocate_release_t.json").read_text())["runs"]
+    assert all(m and all(1 <= x <= 8 for x in m) for r in runs for m in r["micro_batches"])  # each window's sizes
+    assert " 8/4 rounds: " in p.stdout
 
 
 def test_the_release_bench_demands_on_top_of_what_idle_inference_keeps_beside_a_capped_job(tmp_path):

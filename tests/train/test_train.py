@@ -254,3 +254,18 @@ def test_in_place_cross_entropy_equals_torchs_in_float32():
         torch.testing.assert_close(logits.grad.float(), ref.grad, **({} if dtype == torch.float32 else
                                                                      dict(rtol=1e-2, atol=1e-3)))
         assert torch.equal(logits.detach(), before)  # the input was not changed in place
+
+
+def test_a_colocated_job_fences_every_four_points_or_at_its_bound(tmp_path):
+    addr = str(tmp_path / "none.sock")  # no arbiter there: the job runs its bound with no limit
+    def colo(**kw):
+        tr = Trainer(TrainConfig(**CFG, colocate=addr, **kw))
+        tr.colo.close()
+        return tr.colo.run_ahead, tr.colo.fence_every
+
+    assert colo() == (8, 4)
+    assert colo(colocate_run_ahead=2) == (2, 2)
+    assert colo(colocate_run_ahead=32, colocate_fence_every=1) == (32, 1)
+    assert Trainer(TrainConfig(**CFG)).colo.run_ahead == 0  # not colocated: no fences at all
+    with pytest.raises(ValueError, match=r"fence_every must be from 1 to run_ahead \(2\), got 3"):
+        colo(colocate_run_ahead=2, colocate_fence_every=3)

@@ -24,10 +24,12 @@ micro-batch pauses training: ``on_pause`` moves its state off the GPU, ``on_resu
 Without an address, nothing limits the job. Lives in the training process; CPU or GPU.
 
 On a GPU the host queues kernels far ahead of their execution, and freeing memory waits for
-everything queued. So the watched modules are also fences: each call in the forward and each
-gradient in the backward records a CUDA event, and the host waits for the event recorded
-``run_ahead`` such points earlier before it queues more. An abandon order is then seen, and the
-memory freed, after at most that much queued GPU work.
+everything queued. So the watched modules are also fences: every ``fence_every``-th point (a call in
+the forward, a gradient in the backward) records a CUDA event, and the host waits there for the
+event recorded ``run_ahead`` points earlier before it queues more. An abandon order is then seen,
+and the memory freed, after at most ``run_ahead + fence_every - 1`` points of queued GPU work. A
+fence costs the host an event and a wait on the training thread or autograd's; spacing them keeps
+that off the points in between.
 
 A ``yield`` order (the server's ``yield_compute``: inference has work) holds the host at the next
 watched point, after the work queued ``run_ahead`` points earlier is done, until the order ends (or
@@ -87,11 +89,15 @@ def cuda_fence(t):
 class Colocation:
     def __init__(self, address: str | None = None, device: int = 0, memory: MemoryModel | None = None,
                  on_pause=_noop, on_resume=_noop, release=_keep_noop, measure=None, reconnect_s: float = 0.05,
-                 run_ahead: int = 8, fence=None):
+                 run_ahead: int = 8, fence=None, fence_every: int = 1):
         if run_ahead < 0:
             raise ValueError(f"run_ahead must be >= 0 (0: unbounded), got {run_ahead}")
+        if fence_every < 1 or run_ahead and fence_every > run_ahead:
+            raise ValueError(f"fence_every must be from 1 to run_ahead ({run_ahead}), got {fence_every}")
         self.address, self.device = address, device
         self.run_ahead = run_ahead  # watched points the host may queue ahead of the GPU; 0: unbounded
+        self.fence_every = fence_every  # a fence at every this many watched points
+        self._points = 0  # watched points of the running micro-batch
         self.fence = fence or cuda_fence  # tensor -> an event after the work queued so far, or None
         self.memory = memory or MemoryModel(0, 0)
         self.on_pause, self.on_resume, self.release = on_pause, on_resume, release
@@ -118,7 +124,7 @@ class Colocation:
         # model say no micro-batch fits a limit the job ran in, so a static limit paused the job for good
         self._settling = False
         self.resume_s = 0.0
-        self._fences: collections.deque = collections.deque()  # events of the running micro-batch, oldest first
+        self._fences: collections.deque = collections.deque()  # (point, event) of the running micro-batch, oldest first
         self._chan: Channel | None = None
         self._closed = False
         self._min_bytes = self.memory.predict(1)
@@ -220,6 +226,7 @@ class Colocation:
     def step(self, micro_batch: int):
         state = StepState(micro_batch)
         self._fences.clear()
+        self._points = 0
         with self._cond:  # a limit that came after micro_batch() chose this size: abandon at once
             self._running = micro_batch
             self._abandon = (self._immediate and self._limit_id > self._acked_id
@@ -270,21 +277,26 @@ class Colocation:
                 m.register_forward_hook(on_output)
 
     def _bound(self, t) -> None:
-        """Record a fence after the work queued for ``t``; wait for the one ``run_ahead`` fences back."""
-        if not self.run_ahead or not hasattr(t, "device") or (ev := self.fence(t)) is None:
+        """At every ``fence_every``-th point, record a fence after the work queued for ``t`` and wait
+        for the fences recorded ``run_ahead`` points back or more."""
+        if not self.run_ahead or not hasattr(t, "device"):
+            return
+        self._points += 1
+        n = self._points
+        if n % self.fence_every or (ev := self.fence(t)) is None:
             return
         q = self._fences
-        q.append(ev)
-        while len(q) > self.run_ahead:
+        q.append((n, ev))
+        while q[0][0] <= n - self.run_ahead:
             self._fencing = True
-            q.popleft().synchronize()
+            q.popleft()[1].synchronize()
             self._fencing = False
 
     def _drain(self) -> None:
         """Wait for the GPU work queued before the release (the last micro-batch's, up to its newest
         fence) so that the ack tells that wait (``drained``) apart from the release itself."""
         if self._fences:
-            self._fences[-1].synchronize()
+            self._fences[-1][1].synchronize()
             self._fences.clear()
         self._drained = time.monotonic()
 

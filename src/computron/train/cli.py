@@ -39,6 +39,9 @@ def add_parser(sub) -> None:
     p.add_argument("--colocate-device", type=int, default=0)
     p.add_argument("--colocate-run-ahead", type=int, default=d.colocate_run_ahead,
                    help="module calls the host may queue ahead of the GPU, so that a handover is acted on within that much queued work (0: unbounded)")
+    p.add_argument("--colocate-fence-every", type=int, default=d.colocate_fence_every,
+                   help="record the run-ahead's CUDA event at every this many module calls (1 to --colocate-run-ahead; "
+                   "default: 4, or the run-ahead when smaller)")
     p.add_argument("--json", default=None, help="write per-step records to this JSON file")
     g = p.add_argument_group("profiling (torch.profiler over a window of steps; train/profile.py)")
     g.add_argument("--profile", default=None, metavar="DIR",

@@ -33,6 +33,8 @@ class TrainConfig:
     colocate: str | None = None  # the arbiter server's address (a socket path or host:port)
     colocate_device: int = 0
     colocate_run_ahead: int = 8  # watched module calls the host may queue ahead of the GPU (0: unbounded)
+    # a CUDA event at every this many watched calls (1..run-ahead; None: job.FENCE_EVERY, or the run-ahead when smaller)
+    colocate_fence_every: int | None = None
     profile: str | None = None  # a directory for step profiles (train/profile.py); None: none
     profile_at: int | None = None  # profile from this step (1-based); besides, whenever profile/request appears
     profile_steps: int = 3  # steps in a profile window

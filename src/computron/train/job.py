@@ -82,6 +82,11 @@ def recomputed(forward):
 # fallback GEMM on the H100, 62 of a step's 166 ms of GPU time (gpt2, micro-batch 8 x 1024 tokens).
 HEAD_ALIGN = 128
 
+# A colocated job's run-ahead fence at every this many watched points: fewer events and waits for the
+# host; GPT-2-medium on an H200 stepped in 131/118 ms with 4 against 148/120 ms with 1 (run-ahead 8;
+# 108 ms unbounded; bench/results/handover_h200_s41)
+FENCE_EVERY = 4
+
 
 class _Stage(nn.Module):
     """One model chunk as a step calls it: token ids ``[m, t]`` (first chunk) or hidden states
@@ -239,10 +244,18 @@ class Trainer:
                                on_pause=self._pause, on_resume=self._resume,
                                release=releaser(self.device),
                                measure=(torch.cuda.reset_peak_memory_stats, torch.cuda.max_memory_allocated)
-                               if cuda else None, run_ahead=cfg.colocate_run_ahead if cfg.colocate else 0)
+                               if cuda else None, run_ahead=cfg.colocate_run_ahead if cfg.colocate else 0,
+                               fence_every=self._fence_every())
         self.colo.watch(self.model)
         if cfg.resume and cfg.checkpoint and (Path(cfg.checkpoint) / "state.json").is_file():
             self.load(cfg.checkpoint)
+
+    def _fence_every(self) -> int:
+        """The run-ahead's fence spacing: as asked, else 4 points, or the bound when smaller."""
+        cfg = self.cfg
+        if not cfg.colocate or not cfg.colocate_run_ahead:
+            return 1
+        return cfg.colocate_fence_every or min(FENCE_EVERY, cfg.colocate_run_ahead)
 
     def _check(self) -> int:
         """Refuse what this layout cannot run, with the reason; the micro-batches of a replica's batch."""

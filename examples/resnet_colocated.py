@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 import time
 
 import torch
@@ -182,6 +183,8 @@ def train(args, log=print) -> list[dict]:
             sizes.append(m)
             pos += m
         opt.step()
+        if step == 0 and args.colocate and cuda:  # the pinned buffers a pause needs, page-locked while it trains
+            threading.Thread(target=parking.reserve, daemon=True).start()
         if cuda:
             torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0

@@ -48,6 +48,50 @@ def test_park_points_every_tensor_at_a_reused_host_buffer_and_unpark_restores_it
     assert {k: v.data_ptr() for k, v in parking._host.items()} == buffers
 
 
+def test_reserved_host_buffers_are_the_ones_a_pause_fills():
+    model, opt = trained_pair()
+    before = snapshot(model, opt)
+    parking = Parking(lambda: training_slots(model.parameters(), opt, model.buffers()), "cpu")
+    size = sum(t.numel() * t.element_size() for t in before)
+    assert parking.reserve() == size and parking.reserved_bytes == size
+    w = model[0].weight
+    assert not parking.parked and w.data.data_ptr() != parking._host[(id(w), "data")].data_ptr()  # nothing moved
+    assert parking.reserve() == 0  # made once
+    reserved = {k: v.data_ptr() for k, v in parking._host.items()}
+    assert parking.park() == size
+    assert {k: v.data_ptr() for k, v in parking._host.items()} == reserved  # the pause allocated nothing
+    assert parking.unpark()
+    for a, b in zip(before, snapshot(model, opt)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_pause_during_a_reserve_waits_for_it_and_uses_its_buffers():
+    model, opt = trained_pair()
+    gate, inside = threading.Event(), threading.Event()
+
+    def slots():
+        if not inside.is_set():  # the reserve's listing: hold it there until the pause is under way
+            inside.set()
+            gate.wait(5.0)
+        return training_slots(model.parameters(), opt, model.buffers())
+
+    parking = Parking(slots, "cpu")
+    t = threading.Thread(target=parking.reserve)
+    t.start()
+    assert inside.wait(5.0)
+    out = {}
+    p = threading.Thread(target=lambda: out.setdefault("bytes", parking.park()))
+    p.start()
+    time.sleep(0.1)
+    assert p.is_alive()  # waits for the reserve's lock
+    gate.set()
+    t.join(5.0)
+    p.join(5.0)
+    assert out["bytes"] == parking.reserved_bytes > 0 and parking.parked
+    w = model[0].weight
+    assert w.data.data_ptr() == parking._host[(id(w), "data")].data_ptr()
+
+
 def test_a_stopped_unpark_leaves_the_state_whole_on_the_host_and_a_later_one_finishes():
     model, opt = trained_pair()
     before = snapshot(model, opt)

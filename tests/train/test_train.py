@@ -269,3 +269,16 @@ def test_a_colocated_job_fences_every_four_points_or_at_its_bound(tmp_path):
     assert Trainer(TrainConfig(**CFG)).colo.run_ahead == 0  # not colocated: no fences at all
     with pytest.raises(ValueError, match=r"fence_every must be from 1 to run_ahead \(2\), got 3"):
         colo(colocate_run_ahead=2, colocate_fence_every=3)
+
+
+def test_the_job_reserves_the_host_buffers_of_a_pause_beside_training():
+    logs = []
+    tr = Trainer(TrainConfig(**CFG), log=logs.append)
+    tr.train_step()  # the optimizer's state exists from here
+    tr.reserve_parking().join(30)
+    params = list(tr.params.values())
+    state = params + [p.grad for p in params if p.grad is not None]
+    state += [v for st in tr.opt.state.values() for k, v in st.items() if torch.is_tensor(v) and k != "step"]
+    assert len(state) == 4 * len(params)  # weights, gradients, two moments
+    assert tr.parking.reserved_bytes == sum(t.numel() * t.element_size() for t in state)
+    assert any("reserved for a pause" in line for line in logs), logs

@@ -2,9 +2,13 @@
 
 When inference needs more memory than the smallest micro-batch leaves, a colocated job pauses:
 its weights, gradients, optimizer state and buffers leave the GPU. :class:`Parking` moves them
-through page-locked host buffers, allocated on the first pause and reused by every later one
-(page-locked copies run at the link's speed; pageable ones at a fraction of it, and
-``Tensor.to("cpu")`` allocates a new host tensor each time). While paused, each tensor's
+through page-locked host buffers, allocated once and reused by every pause (page-locked copies run
+at the link's speed; pageable ones at a fraction of it, and ``Tensor.to("cpu")`` allocates a new
+host tensor each time). Page-locking takes far longer than the copy: on an H200 host the first
+pause of a GPT-2-medium job took 3.8-4.4 s, the later ones 0.1-0.16 s (bench/results
+hybrid_h200_s39, handover_h200_s41, task-switch). So :meth:`Parking.reserve` allocates them ahead,
+from another thread while the job trains (``computron train`` does after its first step); a pause
+that comes first waits for it. While paused, each tensor's
 ``.data`` is its host buffer, so the state stays readable (a checkpoint can be written).
 
 Resuming copies the buffers back in chunks of ``chunk_bytes`` and asks ``stop()`` between chunks:
@@ -19,6 +23,7 @@ gives those of a module and an optimizer. Works on CPU too (parking then only sw
 
 from __future__ import annotations
 
+import threading
 from typing import Callable, Iterable
 
 import torch
@@ -64,8 +69,10 @@ class Parking:
         self.pin = self.device.type == "cuda"
         self._host: dict[tuple[int, str], torch.Tensor] = {}  # (id of holder, key) -> its host buffer
         self._parked: list[tuple[Slot, torch.Tensor]] = []
+        self._lock = threading.Lock()  # the host buffers are made by one thread at a time (reserve, park)
         self.stopped = 0  # resumes stopped by an order
         self.parked_bytes = 0
+        self.reserved_bytes = 0  # host buffers allocated by reserve()
 
     @property
     def parked(self) -> bool:
@@ -78,19 +85,37 @@ class Parking:
             buf = self._host[key] = torch.empty_like(t, device="cpu", pin_memory=self.pin)  # strides kept
         return buf
 
+    def _on_device(self) -> list[tuple[Slot, torch.Tensor]]:
+        out = []
+        for slot in self.slots():
+            t = _get(slot)
+            if t is None or t.device.type == "cpu" and self.device.type != "cpu":
+                continue
+            out.append((slot, t))
+        return out
+
+    def reserve(self) -> int:
+        """Allocate the host buffer of every slot's tensor now, copying nothing, so that a pause only
+        copies; safe beside the training loop (only shapes are read). Bytes allocated."""
+        with self._lock:
+            before = {k: b.data_ptr() for k, b in self._host.items()}
+            for slot, t in self._on_device():
+                self._buffer(slot, t)
+            made = sum(b.numel() * b.element_size() for k, b in self._host.items() if before.get(k) != b.data_ptr())
+        self.reserved_bytes += made
+        return made
+
     def park(self) -> int:
         """Copy every slot's tensor into its host buffer and point the slot at it; the GPU copies are
         freed once nothing refers to them (the caller releases the allocator's cache). Bytes moved."""
         if self._parked:
             return 0
         moved = []
-        for slot in self.slots():
-            t = _get(slot)
-            if t is None or t.device.type == "cpu" and self.device.type != "cpu":
-                continue
-            buf = self._buffer(slot, t)
-            buf.copy_(t.detach(), non_blocking=self.pin)
-            moved.append((slot, buf))
+        with self._lock:  # a reserve() under way finishes first
+            for slot, t in self._on_device():
+                buf = self._buffer(slot, t)
+                buf.copy_(t.detach(), non_blocking=self.pin)
+                moved.append((slot, buf))
         if self.pin:
             torch.cuda.synchronize(self.device)
         for slot, buf in moved:

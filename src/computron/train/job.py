@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import json
 import resource
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -350,6 +351,21 @@ class Trainer:
     def _bf16_copies(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(w, p) for w, p in zip(self.work, self.params.values()) if w is not p]
 
+    def reserve_parking(self) -> threading.Thread:
+        """Allocate the pinned host buffers a pause parks the state in, from another thread while the
+        job trains: page-locking them takes seconds, which the first pause would otherwise wait (a
+        pause that comes first waits for this to finish). Called after the first step, once the
+        optimizer's state exists."""
+        def reserve():
+            t0 = time.perf_counter()
+            n = self.parking.reserve()
+            self.log(f"colocation: {_gib(n)} of pinned host buffers reserved for a pause in "
+                     f"{time.perf_counter() - t0:.1f} s")
+
+        t = threading.Thread(target=reserve, name="park-reserve", daemon=True)
+        t.start()
+        return t
+
     def _pause(self) -> None:
         """Off the device: masters, gradients and AdamW moments parked in pinned host memory
         (``colocate/park.py``); the bf16 copies are dropped, remade from the masters on resume."""
@@ -581,6 +597,8 @@ class Trainer:
         try:
             while self.step_no < cfg.steps:
                 rec = self._profiled_step(prof)
+                if self.step_no == 1 and cfg.colocate and self.parking.pin:
+                    self.reserve_parking()
                 done += cfg.global_batch
                 rec["samples_per_s"] = done / (time.perf_counter() - t0)
                 out.append(rec)

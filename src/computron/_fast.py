@@ -30,7 +30,7 @@ DIR_ENV = "COMPUTRON_COMPILED_DIR"
 # What is compiled: the scheduler, the engine core and the simulator's executor, clock and loop (with
 # the few helpers they call per step), and the messages of a step (messages.py: its other classes stay
 # plain Python classes). Not sim/costs.py (its fields take other types than they declare, converted in
-# __post_init__).
+# __post_init__); its step-time functions are, in sim/timing.py.
 MODULES = (
     "computron.messages",
     "computron.scheduler.state",
@@ -41,6 +41,7 @@ MODULES = (
     "computron.engine.buckets",
     "computron.memory.units",
     "computron.sim.clock",
+    "computron.sim.timing",
     "computron.sim.executor",
     "computron.sim.run",
 )

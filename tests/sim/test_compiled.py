@@ -67,6 +67,18 @@ def test_the_compiled_build_simulates_exactly_as_the_python_modules():
         assert got["cases"][name]["digest"] == golden[name]["digest"], name
 
 
+def test_the_compiled_step_times_take_ints_and_floats_as_the_python_module_does():
+    calls = ("[b(c, 2000000000, 10, 3), b(c, 2e9, 10.0, 3.0, 1), b(c, 10**9, 0, 8), "
+             "p(0, 1, [5, 5], [2, 4]), p(0.0, 10.0, [5.0, 5], [2.0, 4.0])]")
+    code = ("from computron.sim.costs import CPU_DEFAULT as c, batch_time as b, pipelined_finish as p; "
+            f"print(type(b).__name__, repr({calls}))")
+    kind, got = _with_build(code).split(" ", 1)
+    assert kind == "builtin_function_or_method"  # the compiled function ran
+    from computron.sim.costs import CPU_DEFAULT as c, batch_time as b, pipelined_finish as p
+    assert got == repr([b(c, 2000000000, 10, 3), b(c, 2e9, 10.0, 3.0, 1), b(c, 10**9, 0, 8),
+                        p(0, 1, [5, 5], [2, 4]), p(0.0, 10.0, [5.0, 5], [2.0, 4.0])])
+
+
 def test_the_compiled_core_takes_a_colocation_link_and_calls_it_around_each_step():
     # the compiled EngineCore types its attributes: a link must be accepted (an attribute once inferred
     # as None refused every EngineLink) and called before and after each step

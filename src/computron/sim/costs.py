@@ -41,6 +41,8 @@ import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from .timing import batch_time, pipelined_finish  # noqa: F401  (compiled with the simulator; for every caller)
+
 
 @dataclass(frozen=True)
 class Calibration:
@@ -196,41 +198,6 @@ def swap_time(nbytes: int, bandwidth: float) -> float:
     """Seconds to copy ``nbytes`` host→device at ``bandwidth`` bytes/s."""
     return nbytes / bandwidth
 
-
-def batch_time(cal: Calibration, nbytes: int, prefill_tokens: int, decode_seqs: int,
-               prefill_seqs: int | None = None) -> float:
-    """Seconds of one batch of a model of ``nbytes`` weight bytes: ``prefill_tokens`` prompt tokens
-    (of ``prefill_seqs`` prompts; one when not given and there are any) and ``decode_seqs`` sequences
-    decoding one token each (the weights warm on the device). The server's per-stream work
-    (``server_seq_s`` for every sequence that makes a token) comes on top of the weight-read floor:
-    it is host work on the engine's process, not hidden behind the device's."""
-    if prefill_tokens:
-        t = cal.prefill_fixed_s + cal.prefill_fixed_s_per_byte * nbytes + \
-            prefill_tokens * (cal.prefill_token_s + cal.prefill_token_s_per_byte * nbytes)
-    else:
-        t = cal.decode_fixed_s + cal.decode_fixed_s_per_byte * nbytes
-    if decode_seqs:
-        t += decode_seqs * (cal.decode_seq_s + cal.decode_seq_s_per_byte * nbytes)
-    floor = nbytes / cal.hbm_bandwidth
-    if t < floor:
-        t = floor
-    if cal.server_seq_s:
-        if prefill_seqs is None:
-            prefill_seqs = 1 if prefill_tokens else 0
-        t += (prefill_seqs + decode_seqs) * cal.server_seq_s
-    return t
-
-
-def pipelined_finish(start: float, compute_s: float, group_bytes: list[int], group_ready: list[float]) -> float:
-    """When a batch that starts at ``start`` ends if layer group *i* computes only once its copy has
-    landed (``group_ready[i]``): each group's compute is ``compute_s`` split by its share of the bytes."""
-    total = sum(group_bytes) or 1
-    t = start
-    for nbytes, ready in zip(group_bytes, group_ready):
-        if ready > t:
-            t = ready
-        t += compute_s * nbytes / total
-    return t
 
 # Swap bandwidth and weight-read rate of the H200 measurements in the README; compute terms roughly
 # fitted to its decode table (OPT-1.3B and Llama-3-8B, batch 1 to 128). A rough stand-in until a

@@ -41,7 +41,8 @@ from ..messages import (DeviceStatus, ExecuteBatch, ExecutorStatus, ModelDescrip
                         Residency, StepResult)
 from ..models import resolve_model
 from .clock import VirtualClock
-from .costs import CPU_DEFAULT, Calibration, batch_time, pipelined_finish
+from .costs import CPU_DEFAULT, Calibration
+from .timing import batch_time, pipelined_finish
 from .layout import group_bytes
 
 

@@ -156,7 +156,7 @@ class Simulation:
     def solo_latency(self, trace) -> dict[str, float]:
         """Each model's latency for its median request (prompt and output tokens of ``trace``) alone
         on its device, warm: the base of an SLO given as a multiple of solo latency."""
-        from .costs import batch_time
+        from .timing import batch_time
 
         out = {}
         for name, m in self.executor.models.items():

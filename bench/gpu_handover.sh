@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the lent GPU machine, in one call: colocation's two targets in one configuration. The job under
 # PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync (a handover trims the memory pool to the limit) with a
-# run-ahead bound of RUN_AHEAD watched points and a fence every FENCE_EVERY (defaults 32 and 4: 3-5% of
+# run-ahead bound of RUN_AHEAD watched points and a fence every FENCE_EVERY (defaults 32 and 4: -3% to +6% of
 # training without an arbiter, bench/results/handover_h200_s41/README.md):
 #   1. the handover on its own: bench/colocate_release.py, unbounded against the bound, 2.45 GiB demands
 #      (target: free within 20 ms at p99);

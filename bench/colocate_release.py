@@ -157,11 +157,22 @@ def main(argv=None) -> int:
     for k, v in JOBS[args.job].items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    bounds = [int(x) for x in args.run_ahead.split(",")]
+    def ints(flag: str, text: str, least: int) -> list[int]:
+        try:
+            out = [int(x) for x in text.split(",")]
+        except ValueError:
+            p.error(f"{flag} takes whole numbers separated by commas, got {text!r}")
+        if min(out) < least:
+            p.error(f"{flag} takes numbers from {least} up, got {text!r}")
+        return out
+
+    bounds = ints("--run-ahead", args.run_ahead, 0)
+    everies = ints("--fence-every", args.fence_every, 1)
+    if any(k > b for b in bounds if b for k in everies):
+        p.error(f"--fence-every {args.fence_every} spaces fences wider than a bound of --run-ahead {args.run_ahead}")
     ckpt = None
     if args.job == "gpt":
         ckpt = args.train_model or gpt2_medium_checkpoint(Path(tempfile.gettempdir()) / "computron-gpt2-medium")
-    everies = [int(x) for x in args.fence_every.split(",")]
     if args.job != "gpt" and everies != [1]:
         p.error("--fence-every spaces computron train's fences (--job gpt)")
     runs = [measure(args, b, k, ckpt) for b in bounds for k in (everies if b else [1])]

@@ -7,6 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYVER=${GPU_PYTHON:-3.12}
+[ -x .venv/bin/python ] || { echo "gpu_wheels.sh: no .venv here; run scripts/setup.sh first (its versions are the ones downloaded)" >&2; exit 2; }
 PINS=$(.venv/bin/python - <<'PY'
 from importlib.metadata import version
 print(" ".join(f"{p}=={version(p)}" for p in ("fastapi", "uvicorn", "pydantic")))

@@ -269,6 +269,8 @@ def test_a_colocated_job_fences_every_four_points_or_at_its_bound(tmp_path):
     assert Trainer(TrainConfig(**CFG)).colo.run_ahead == 0  # not colocated: no fences at all
     with pytest.raises(ValueError, match=r"fence_every must be from 1 to run_ahead \(2\), got 3"):
         colo(colocate_run_ahead=2, colocate_fence_every=3)
+    with pytest.raises(ValueError, match="fence_every must be from 1 to run_ahead"):
+        colo(colocate_fence_every=0)  # not taken for the default
 
 
 def test_the_job_reserves_the_host_buffers_of_a_pause_beside_training():

@@ -78,12 +78,14 @@ class Parking:
     def parked(self) -> bool:
         return bool(self._parked)
 
-    def _buffer(self, slot: Slot, t: torch.Tensor) -> torch.Tensor:
+    def _buffer(self, slot: Slot, t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """The slot's host buffer for ``t``, and whether it was made now."""
         key = (id(slot[0]), slot[1])
         buf = self._host.get(key)
-        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.stride() != t.stride():
-            buf = self._host[key] = torch.empty_like(t, device="cpu", pin_memory=self.pin)  # strides kept
-        return buf
+        if buf is not None and buf.shape == t.shape and buf.dtype == t.dtype and buf.stride() == t.stride():
+            return buf, False
+        buf = self._host[key] = torch.empty_like(t, device="cpu", pin_memory=self.pin)  # strides kept
+        return buf, True
 
     def _on_device(self) -> list[tuple[Slot, torch.Tensor]]:
         out = []
@@ -97,11 +99,11 @@ class Parking:
     def reserve(self) -> int:
         """Allocate the host buffer of every slot's tensor now, copying nothing, so that a pause only
         copies; safe beside the training loop (only shapes are read). Bytes allocated."""
+        made = 0
         with self._lock:
-            before = {k: b.data_ptr() for k, b in self._host.items()}
             for slot, t in self._on_device():
-                self._buffer(slot, t)
-            made = sum(b.numel() * b.element_size() for k, b in self._host.items() if before.get(k) != b.data_ptr())
+                buf, new = self._buffer(slot, t)
+                made += buf.numel() * buf.element_size() if new else 0
         self.reserved_bytes += made
         return made
 
@@ -113,7 +115,7 @@ class Parking:
         moved = []
         with self._lock:  # a reserve() under way finishes first
             for slot, t in self._on_device():
-                buf = self._buffer(slot, t)
+                buf, _ = self._buffer(slot, t)
                 buf.copy_(t.detach(), non_blocking=self.pin)
                 moved.append((slot, buf))
         if self.pin:

@@ -256,7 +256,8 @@ class Trainer:
         cfg = self.cfg
         if not cfg.colocate or not cfg.colocate_run_ahead:
             return 1
-        return cfg.colocate_fence_every or min(FENCE_EVERY, cfg.colocate_run_ahead)
+        every = cfg.colocate_fence_every
+        return min(FENCE_EVERY, cfg.colocate_run_ahead) if every is None else every
 
     def _check(self) -> int:
         """Refuse what this layout cannot run, with the reason; the micro-batches of a replica's batch."""

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
+import pytest
 
 from computron.server.background import free_port
 from computron.train.config import TrainConfig
@@ -162,6 +163,28 @@ def test_colocate_started_in_the_background_stops_both_on_sigterm(tmp_path):
             p.kill()
     assert p.p.returncode == 0 and took < 15, (took, p.lines[-10:])  # killing one would take the 20 s timeout
     p.wait_line("Application shutdown complete")  # the server shut down as Ctrl-C does
+
+
+def test_colocate_defaults_yield_until_the_first_token_and_run_the_job_under_cudamallocasync():
+    """The defaults are the configuration measured to meet both targets: first-token yields, the job's
+    allocator cudaMallocAsync (for the job alone; an allocator the user configured is kept)."""
+    import argparse
+
+    from computron.colocate.cli import add_parser, commands, job_env
+
+    ap = argparse.ArgumentParser()
+    add_parser(ap.add_subparsers())
+    args = ap.parse_args(["colocate", "--serve", "--model tiny", "--train", "--steps 3"])
+    serve, train = commands(args, "/tmp/arb.sock")
+    assert serve[serve.index("--colocate-yield") + 1] == "first-token"
+    assert train[-2:] == ["--colocate", "/tmp/arb.sock"] and "--steps" in train
+    assert args.job_allocator == "async"
+    assert job_env("async", {"PATH": "/bin"}) == {"PATH": "/bin", "PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}
+    assert job_env("native", {"PATH": "/bin"}) == {"PATH": "/bin"}
+    mine = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert job_env("async", mine) == mine
+    with pytest.raises(ValueError, match="unknown allocator 'cuda'"):
+        job_env("cuda", {})
 
 
 def test_stopping_signals_every_process_at_once_and_kills_what_ignores_it():

@@ -4,6 +4,11 @@ The server is ``computron serve SERVE_ARGS --colocate ADDRESS --colocate-mode MO
 ``computron train TRAIN_ARGS --colocate ADDRESS``, each a process of its own (their output
 interleaves). When the job ends the server keeps serving; Ctrl-C (or SIGTERM) stops both; if the
 server exits, the job is stopped too and the server's exit status is returned.
+
+The defaults are the configuration that met both of colocation's targets on one H200 (under CUDA
+MPS, ``bench/results/handover_h200_s42/README.md``): the job yields the compute while a request
+waits for its first token, and allocates through ``cudaMallocAsync``, whose pool a handover trims to
+the new limit (14.5 ms at p99 for 2.45 GiB, against 20-35 ms with PyTorch's caching allocator).
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ import time
 from .arbiter import MODES, YIELDS
 from .protocol import family
 
+ALLOCATORS = ("async", "native")
+ASYNC_CONF = "backend:cudaMallocAsync"
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("colocate", help="serve models and train on the same devices, memory handed over by an arbiter",
@@ -30,9 +38,14 @@ def add_parser(sub) -> None:
     p.add_argument("--idle", type=float, default=1.0, help="seconds inference idles before memory goes back")
     p.add_argument("--static-train", default="0", metavar="SIZE", help="static mode: training's share")
     p.add_argument("--at-boundary", action="store_true", help="training releases at its next micro-batch boundary")
-    p.add_argument("--yield", dest="yield_compute", choices=YIELDS, default="none",
+    p.add_argument("--yield", dest="yield_compute", choices=YIELDS, default="first-token",
                    help="training yields the GPU's compute while inference has work (work), while a request waits "
-                        "for its first token (first-token), or never (none, the default)")
+                        "for its first token (first-token, the default), while a request that found its model "
+                        "off the device waits for it (cold), or never (none)")
+    p.add_argument("--job-allocator", choices=ALLOCATORS, default="async",
+                   help="the job's CUDA allocator: cudaMallocAsync (async, the default: a handover trims its pool "
+                        "to the limit) or PyTorch's caching allocator (native). A PYTORCH_CUDA_ALLOC_CONF in the "
+                        "environment is kept as it is")
     p.add_argument("--address", default=None, help="the arbiter's socket (default: a fresh Unix socket path)")
     p.set_defaults(func=run)
 
@@ -42,11 +55,21 @@ def commands(args, address: str) -> tuple[list[str], list[str]]:
     base = [sys.executable, "-m", "computron.cli"]
     serve = base + ["serve", *shlex.split(args.serve), "--colocate", address, "--colocate-mode", args.mode,
                     "--colocate-idle", str(args.idle), "--colocate-static-train", str(args.static_train),
-                    "--colocate-yield", getattr(args, "yield_compute", "none")]
+                    "--colocate-yield", args.yield_compute]
     if args.at_boundary:
         serve.append("--colocate-at-boundary")
     train = base + ["train", *shlex.split(args.train), "--colocate", address]
     return serve, train
+
+
+def job_env(allocator: str, env: dict[str, str]) -> dict[str, str]:
+    """The training job's environment: ``env`` with the allocator asked for, unless ``env`` already
+    configures PyTorch's CUDA allocator (then it is left as it is)."""
+    if allocator not in ALLOCATORS:
+        raise ValueError(f"unknown allocator {allocator!r}; known: {', '.join(ALLOCATORS)}")
+    if allocator == "native" or "PYTORCH_CUDA_ALLOC_CONF" in env:
+        return dict(env)
+    return {**env, "PYTORCH_CUDA_ALLOC_CONF": ASYNC_CONF}
 
 
 def stop_all(procs: list[subprocess.Popen], timeout: float = 20.0) -> list[int]:
@@ -86,7 +109,11 @@ def run(args) -> int:
         while unix and not os.path.exists(address) and server.poll() is None and not stop:
             time.sleep(0.1)
         if server.poll() is None and not stop:
-            trainer = subprocess.Popen(train_cmd, preexec_fn=_own_sigint)
+            if args.job_allocator == "async" and "PYTORCH_CUDA_ALLOC_CONF" in os.environ:
+                print(f"computron colocate: the job keeps PYTORCH_CUDA_ALLOC_CONF="
+                      f"{os.environ['PYTORCH_CUDA_ALLOC_CONF']} from the environment", file=sys.stderr)
+            env = job_env(args.job_allocator, dict(os.environ))
+            trainer = subprocess.Popen(train_cmd, preexec_fn=_own_sigint, env=env)
         while server.poll() is None and not stop:
             time.sleep(0.2)
     except KeyboardInterrupt:

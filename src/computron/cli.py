@@ -103,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     server_cli.add_parsers(sub)
     server_cli.add_bench_parser(bsub)
     __import__("computron.train.accuracy_cli", fromlist=["add_bench_parser"]).add_bench_parser(bsub)
+    __import__("computron.colocate.hybrid_cli", fromlist=["add_bench_parser"]).add_bench_parser(bsub)
 
     from .planner import cli as planner_cli
 

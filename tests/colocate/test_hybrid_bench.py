@@ -1,6 +1,6 @@
-"""bench/hybrid.py runs every phase in one command on the CPU with the real engine (tiny sizes): one
-`computron serve --colocate` process whose mode the bench switches, a `computron train` job alone
-and one colocated, one trace replayed per phase; one row per phase, the start-up parts, the
+"""`computron bench hybrid` (and bench/hybrid.py, which runs it) runs every phase in one command on the
+CPU with the real engine (tiny sizes): one `computron serve --colocate` process whose mode the bench
+switches, a `computron train` job alone and one colocated, one trace replayed per phase; one row per phase, the start-up parts, the
 handovers split into their parts, a JSON summary and a PNG."""
 
 import json
@@ -18,7 +18,7 @@ MODES = ("normal", "static", "task-switch", "colocate")
 def test_one_command_runs_every_phase_against_the_real_server(tmp_path):
     # tiny-opt job: 5.1 MB at its full micro-batch of 8, 3.7 MB at 1; the arbiter shares 5.4 MB, so two
     # served tiny-opt copies (0.67 MB each, and their caches) make the job shrink, not pause
-    cmd = [sys.executable, str(ROOT / "bench" / "hybrid.py"), "--device", "cpu", "--preset", "tiny-opt",
+    cmd = [sys.executable, "-m", "computron.cli", "bench", "hybrid", "--device", "cpu", "--preset", "tiny-opt",
            "--models", "2", "--train-model", "tiny-opt", "--seq-len", "16", "--global-batch", "8",
            "--micro-batch", "8", "--capacity-gb", "0.005", "--workspace-gb", "0.0001", "--static-train-gb", "0.0037",
            "--idle", "0.3", "--rate", "8", "--cv", "2", "--duration", "2", "--prompt", "8", "--output", "4",

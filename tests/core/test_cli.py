@@ -50,7 +50,8 @@ def test_bench_rejects_nonpositive_counts(capsys):
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["ps", "--help"], ["plan", "search", "--help"],
-                                  ["bench", "swap", "--help"], ["bench", "round-robin", "--help"], ["sim", "--help"]])
+                                  ["bench", "swap", "--help"], ["bench", "round-robin", "--help"], ["sim", "--help"],
+                                  ["bench", "hybrid", "--help"]])
 def test_help_works_without_torch(argv):
     code = ("import sys; sys.modules['torch'] = None; from computron.cli import main; "
             f"sys.exit(main({argv!r}))")

@@ -8,8 +8,10 @@ full micro-batches again; a second burst swaps the models in again. Then `comput
 starts both with one command.
 """
 
+import os
 import signal
 import subprocess
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -141,19 +143,52 @@ def test_colocate_command_starts_both_and_stops_both(tmp_path):
     assert p.p.returncode == 0, p.lines[-30:]
 
 
-def test_colocate_started_in_the_background_stops_both_on_sigterm(tmp_path):
+def _children(pid: int) -> dict[str, dict[str, str]]:
+    """The processes ``pid`` started (Linux /proc): their command lines -> their environments."""
+    out = {}
+    for d in os.listdir("/proc"):
+        try:
+            if d.isdigit() and int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1]) == pid:
+                cmd = open(f"/proc/{d}/cmdline").read().replace("\0", " ")
+                env = open(f"/proc/{d}/environ").read().split("\0")
+                out[cmd] = dict(e.split("=", 1) for e in env if "=" in e)
+        except OSError:  # it ended meanwhile
+            pass
+    return out
+
+
+def test_colocate_started_in_the_background_stops_both_on_sigterm_and_its_mps_server(tmp_path, monkeypatch):
     """Started as a shell starts a background command (SIGINT ignored, which children inherit), the
     command is stopped with SIGTERM, and its server and job still hear the Ctrl-C it sends them: they
-    end on their own at once, not killed when its timeout runs out."""
+    end on their own at once, not killed when its timeout runs out. With ``--mps`` both are clients of
+    an MPS control daemon started with folders of its own (here a stand-in for nvidia-cuda-mps-control
+    that writes down how it was called), told to quit once they ended; only the job gets the
+    cudaMallocAsync allocator."""
+    calls = tmp_path / "mps_calls"
+    fake = tmp_path / "bin" / "nvidia-cuda-mps-control"
+    fake.parent.mkdir()
+    fake.write_text(f'#!/bin/sh\nif [ "$1" = -d ]; then what=start; else what=$(cat); fi\n'
+                    f'echo "$what $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY" >> {calls}\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     train = " ".join(["--device", "cpu", "--steps", "100000", *[f"--{k.replace('_', '-')}={v}" for k, v in
                                                                 TRAIN.items()]])
     p = Proc(["computron.cli", "colocate", "--serve", " ".join(serve_args(port)[1:]), "--train", train,
-              "--address", str(tmp_path / "arb.sock")], sigint=signal.SIG_IGN)
+              "--address", str(tmp_path / "arb.sock"), "--mps"], sigint=signal.SIG_IGN)
     try:
         wait_health(url, p.p)
         p.wait_line("micro-batches")
+        started = calls.read_text().split()
+        assert started[0] == "start" and started[1].startswith(tempfile.gettempdir()), started
+        kids = _children(p.p.pid)
+        (server,) = [e for c, e in kids.items() if " serve " in c]
+        (job,) = [e for c, e in kids.items() if " train " in c]
+        for env in (server, job):  # both are clients of that daemon
+            assert (env["CUDA_MPS_PIPE_DIRECTORY"], env["CUDA_MPS_LOG_DIRECTORY"]) == tuple(started[1:])
+        assert job["PYTORCH_CUDA_ALLOC_CONF"] == "backend:cudaMallocAsync" and "PYTORCH_CUDA_ALLOC_CONF" not in server
         t = time.monotonic()
         p.p.send_signal(signal.SIGTERM)
         p.p.wait(60)
@@ -163,6 +198,15 @@ def test_colocate_started_in_the_background_stops_both_on_sigterm(tmp_path):
             p.kill()
     assert p.p.returncode == 0 and took < 15, (took, p.lines[-10:])  # killing one would take the 20 s timeout
     p.wait_line("Application shutdown complete")  # the server shut down as Ctrl-C does
+    assert calls.read_text().splitlines()[1].split() == ["quit", *started[1:]]  # the daemon was told to quit
+
+
+def test_colocate_mps_without_its_control_program_stops_before_starting_anything(tmp_path, monkeypatch, capsys):
+    from computron.cli import main
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert main(["colocate", "--mps", "--serve", "--model tiny-opt", "--train", "--steps 1"]) == 2
+    assert "--mps: no nvidia-cuda-mps-control on PATH" in capsys.readouterr().err
 
 
 def test_colocate_defaults_yield_until_the_first_token_and_run_the_job_under_cudamallocasync():

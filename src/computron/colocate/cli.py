@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -46,6 +47,10 @@ def add_parser(sub) -> None:
                    help="the job's CUDA allocator: cudaMallocAsync (async, the default: a handover trims its pool "
                         "to the limit) or PyTorch's caching allocator (native). A PYTORCH_CUDA_ALLOC_CONF in the "
                         "environment is kept as it is")
+    p.add_argument("--mps", action="store_true",
+                   help="run both processes as clients of a CUDA MPS server of their own (nvidia-cuda-mps-control, "
+                        "started here and told to quit at the end), so that their kernels share the SMs instead of "
+                        "taking turns in time slices: the setting the defaults were measured in")
     p.add_argument("--address", default=None, help="the arbiter's socket (default: a fresh Unix socket path)")
     p.set_defaults(func=run)
 
@@ -96,12 +101,55 @@ def _own_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+MPS_CONTROL = "nvidia-cuda-mps-control"
+
+
+def start_mps(env: dict[str, str]) -> dict[str, str]:
+    """Start a CUDA MPS control daemon with pipe and log folders of its own (only processes given them
+    connect to it; the GPU's settings are left as they are): ``env`` with those folders, for the clients.
+    Raises RuntimeError with the reason where it cannot."""
+    exe = shutil.which(MPS_CONTROL, path=env.get("PATH"))
+    if exe is None:
+        raise RuntimeError(f"--mps: no {MPS_CONTROL} on PATH (it comes with the NVIDIA driver)")
+    mps = {**env, "CUDA_MPS_PIPE_DIRECTORY": tempfile.mkdtemp(prefix="computron-mps-pipe-"),
+           "CUDA_MPS_LOG_DIRECTORY": tempfile.mkdtemp(prefix="computron-mps-log-")}
+    done = subprocess.run([exe, "-d"], env=mps, capture_output=True, text=True, timeout=60)
+    if done.returncode:
+        why = (done.stderr or done.stdout).strip()
+        raise RuntimeError(f"--mps: {MPS_CONTROL} -d failed ({done.returncode}): {why}")
+    return mps
+
+
+def stop_mps(env: dict[str, str]) -> None:
+    """Tell the daemon ``start_mps`` started (the folders in ``env``) to quit."""
+    exe = shutil.which(MPS_CONTROL, path=env.get("PATH"))
+    if exe is not None:
+        subprocess.run([exe], input="quit\n", env=env, capture_output=True, text=True, timeout=60)
+
+
 def run(args) -> int:
+    env = dict(os.environ)
+    if args.mps:
+        try:
+            env = start_mps(env)
+        except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+            print(f"computron colocate: {e}", file=sys.stderr)
+            return 2
+        print(f"computron colocate: an MPS server for both processes ({env['CUDA_MPS_PIPE_DIRECTORY']})",
+              file=sys.stderr)
+    try:
+        return _run(args, env)
+    finally:
+        if args.mps:
+            stop_mps(env)
+
+
+def _run(args, env: dict[str, str]) -> int:
     address = args.address or os.path.join(tempfile.mkdtemp(prefix="computron-colocate-"), "arbiter.sock")
     serve_cmd, train_cmd = commands(args, address)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
-    server = subprocess.Popen(serve_cmd, preexec_fn=_own_sigint)
+    server = subprocess.Popen(serve_cmd, preexec_fn=_own_sigint, env=env)
     trainer = None
     try:
         # a Unix socket: start the job once the server listens (a TCP one: the job finds it later)
@@ -109,11 +157,10 @@ def run(args) -> int:
         while unix and not os.path.exists(address) and server.poll() is None and not stop:
             time.sleep(0.1)
         if server.poll() is None and not stop:
-            if args.job_allocator == "async" and "PYTORCH_CUDA_ALLOC_CONF" in os.environ:
+            if args.job_allocator == "async" and "PYTORCH_CUDA_ALLOC_CONF" in env:
                 print(f"computron colocate: the job keeps PYTORCH_CUDA_ALLOC_CONF="
-                      f"{os.environ['PYTORCH_CUDA_ALLOC_CONF']} from the environment", file=sys.stderr)
-            env = job_env(args.job_allocator, dict(os.environ))
-            trainer = subprocess.Popen(train_cmd, preexec_fn=_own_sigint, env=env)
+                      f"{env['PYTORCH_CUDA_ALLOC_CONF']} from the environment", file=sys.stderr)
+            trainer = subprocess.Popen(train_cmd, preexec_fn=_own_sigint, env=job_env(args.job_allocator, env))
         while server.poll() is None and not stop:
             time.sleep(0.2)
     except KeyboardInterrupt:

@@ -98,7 +98,6 @@ def gpt2_medium_checkpoint(path: Path) -> str:
     return str(path)
 
 
-
 def job_command(args, ckpt: str | None, addr: str | None, profile: Path | None = None) -> list[str]:
     """The training job's command line (``--job``), colocated under ``addr`` when given; ``profile``:
     its ``--profile`` folder (``--job gpt``; windows asked for by ``run_phase``)."""

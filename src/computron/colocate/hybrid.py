@@ -67,7 +67,7 @@ import httpx
 import numpy as np
 
 from computron.colocate.arbiter import MODES
-from computron.colocate.hybrid_cli import JOBS, REFERENCES, RESULTS, arguments
+from computron.colocate.hybrid_cli import DESCRIPTION, JOBS, REFERENCES, RESULTS, arguments
 from computron.server.background import free_port
 from computron.workload.loadgen import replay, server_counters
 from computron.workload.make import make_workload
@@ -650,7 +650,7 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=DESCRIPTION)
     arguments(p)
     return run(p.parse_args(argv), p)
 

@@ -4,7 +4,8 @@
 #   bash bench/gpu_sim_presets.sh [PRESET ...]   (default: all six; about 2 minutes each)
 # Presets (`computron sim --help`): N copies of one model (SHAPE, default opt-1.3b), the budget holding
 # R of them as `computron sim --preset` sets it; rates as named; Gamma arrivals with CV (default 1) for
-# DURATION seconds (default 30), prompts and outputs of 128 tokens. Per preset and policy: `serve` +
+# DURATION seconds (default 30; each stream stationary from 0, START=arrival as before 2026-11-29),
+# prompts and outputs of 128 tokens. Per preset and policy: `serve` +
 # `loadgen --trace` (measured), then `sim --trace --loadgen-probes` from the policy's calibration
 # (made once by `bench calibrate` and reused: calibration_gpu[_legacy].json under $CAL_DIR, by default
 # $OUT, as bench/gpu_sim_validate.sh makes them; CAL_DIR=bench/results/sim_validate reuses the H200's).
@@ -37,7 +38,7 @@ print(','.join(f'{s.source}={s.alias}' for s in specs), kw['gpu_memory_budget'],
 from computron.workload import make_workload
 names = [m.split('=')[1] for m in '$MODELS'.split(',')]
 make_workload(names, rate=None, rates=[float(r) for r in '$RATES'.split(',')], duration=$DURATION, cv=$CV,
-              prompt=128, output=128, seed=1).write_jsonl('$trace')"
+              prompt=128, output=128, seed=1, start='${START:-stationary}').write_jsonl('$trace')"
   echo "== $preset: $MODELS, budget $BUDGET, $RESIDENT resident, rates $RATES, CV $CV ($(wc -l < "$trace") requests)"
   for policy in default computron; do
     if [ "$policy" = computron ]; then EXE="--executor legacy"; CAL="$CAL_DIR/calibration_gpu_legacy.json"; else EXE=""; CAL="$CAL_DIR/calibration_gpu.json"; fi

@@ -4,7 +4,8 @@
 # 1. `bench calibrate` measures swap, prefill and decode on this GPU, for each policy's executor
 #    (default: in-process; computron: legacy), twice: on the engine alone, and (--serve) through
 #    the HTTP server with loadgen's streamed client; each is made once and reused if present;
-# 2. one trace: three OPT-1.3B-shaped models, a budget that holds two, Gamma CV 2, 120 s;
+# 2. one trace: three OPT-1.3B-shaped models, a budget that holds two, Gamma CV 2, 120 s (made only where
+#    $TRACE is not there yet; START=arrival makes it as before 2026-11-29);
 # 3. per policy: `serve` + `loadgen --trace` (measured; MEASURE=0 keeps a measurement already there),
 #    then `sim --trace` from each of its two calibrations (simulated: validate_sim_<policy>.json and
 #    validate_sim_<policy>_served.json), all writing JSON and plots under $OUT (or bench/results).
@@ -26,7 +27,7 @@ CALIBRATE_ARGS=${CALIBRATE_ARGS:---prompt 32 128 512 2000}
 [ -f "$TRACE" ] || python3 -c "
 from computron.workload import make_workload
 make_workload(['a', 'b', 'c'], rate=${RATE:-4.0}, duration=${DURATION:-120}, cv=2.0, prompt=(32, 512), output=(16, 256),
-              seed=1).write_jsonl('$TRACE')"
+              seed=1, start='${START:-stationary}').write_jsonl('$TRACE')"
 for policy in default computron; do
   [ "$WHICH" = all ] || [ "$WHICH" = "$policy" ] || continue
   if [ "$policy" = computron ]; then EXE="--executor legacy"; CAL="$OUT/calibration_gpu_legacy"; else EXE=""; CAL="$OUT/calibration_gpu"; fi

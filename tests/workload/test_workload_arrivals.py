@@ -44,8 +44,33 @@ def test_poisson_rate_and_cv_is_one():
 
 
 def test_gamma_cv_zero_is_evenly_spaced():
-    t = Gamma(4.0, 0.0).times(1.0)
-    np.testing.assert_allclose(t, [0.25, 0.5, 0.75])
+    np.testing.assert_allclose(Gamma(4.0, 0.0, start="arrival").times(1.0), [0.25, 0.5, 0.75])
+    phases = []
+    for seed in range(200):  # stationary: the same spacing from a uniform phase in [0, 0.25)
+        t = Gamma(4.0, 0.0).times(1.0, seed)
+        assert len(t) == 4 and t[-1] < 1.0, t
+        np.testing.assert_allclose(np.diff(t), 0.25)
+        phases.append(t[0])
+    assert 0 <= min(phases) < 0.01 and 0.24 < max(phases) < 0.25 and abs(np.mean(phases) - 0.125) < 0.02  # 4 standard errors
+
+
+@pytest.mark.parametrize("cv", [0.5, 2.0, 4.0])
+def test_gamma_is_stationary_from_zero_and_opens_with_a_burst_started_at_an_arrival(cv):
+    """Seen from a random instant, a window at 0 gets its share of the rate, and the first arrival
+    comes on average (1 + cv^2) / (2 rate) after it; started at an arrival, a bursty stream puts
+    several times its share into the first half gap (the burst every model's stream opened with)."""
+    rate, window, n = 2.0, 0.25, 8000
+    counts = np.array([len(Gamma(rate, cv).times(window, seed)) for seed in range(n)])
+    assert abs(counts.mean() - rate * window) < 4 * counts.std() / math.sqrt(n) + 1e-9, counts.mean()
+    firsts = np.array([Gamma(rate, cv).times(1000.0, seed)[0] for seed in range(n)])
+    assert abs(firsts.mean() - (1 + cv**2) / (2 * rate)) < 4 * firsts.std() / math.sqrt(n), firsts.mean()
+    old = np.array([len(Gamma(rate, cv, start="arrival").times(window, seed)) for seed in range(n)])
+    if cv > 1:
+        assert old.mean() > 2.5 * rate * window, old.mean()  # 1.49 and 4.42 arrivals at cv 2 and 4, against 0.5
+    else:
+        assert old.mean() < 0.5 * rate * window, old.mean()  # regular: the first arrival comes about a gap after 0
+    with pytest.raises(ValueError, match="start must be one of"):
+        Gamma(rate, cv, start="burst")
 
 
 def test_times_are_in_range_and_seeded():

@@ -78,6 +78,28 @@ def test_same_seed_same_trace_other_seed_differs():
     assert a.times() == b.times()
 
 
+def test_the_start_flag_reaches_the_trace_and_arrival_keeps_the_traces_made_before():
+    """``--start`` (loadgen and sim) picks how each Gamma stream starts; ``arrival`` gives the traces
+    made before stationary streams were the default: cumulative Gamma gaps from 0."""
+    import argparse
+
+    from computron.workload.args import add_workload_args, workload_from_args
+
+    ap = argparse.ArgumentParser()
+    add_workload_args(ap)
+    flags = ["--rate", "4", "--cv", "2", "--duration", "30", "--seed", "5"]
+    old = workload_from_args(ap.parse_args([*flags, "--start", "arrival"]), ["a", "b"])
+    new = workload_from_args(ap.parse_args(flags), ["a", "b"])
+    assert new == make_workload(["a", "b"], 4.0, 30.0, cv=2.0, seed=5, prompt=128, output=128)
+    assert old == make_workload(["a", "b"], 4.0, 30.0, cv=2.0, seed=5, prompt=128, output=128, start="arrival")
+    assert old.times() != new.times()
+    first = np.random.SeedSequence(5).spawn(2)[0].spawn(2)[0]  # model a's arrival stream
+    gaps = np.random.default_rng(first).gamma(0.25, 4 / 2.0, 3)
+    np.testing.assert_allclose([r.time for r in old if r.model == "a"][:3], np.cumsum(gaps))
+    with pytest.raises(ValueError, match="start must be one of"):
+        make_workload(["a"], 1.0, 10.0, start="now")
+
+
 def test_make_workload_lengths():
     t = make_workload(["m"], rate=50.0, duration=40.0, prompt=(10, 12), output=7, seed=0)
     p = np.array([r.prompt_tokens for r in t])

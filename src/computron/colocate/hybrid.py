@@ -704,7 +704,7 @@ def run(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
         return out
 
     trace = make_workload(model_names(args), args.rate, args.duration, cv=args.cv, prompt=lengths[0],
-                          output=lengths[1], seed=args.seed)
+                          output=lengths[1], seed=args.seed, start=args.start)
     print(f"trace: {len(trace)} requests over {args.duration:g} s, {args.models} models", flush=True)
     for phase in phases:
         runs[phase] = []

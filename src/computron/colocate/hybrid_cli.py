@@ -33,6 +33,9 @@ def arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="opt-1.3b", help="the served models' preset (default opt-1.3b)")
     p.add_argument("--rate", type=float, default=4.0, help="requests per second over all models")
     p.add_argument("--cv", type=float, default=4.0, help="coefficient of variation of inter-arrivals (bursty > 1)")
+    p.add_argument("--start", choices=("stationary", "arrival"), default="stationary",
+                   help="each model's arrivals seen from a random instant (default), or from an arrival at 0 (every "
+                        "bursty stream then opens with a burst; how traces were made before 2026-11-29)")
     p.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals in each run")
     p.add_argument("--prompt", default="128", help="prompt tokens per request: N or LO:HI (default 128)")
     p.add_argument("--output", "--tokens", default="32", help="output tokens per request: N or LO:HI (default 32)")

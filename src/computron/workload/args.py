@@ -3,6 +3,7 @@ they describe. One spelling of a workload for the measured and the simulated run
 
 from __future__ import annotations
 
+from .arrivals import STARTS
 from .make import PROCESSES, make_workload
 from .trace import Trace
 
@@ -18,6 +19,10 @@ def add_workload_args(p, source_required: bool = True) -> None:
     p.add_argument("--rates", default=None, help="explicit per-model rates, comma-separated, in --models order "
                                                  "(instead of --rate and --skew)")
     p.add_argument("--process", choices=PROCESSES, default="gamma")
+    p.add_argument("--start", choices=STARTS, default="stationary",
+                   help="gamma: each model's arrivals seen from a random instant (stationary, default), or from "
+                        "an arrival at 0 (arrival: bursty streams then all open with a burst; how traces were made "
+                        "before 2026-11-29)")
     p.add_argument("--prompt", default="128", help="prompt tokens per request: N or LO:HI (default 128)")
     p.add_argument("--output", default="128", help="output tokens per request: N or LO:HI (default 128)")
     p.add_argument("--seed", type=int, default=0)
@@ -59,7 +64,7 @@ def workload_from_args(args, names: list[str]) -> Trace:
         raise ValueError("give --trace, --rate or --rates")
     return make_workload(names, None if rates else args.rate, args.duration, cv=args.cv, skew=args.skew,
                          rates=rates, prompt=_length(args.prompt, "--prompt"), output=_length(args.output, "--output"),
-                         seed=args.seed, process=args.process)
+                         seed=args.seed, process=args.process, start=getattr(args, "start", "stationary"))
 
 
 def slo_report(records, base, args, title: str) -> dict:

@@ -13,9 +13,18 @@ times. Processes:
   periods. The first period is on with probability mean_on/(mean_on+mean_off), so the process
   is stationary with long-run rate `mean_rate`.
 
-The first arrival is one inter-arrival time after 0 (the process starts at 0, not at an
-arrival). `model_rates` splits a total rate over models: explicitly, or with power-law weights
-1/(i+1)^skew.
+Every process is stationary from 0: how many arrivals fall in a window does not depend on where
+the window starts. A Gamma process's first arrival therefore is not one inter-arrival time after 0,
+as if an arrival had just happened at 0, but the time to the next arrival seen from a random
+instant: `U * Gamma(shape + 1, scale)` with U uniform on [0, 1) (the length-biased gap, cut at a
+uniform point), of mean (1 + cv²) / (2 rate). Started at an arrival (`start="arrival"`, the
+behaviour before), a bursty process (cv > 1) opens with a burst: with shape 1/cv² most first gaps
+are far shorter than the mean, so the streams of several models all begin with arrivals close to
+0 (with cv 2, 44% of the streams have their first arrival within a tenth of the mean gap, against
+6.5% seen from a random instant; the median first arrival is at 0.18 of the mean gap, against 1.48).
+For Poisson arrivals the two starts are the same.
+
+`model_rates` splits a total rate over models: explicitly, or with power-law weights 1/(i+1)^skew.
 """
 
 from __future__ import annotations
@@ -77,26 +86,43 @@ class Poisson:
         return _renewal(lambda n: g.exponential(1.0 / self.rate, n), 1.0 / self.rate, duration)
 
 
+STARTS = ("stationary", "arrival")
+
+
 @dataclass(frozen=True)
 class Gamma:
-    """Renewal arrivals with Gamma(shape=1/cv², scale=cv²/rate) inter-arrival times."""
+    """Renewal arrivals with Gamma(shape=1/cv², scale=cv²/rate) inter-arrival times, seen from a random
+    instant (``start="stationary"``) or from an arrival at 0 (``"arrival"``; see the module docstring)."""
 
     rate: float
     cv: float = 1.0
+    start: str = "stationary"
 
     def __post_init__(self):
         _check_rate(self.rate)
         _check_rate(self.cv, "cv")
+        if self.start not in STARTS:
+            raise ValueError(f"start must be one of {STARTS}, got {self.start!r}")
 
     def times(self, duration: float, rng=None) -> np.ndarray:
         if self.rate == 0:
             return np.empty(0)
         mean = 1.0 / self.rate
-        if self.cv == 0:  # deterministic spacing
-            return _even(mean, duration)
         g = as_rng(rng)
+        if self.start == "arrival":
+            if self.cv == 0:  # deterministic spacing
+                return _even(mean, duration)
+            shape, scale = 1.0 / self.cv**2, self.cv**2 / self.rate
+            return _renewal(lambda n: g.gamma(shape, scale, n), mean, duration)
+        if self.cv == 0:  # deterministic spacing at a uniform phase
+            t = g.random() * mean + mean * np.arange(max(math.ceil(duration / mean), 0) + 1)
+            return t[t < duration]
         shape, scale = 1.0 / self.cv**2, self.cv**2 / self.rate
-        return _renewal(lambda n: g.gamma(shape, scale, n), mean, duration)
+        first = g.random() * g.gamma(shape + 1.0, scale)
+        if first >= duration:
+            return np.empty(0)
+        rest = _renewal(lambda n: g.gamma(shape, scale, n), mean, duration - first)
+        return np.concatenate(([first], first + rest))
 
 
 def _even(gap: float, duration: float) -> np.ndarray:

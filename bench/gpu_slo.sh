@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the lent GPU machine: the slo policy against the default one on the real server, same trace.
-#   bash bench/gpu_slo.sh            (about 3 minutes a rate; RATES, DURATION, SHAPE, BUDGET, SLO_CAL, PORT,
-#                                     POLICIES and MPS override the defaults)
+#   bash bench/gpu_slo.sh            (about 3 minutes a rate; RATES, DURATION, SEED, START, SHAPE, BUDGET,
+#                                     SLO_CAL, PORT, POLICIES and MPS override the defaults; START=arrival
+#                                     makes the traces as before 2026-11-29: see workload/arrivals.py)
 # Six OPT-1.3B-shaped models on one GPU under a 10.5 GiB budget (at most three resident): `hot` takes
 # 10/15 of the requests, c1..c5 1/15 each, Gamma CV 2, prompts 32-512 and outputs 16-256 tokens, as
 # the simulator's hot/cold sweep (bench/results/preempt/README.md). Per total rate (RATES, requests/s,
@@ -29,7 +30,7 @@ for R in ${RATES:-10}; do
 from computron.workload import make_workload
 r = $R / 15
 make_workload(['hot', 'c1', 'c2', 'c3', 'c4', 'c5'], rate=None, rates=[10 * r] + [r] * 5, duration=${DURATION:-60},
-              cv=2.0, prompt=(32, 512), output=(16, 256), seed=1).write_jsonl('$TRACE')"
+              cv=2.0, prompt=(32, 512), output=(16, 256), seed=${SEED:-1}, start='${START:-stationary}').write_jsonl('$TRACE')"
   SLOS=""
   if [ -n "${SLO_CAL:-}" ]; then
     SLOS=$(python3 -c "

@@ -36,7 +36,17 @@ def _mps(path: Path) -> int:
     return 1
 
 
-def runs(roots: list[Path], scale: float, hot: str) -> list[dict]:
+def _met_after(d: dict, scale: float, after: float) -> float | None:
+    """Attainment at ``scale`` over the requests that arrived ``after`` seconds into the trace or later
+    (the opening left out), from the records and each model's solo latency; None if there are none."""
+    base = d["summary"]["slo"]["base_s"]
+    late = [r for r in d["records"] if r["arrival"] >= after]
+    met = [r for r in late if r["error"] is None and r.get("finish") is not None
+           and r["finish"] - r["arrival"] <= scale * base[r["model"]]]
+    return len(met) / len(late) if late else None
+
+
+def runs(roots: list[Path], scale: float, hot: str, after: float = 5.0) -> list[dict]:
     out = []
     for root in roots:
         for f in sorted(root.rglob("rate_*/measured_*.json")):
@@ -49,7 +59,7 @@ def runs(roots: list[Path], scale: float, hot: str) -> list[dict]:
             cold = [r["first_token"] - r["arrival"] for r in d["records"]
                     if r["model"] != hot and r.get("first_token") is not None]
             out.append({"rate": rate, "policy": policy, "mps": _mps(f), "path": str(f), "trace": f.parent / "trace.jsonl",
-                        "attained": _attained(s, scale),
+                        "attained": _attained(s, scale), "attained_after": _met_after(d, scale, after),
                         "requests": s["all"]["requests"], "failed": s["all"]["failed"],
                         "mean_s": s["all"]["latency"]["mean"], "p99_s": s["all"]["latency"]["p99"],
                         "cold_ttft_max_s": max(cold) if cold else float("nan")})
@@ -111,6 +121,8 @@ def main(argv=None) -> int:
     ap.add_argument("roots", nargs="+", type=Path)
     ap.add_argument("--scale", type=float, default=5.0, help="SLO as this many times the solo latency")
     ap.add_argument("--target", type=float, default=0.99)
+    ap.add_argument("--after", type=float, default=5.0,
+                    help="also the attainment of the requests that arrived this many seconds into the trace or later")
     ap.add_argument("--hot", default="hot", help="the hot model (its requests are left out of the cold wait)")
     ap.add_argument("--simulate", type=Path, default=None, metavar="CAL", help="simulate each run with this calibration")
     ap.add_argument("--simulate-legacy", type=Path, default=None, metavar="CAL",
@@ -121,7 +133,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-loaded", type=int, default=3, help="--simulate: the server's max_loaded")
     ap.add_argument("--plot", type=Path, default=None)
     args = ap.parse_args(argv)
-    rs = runs(args.roots, args.scale, args.hot)
+    rs = runs(args.roots, args.scale, args.hot, args.after)
     if not rs:
         print(f"no rate_*/measured_*.json under {', '.join(map(str, args.roots))}", file=sys.stderr)
         return 2
@@ -133,11 +145,13 @@ def main(argv=None) -> int:
     err = lambda r: "-" if not r["sim_latency"] else "{:+.0f}% / {:+.0f}%".format(  # noqa: E731
         *(100 * (x / m - 1) for x, m in zip(r["sim_latency"], (r["mean_s"], r["p99_s"]))))
     print(f"| policy | models a step | rate (req/s) | requests | refused or failed | attained at {args.scale:g}x "
-          "| simulated | latency mean / p99 (s) | simulated latency's error, mean / p99 | longest cold TTFT (s) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          f"| after {args.after:g} s | simulated | latency mean / p99 (s) | simulated latency's error, mean / p99 "
+          "| longest cold TTFT (s) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    after = lambda r: "-" if r["attained_after"] is None else f"{r['attained_after'] * 100:.1f}%"  # noqa: E731
     for r in rs:
         print(f"| {r['policy']} | {r['mps']} | {r['rate']:g} | {r['requests']} | {r['failed']} | "
-              f"{r['attained'] * 100:.1f}% | {sim(r)} | {r['mean_s']:.2f} / {r['p99_s']:.2f} | {err(r)} | {r['cold_ttft_max_s']:.2f} |")
+              f"{r['attained'] * 100:.1f}% | {after(r)} | {sim(r)} | {r['mean_s']:.2f} / {r['p99_s']:.2f} | {err(r)} | {r['cold_ttft_max_s']:.2f} |")
     print()
     simulated = curves(rs, "simulated")
     for (policy, mps), pts in curves(rs).items():

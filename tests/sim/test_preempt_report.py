@@ -38,11 +38,28 @@ def test_runs_of_one_rate_are_averaged():
 
 def _measured(path: Path, trace, attained: float) -> None:
     """A loadgen result as it writes one, cut to what the report reads."""
-    recs = [{"model": a.model, "arrival": a.time, "first_token": a.time + 0.05} for a in trace]
+    recs = [{"model": a.model, "arrival": a.time, "first_token": a.time + 0.05, "finish": a.time + 0.3, "error": None}
+            for a in trace]
     scales = list(range(1, 11))
     path.write_text(json.dumps({"summary": {
         "all": {"requests": len(recs), "failed": 0, "latency": {"mean": 0.4, "p99": 1.0}},
-        "slo": {"scales": scales, "all": [attained] * len(scales)}}, "records": recs}))
+        "slo": {"scales": scales, "all": [attained] * len(scales), "base_s": {m: 0.1 for m in trace.models}}},
+        "records": recs}))
+
+
+def test_the_opening_of_a_trace_can_be_left_out_of_the_attainment():
+    """Requests that arrived before ``after`` seconds do not count in ``attained_after``; a failed one and
+    one later than the scale times its model's solo latency miss."""
+    base = {"a": 0.1, "b": 0.2}
+    recs = [{"model": "a", "arrival": 0.1, "finish": 2.0, "error": None},  # missed, in the opening
+            {"model": "b", "arrival": 6.0, "finish": 6.9, "error": None},  # 0.9 s <= 5 x 0.2: met
+            {"model": "a", "arrival": 7.0, "finish": 7.6, "error": None},  # 0.6 s > 5 x 0.1: missed
+            {"model": "a", "arrival": 8.0, "finish": None, "error": "refused"},
+            {"model": "b", "arrival": 9.0, "finish": 9.5, "error": None}]
+    d = {"summary": {"slo": {"base_s": base}}, "records": recs}
+    assert report._met_after(d, 5.0, 5.0) == 0.5
+    assert report._met_after(d, 5.0, 0.0) == 0.4
+    assert report._met_after(d, 5.0, 10.0) is None
 
 
 def test_runs_are_found_by_folder_and_simulated_on_their_own_trace(tmp_path, capsys):

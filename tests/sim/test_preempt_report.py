@@ -94,3 +94,13 @@ def test_runs_are_found_by_folder_and_simulated_on_their_own_trace(tmp_path, cap
     shutil.copy(cal, other)
     assert report.main([*argv[:2], str(other), *argv[3:]]) == 0
     assert all(p.stat().st_mtime_ns != stamp[p] for p in stamp)
+
+
+def test_the_seeds_script_finds_where_pooled_attainment_falls_under_99():
+    spec = importlib.util.spec_from_file_location("slo_seeds", ROOT / "bench" / "slo_seeds.py")
+    seeds = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(seeds)
+    assert seeds.seeds("1-4") == [1, 2, 3, 4] and seeds.seeds("7") == [7]
+    assert seeds.crossing([(4, 1.0), (8, 0.996), (9, 0.96)]) == pytest.approx(8 + 0.006 / 0.036)
+    assert seeds.crossing([(3, 0.98), (4, 0.97)]) is None  # under 99% at the lowest rate
+    assert seeds.crossing([(3, 1.0), (12, 0.991)]) == float("inf")  # never under it

@@ -33,11 +33,11 @@ def seeds(text: str) -> list[int]:
     return list(range(int(lo), int(hi or lo) + 1))
 
 
-def sweep(seed: int, policy: str, mps: int, args, tmp: str) -> dict:
+def sweep(seed: int, policy: str, mps: int, args, cal: str, tmp: str) -> dict:
     out = os.path.join(tmp, f"s{seed}_{policy}_{mps}.json")
     cmd = [sys.executable, "-m", "computron.cli", "sim", "--models", MODELS, "--rates", "10,1,1,1,1,1",
            "--cv", "2", "--duration", str(args.duration), "--seed", str(seed), "--prompt", "32:512",
-           "--output", "16:256", "--budget", "10.5GiB", "--max-loaded", "3", "--calibration", args.calibration,
+           "--output", "16:256", "--budget", "10.5GiB", "--max-loaded", "3", "--calibration", cal,
            "--models-per-step", str(mps), "--sweep", "rate", "--values", args.rates, "--policies", policy,
            "--start", args.start, "--out", out]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
@@ -64,13 +64,16 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=200.0)
     ap.add_argument("--rates", default="3,4,5,6,7,8,9,10,11,12")
     ap.add_argument("--start", choices=("stationary", "arrival"), default="stationary")
-    ap.add_argument("--calibration", default=str(HERE / "results/preempt_gpu_h200_mps3/calibration_served_f036.json"))
+    ap.add_argument("--calibration", default="bench/results/preempt_gpu_h200_mps3/calibration_served_f036.json",
+                    help="a calibration JSON (a relative path is taken from the repository's root) or a built-in name")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    cal = HERE.parent / args.calibration
+    run_cal = str(cal) if not Path(args.calibration).is_absolute() and cal.exists() else args.calibration
     todo = [(s, p, m) for s in seeds(args.seeds) for p, m in CONFIGS]
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.jobs) as pool:
-        results = list(pool.map(lambda t: sweep(*t, args, tmp), todo))
+        results = list(pool.map(lambda t: sweep(*t, args, run_cal, tmp), todo))
     pooled: dict[str, dict[float, list]] = {}
     for (seed, policy, mps), res in zip(todo, results):
         for run in res["runs"]:

@@ -8,7 +8,8 @@ curve loadgen wrote), requests refused or failed, mean and p99 latency, and the 
 first token of any request to a model other than ``--hot`` (the wait the issue bounds). The rate at
 which each (policy, models a step) holds ``--target`` attainment is interpolated between the two
 measured rates around it (runs of one rate on one trace averaged). ``--simulate CAL`` also simulates every run on its own trace with the
-calibration CAL and the server's settings (``computron sim``; written beside the measurement as
+calibration CAL and the server's settings, loadgen's solo-latency probes first as on the server (``computron sim
+--loadgen-probes``; written beside the measurement as
 ``sim_<policy>.json``, reused when one of the same calibration and settings is there), in the table and dashed on the chart in the run's colour;
 the ``computron`` policy's runs with ``--simulate-legacy CAL``, a calibration of its executor
 (``bench calibrate --executor legacy``), and not at all without one.
@@ -78,7 +79,7 @@ def simulate(r: dict, args) -> dict | None:
     cal = args.simulate_legacy if r["policy"] == "computron" else args.simulate
     out = Path(r["path"]).with_name(f"sim_{r['policy']}.json")
     want = {"calibration": str(cal), "models_per_step": r["mps"], "budget": args.budget,
-            "max_loaded": args.max_loaded, "models": args.models}
+            "max_loaded": args.max_loaded, "models": args.models, "loadgen_probes": True}
     if not out.exists() or {k: json.loads(out.read_text())["settings"].get(k) for k in want} != want:
         if not r["trace"].exists() or cal is None:
             return None
@@ -86,7 +87,8 @@ def simulate(r: dict, args) -> dict | None:
 
         flags = ["sim", "--models", args.models, "--trace", str(r["trace"]), "--calibration", str(cal),
                  "--policy", r["policy"], "--models-per-step", str(r["mps"]), "--budget", args.budget,
-                 "--max-loaded", str(args.max_loaded), "--slo-scale", f"{args.scale:g}", "--out", str(out)]
+                 "--max-loaded", str(args.max_loaded), "--slo-scale", f"{args.scale:g}", "--loadgen-probes",
+                 "--out", str(out)]
         if cli(flags) != 0:
             raise SystemExit(f"computron {' '.join(flags)} failed")
     s = json.loads(out.read_text())["summary"]

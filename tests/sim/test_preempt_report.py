@@ -84,8 +84,8 @@ def test_runs_are_found_by_folder_and_simulated_on_their_own_trace(tmp_path, cap
     sims = {p.parent.parent.name + "/" + p.name for p in tmp_path.rglob("sim_*.json")}
     assert sims == {"mps1/sim_default.json", "mps3/sim_slo.json"}
     settings = json.loads(next((tmp_path / "mps3").rglob("sim_slo.json")).read_text())["settings"]
-    assert (settings["models_per_step"], settings["policy"], settings["trace"]) == (
-        3, "slo", str(tmp_path / "mps3" / "rate_3" / "trace.jsonl"))
+    assert (settings["models_per_step"], settings["policy"], settings["trace"], settings["loadgen_probes"]) == (
+        3, "slo", str(tmp_path / "mps3" / "rate_3" / "trace.jsonl"), True)  # the probes first, as on the server
     # again with the same calibration: reused; with another: simulated again
     stamp = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("sim_*.json")}
     assert report.main(argv) == 0

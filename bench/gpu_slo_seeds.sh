@@ -18,5 +18,5 @@ for s in ${SEEDS:-1 2}; do
 done
 find "$WORK" -name '*.png' -delete
 mkdir -p "$DEST"
-tar czf "$DEST/slo_seeds_$(date +%s).tgz" -C "$WORK" .
+tar czf "$DEST/slo_seeds_$(date +%s).tgz" -C "$WORK" . && rm -rf "$WORK"
 ls -la "$DEST"

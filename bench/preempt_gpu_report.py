@@ -96,16 +96,28 @@ def simulate(r: dict, args) -> dict | None:
             "p99_s": s["all"]["latency"]["p99"]}
 
 
+def crossing(points: list[tuple[float, float]], target: float = 0.99) -> float | None:
+    """The rate where attainment first falls under ``target``, linear between the measured rates around
+    it; None when it is under it at the lowest rate (or there are no points), inf when never."""
+    prev = None
+    for rate, a in sorted(points):
+        if a < target:
+            if prev is None:
+                return None
+            r0, a0 = prev
+            return r0 + (rate - r0) * (a0 - target) / (a0 - a)
+        prev = (rate, a)
+    return float("inf") if prev is not None else None
+
+
 def rate_at(points: list[tuple[float, float]], target: float) -> str:
-    """The rate where attainment falls through ``target``, interpolated; ``>R`` or ``<R`` when every
-    measured rate is on one side."""
-    points = sorted(points)
-    for (r0, a0), (r1, a1) in zip(points, points[1:]):
-        if a0 >= target > a1:
-            return f"{r0 + (r1 - r0) * (a0 - target) / (a0 - a1):.1f}"
-    if points and all(a >= target for _, a in points):
-        return f">{points[-1][0]:g}"
-    return f"<{points[0][0]:g}" if points else "-"
+    """``crossing`` as text: ``>R`` or ``<R`` when every measured rate is on one side."""
+    if not points:
+        return "-"
+    r = crossing(points, target)
+    if r is None:
+        return f"<{min(points)[0]:g}"
+    return f">{max(points)[0]:g}" if r == float("inf") else f"{r:.1f}"
 
 
 def curves(rs: list[dict], key: str = "attained") -> dict[tuple[str, int], list[tuple[float, float]]]:

@@ -24,6 +24,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from preempt_gpu_report import crossing  # noqa: E402  (where attainment falls under 99%)
+
 MODELS = ",".join(f"opt-1.3b={n}" for n in ("hot", "c1", "c2", "c3", "c4", "c5"))
 CONFIGS = (("default", 1), ("slo", 3))  # (policy, models a step): today's default, and the slo policy's best
 
@@ -40,22 +43,11 @@ def sweep(seed: int, policy: str, mps: int, args, cal: str, tmp: str) -> dict:
            "--output", "16:256", "--budget", "10.5GiB", "--max-loaded", "3", "--calibration", cal,
            "--models-per-step", str(mps), "--sweep", "rate", "--values", args.rates, "--policies", policy,
            "--start", args.start, "--out", out]
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"slo_seeds.py: computron sim failed for seed {seed}, {policy} ({done.returncode}):\n"
+                         f"{done.stderr[-2000:]}")
     return json.loads(Path(out).read_text())
-
-
-def crossing(points: list[tuple[float, float]], level: float = 0.99) -> float | None:
-    """The rate where attainment first falls under ``level``, linear between the rates around it (None:
-    under it at the lowest rate; inf: never under it)."""
-    prev = None
-    for rate, a in points:
-        if a < level:
-            if prev is None:
-                return None
-            r0, a0 = prev
-            return r0 + (a0 - level) / (a0 - a) * (rate - r0)
-        prev = (rate, a)
-    return float("inf")
 
 
 def main() -> None:

@@ -24,6 +24,8 @@ def test_the_rate_held_is_interpolated_where_attainment_falls_through_the_target
     assert report.rate_at([(9, 0.96), (8, 0.996)], 0.99) == "8.2"  # in any order
     assert report.rate_at([(4, 1.0), (5, 0.995)], 0.99) == ">5"
     assert report.rate_at([(4, 0.9), (5, 0.8)], 0.99) == "<4"
+    assert report.rate_at([(3, 0.98), (4, 0.995)], 0.99) == "<3"  # under it first: no crossing above
+    assert report.rate_at([], 0.99) == "-"
 
 
 def test_runs_of_one_rate_are_averaged():
@@ -96,11 +98,12 @@ def test_runs_are_found_by_folder_and_simulated_on_their_own_trace(tmp_path, cap
     assert all(p.stat().st_mtime_ns != stamp[p] for p in stamp)
 
 
-def test_the_seeds_script_finds_where_pooled_attainment_falls_under_99():
+def test_the_crossing_is_a_number_for_the_pooled_ratio():
+    assert report.crossing([(4, 1.0), (8, 0.996), (9, 0.96)]) == pytest.approx(8 + 0.006 / 0.036)
+    assert report.crossing([(3, 0.98), (4, 0.97)]) is None  # under 99% at the lowest rate
+    assert report.crossing([(12, 0.991), (3, 1.0)]) == float("inf")  # never under it, in any order
     spec = importlib.util.spec_from_file_location("slo_seeds", ROOT / "bench" / "slo_seeds.py")
     seeds = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(seeds)
     assert seeds.seeds("1-4") == [1, 2, 3, 4] and seeds.seeds("7") == [7]
-    assert seeds.crossing([(4, 1.0), (8, 0.996), (9, 0.96)]) == pytest.approx(8 + 0.006 / 0.036)
-    assert seeds.crossing([(3, 0.98), (4, 0.97)]) is None  # under 99% at the lowest rate
-    assert seeds.crossing([(3, 1.0), (12, 0.991)]) == float("inf")  # never under it
+    assert seeds.crossing([(4, 1.0), (5, 0.98)]) == pytest.approx(4.5)  # the script pools with the report's

@@ -5,13 +5,15 @@ A run is ``.../rate_<R>/measured_<policy>.json`` (loadgen's output); the models 
 read from a ``mps<N>`` folder above it (``MPS=N bash bench/gpu_slo.sh`` with ``OUT=.../mps<N>``), 1
 when there is none. Per run: the attainment at ``--scale`` times each model's solo latency (the
 curve loadgen wrote), requests refused or failed, mean and p99 latency, and the longest time to
-first token of any request to a model other than ``--hot`` (the wait the issue bounds). The rate at
+first token of any request to a model other than ``--hot`` (the wait the issue bounds), and its folder
+(under the given one, ``mps<N>`` left out: the seed's, for ``bench/gpu_slo_seeds.sh``). The rate at
 which each (policy, models a step) holds ``--target`` attainment is interpolated between the two
-measured rates around it (runs of one rate on one trace averaged). ``--simulate CAL`` also simulates every run on its own trace with the
-calibration CAL and the server's settings, loadgen's solo-latency probes first as on the server (``computron sim
---loadgen-probes``; written beside the measurement as
-``sim_<policy>.json``, reused when one of the same calibration and settings is there), in the table and dashed on the chart in the run's colour;
-the ``computron`` policy's runs with ``--simulate-legacy CAL``, a calibration of its executor
+measured rates around it (runs of one rate pooled, each weighed by its requests: the traces of several
+seeds as one long trace). ``--simulate CAL`` also simulates every run on its own trace with the
+calibration CAL and the server's settings, loadgen's solo-latency probes first as on the server
+(``computron sim --loadgen-probes``; written beside the measurement as ``sim_<policy>.json``, reused
+when one of the same calibration and settings is there), in the table and dashed on the chart in
+the run's colour; the ``computron`` policy's runs with ``--simulate-legacy CAL``, a calibration of its executor
 (``bench calibrate --executor legacy``), and not at all without one.
 
     python3 bench/preempt_gpu_report.py bench/results/preempt_gpu_h200 bench/results/preempt_gpu_h200_mps3 \\
@@ -47,6 +49,10 @@ def _met_after(d: dict, scale: float, after: float) -> float | None:
     return len(met) / len(late) if late else None
 
 
+def _late(d: dict, after: float) -> int:
+    return sum(r["arrival"] >= after for r in d["records"])
+
+
 def runs(roots: list[Path], scale: float, hot: str, after: float = 5.0) -> list[dict]:
     out = []
     for root in roots:
@@ -59,9 +65,11 @@ def runs(roots: list[Path], scale: float, hot: str, after: float = 5.0) -> list[
                 raise SystemExit(f"{f}: no attainment at {scale}x (has {s['slo']['scales']})")
             cold = [r["first_token"] - r["arrival"] for r in d["records"]
                     if r["model"] != hot and r.get("first_token") is not None]
-            out.append({"rate": rate, "policy": policy, "mps": _mps(f), "path": str(f), "trace": f.parent / "trace.jsonl",
+            where = [p for p in f.parent.relative_to(root).parts[:-1] if not re.fullmatch(r"mps\d+", p)]
+            out.append({"rate": rate, "policy": policy, "mps": _mps(f), "path": str(f), "where": "/".join(where) or "-",
+                        "trace": f.parent / "trace.jsonl",
                         "attained": _attained(s, scale), "attained_after": _met_after(d, scale, after),
-                        "requests": s["all"]["requests"], "failed": s["all"]["failed"],
+                        "late": _late(d, after), "requests": s["all"]["requests"], "failed": s["all"]["failed"],
                         "mean_s": s["all"]["latency"]["mean"], "p99_s": s["all"]["latency"]["p99"],
                         "cold_ttft_max_s": max(cold) if cold else float("nan")})
     return sorted(out, key=lambda r: (r["policy"], r["mps"], r["rate"]))
@@ -91,9 +99,34 @@ def simulate(r: dict, args) -> dict | None:
                  "--out", str(out)]
         if cli(flags) != 0:
             raise SystemExit(f"computron {' '.join(flags)} failed")
-    s = json.loads(out.read_text())["summary"]
+    d = json.loads(out.read_text())
+    s = d["summary"]
     return {"attained": _attained(s, args.scale), "mean_s": s["all"]["latency"]["mean"],
-            "p99_s": s["all"]["latency"]["p99"]}
+            "p99_s": s["all"]["latency"]["p99"],
+            "phases": phase_gaps(json.loads(Path(r["path"]).read_text())["records"], d["records"])}
+
+
+def phase_gaps(measured: list[dict], simulated: list[dict], slack: float = 0.05) -> tuple[float, float] | None:
+    """Where the simulated latency falls short: the mean over requests of measured minus simulated time
+    to first token, and of the same for the rest (first token to last), in seconds. A measured request
+    is paired with the simulated one of its model, prompt and output lengths that arrived within
+    ``slack`` seconds (loadgen sends a little after the trace's time); requests without exactly one
+    such twin, or unfinished in either, are left out. None when none pairs."""
+    twins: dict[tuple, list[dict]] = {}
+    for q in simulated:
+        twins.setdefault((q["model"], q["prompt_tokens"], q["output_tokens"]), []).append(q)
+    gaps = []
+    for r in measured:
+        near = [q for q in twins.get((r["model"], r["prompt_tokens"], r["output_tokens"]), [])
+                if abs(q["arrival"] - r["arrival"]) < slack]
+        if len(near) == 1 and all(x.get("first_token") is not None and x.get("finish") is not None
+                                  for x in (r, near[0])):
+            q = near[0]
+            gaps.append(((r["first_token"] - r["arrival"]) - (q["first_token"] - q["arrival"]),
+                         (r["finish"] - r["first_token"]) - (q["finish"] - q["first_token"])))
+    if not gaps:
+        return None
+    return sum(g[0] for g in gaps) / len(gaps), sum(g[1] for g in gaps) / len(gaps)
 
 
 def crossing(points: list[tuple[float, float]], target: float = 0.99) -> float | None:
@@ -121,13 +154,16 @@ def rate_at(points: list[tuple[float, float]], target: float) -> str:
 
 
 def curves(rs: list[dict], key: str = "attained") -> dict[tuple[str, int], list[tuple[float, float]]]:
-    """Per (policy, models a step): (rate, ``key``) points, runs of one rate (a trace measured again)
-    averaged."""
-    got: dict[tuple[str, int], dict[float, list[float]]] = {}
+    """Per (policy, models a step): (rate, ``key``) points, the runs of one rate pooled: each weighs
+    by its requests (``late`` ones for ``attained_after``), so traces of several seeds count as one
+    long trace, and a trace measured again is averaged."""
+    weight = "late" if key == "attained_after" else "requests"
+    got: dict[tuple[str, int], dict[float, list[tuple[float, int]]]] = {}
     for r in rs:
         if r.get(key) is not None:
-            got.setdefault((r["policy"], r["mps"]), {}).setdefault(r["rate"], []).append(r[key])
-    return {k: [(rate, sum(v) / len(v)) for rate, v in sorted(by_rate.items())] for k, by_rate in got.items()}
+            got.setdefault((r["policy"], r["mps"]), {}).setdefault(r["rate"], []).append((r[key], r[weight]))
+    return {k: [(rate, sum(a * n for a, n in v) / sum(n for _, n in v)) for rate, v in sorted(by_rate.items())]
+            for k, by_rate in got.items()}
 
 
 def main(argv=None) -> int:
@@ -138,7 +174,8 @@ def main(argv=None) -> int:
     ap.add_argument("--after", type=float, default=5.0,
                     help="also the attainment of the requests that arrived this many seconds into the trace or later")
     ap.add_argument("--hot", default="hot", help="the hot model (its requests are left out of the cold wait)")
-    ap.add_argument("--simulate", type=Path, default=None, metavar="CAL", help="simulate each run with this calibration")
+    ap.add_argument("--simulate", type=Path, default=None, metavar="CAL",
+                    help="simulate each run with this calibration")
     ap.add_argument("--simulate-legacy", type=Path, default=None, metavar="CAL",
                     help="--simulate: the calibration of the computron policy's (legacy) executor")
     ap.add_argument("--models", default=",".join(f"opt-1.3b={n}" for n in ("hot", "c1", "c2", "c3", "c4", "c5")),
@@ -155,27 +192,47 @@ def main(argv=None) -> int:
         got = simulate(r, args) if args.simulate else None
         r["simulated"] = got and got["attained"]
         r["sim_latency"] = got and (got["mean_s"], got["p99_s"])
+        r["phases"] = got and got["phases"]
     sim = lambda r: "-" if r["simulated"] is None else f"{r['simulated'] * 100:.1f}%"  # noqa: E731
     err = lambda r: "-" if not r["sim_latency"] else "{:+.0f}% / {:+.0f}%".format(  # noqa: E731
         *(100 * (x / m - 1) for x, m in zip(r["sim_latency"], (r["mean_s"], r["p99_s"]))))
     print(f"| policy | models a step | rate (req/s) | requests | refused or failed | attained at {args.scale:g}x "
           f"| after {args.after:g} s | simulated | latency mean / p99 (s) | simulated latency's error, mean / p99 "
-          "| longest cold TTFT (s) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| measured minus simulated, first token / the rest (ms) | longest cold TTFT (s) | folder |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    gap = lambda r: "-" if not r["phases"] else "{:+.0f} / {:+.0f}".format(  # noqa: E731
+        *(1e3 * x for x in r["phases"]))
     after = lambda r: "-" if r["attained_after"] is None else f"{r['attained_after'] * 100:.1f}%"  # noqa: E731
     for r in rs:
         print(f"| {r['policy']} | {r['mps']} | {r['rate']:g} | {r['requests']} | {r['failed']} | "
-              f"{r['attained'] * 100:.1f}% | {after(r)} | {sim(r)} | {r['mean_s']:.2f} / {r['p99_s']:.2f} | {err(r)} | {r['cold_ttft_max_s']:.2f} |")
+              f"{r['attained'] * 100:.1f}% | {after(r)} | {sim(r)} | {r['mean_s']:.2f} / {r['p99_s']:.2f} | {err(r)} "
+              f"| {gap(r)} | {r['cold_ttft_max_s']:.2f} | {r['where']} |")
     print()
-    simulated = curves(rs, "simulated")
-    for (policy, mps), pts in curves(rs).items():
-        also = f" (simulated: {rate_at(simulated[policy, mps], args.target)})" if (policy, mps) in simulated else ""
-        print(f"{policy}, {mps} a step: {args.target * 100:g}% held to {rate_at(pts, args.target)} req/s{also}")
+    simulated, opened = curves(rs, "simulated"), curves(rs, "attained_after")
+    measured = curves(rs)
+    groups: dict[tuple, list[dict]] = {}
+    for r in rs:
+        groups.setdefault((r["policy"], r["mps"], r["rate"]), []).append(r)
+    if any(len(g) > 1 for g in groups.values()):
+        pct = lambda x: "-" if x is None else f"{x * 100:.1f}%"  # noqa: E731
+        print(f"Runs of one rate pooled:\n\n| policy | models a step | rate (req/s) | runs | requests "
+              f"| attained at {args.scale:g}x | after {args.after:g} s | simulated |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        for (policy, mps), pts in measured.items():
+            for rate, a in pts:
+                g = groups[policy, mps, rate]
+                late, sim_a = (dict(c.get((policy, mps), [])).get(rate) for c in (opened, simulated))
+                print(f"| {policy} | {mps} | {rate:g} | {len(g)} | {sum(r['requests'] for r in g)} | {pct(a)} "
+                      f"| {pct(late)} | {pct(sim_a)} |")
+        print()
+    for (policy, mps), pts in measured.items():
+        also = f"; simulated: {rate_at(simulated[policy, mps], args.target)}" if (policy, mps) in simulated else ""
+        print(f"{policy}, {mps} a step: {args.target * 100:g}% held to {rate_at(pts, args.target)} req/s "
+              f"(after {args.after:g} s: {rate_at(opened.get((policy, mps), []), args.target)}{also})")
     if args.plot:
         from computron.workload.report import _pyplot
 
         plt = _pyplot()
-        measured = curves(rs)
         low = min(r["attained"] for r in rs)
         # the whole range when some policy falls far (the computron policy), beside a close-up of the top
         panels = [(0.0, 1.02), (0.85, 1.005)] if low < 0.8 else [(0.8, 1.005)]

@@ -10,6 +10,12 @@ model's stream opening with an arrival at 0 (with CV 2, a burst on every model a
 
     PYTHONPATH=src python bench/slo_seeds.py [--seeds 1-8] [--duration 200] [--start stationary|arrival]
         [--calibration bench/results/preempt_gpu_h200_mps3/calibration_served_f036.json] [--out FILE]
+    PYTHONPATH=src python bench/slo_seeds.py --load FILE [FILE ...] [--out FILE]
+
+How far the ratio of the two could move with other traces: ``--bootstrap N`` (2000 by default) draws
+the seeds with replacement N times, pools each draw, and gives the ratio's 5th, 50th and 95th
+percentiles and how often it is 2x or more. ``--load`` pools the seeds of several files it wrote (runs
+of other seeds with the same settings) without simulating again.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -50,7 +57,66 @@ def sweep(seed: int, policy: str, mps: int, args, cal: str, tmp: str) -> dict:
     return json.loads(Path(out).read_text())
 
 
-def main() -> None:
+Cells = dict[str, dict[float, dict[int, tuple[int, int]]]]  # config -> rate -> seed -> (met, requests)
+
+
+def cells_of(todo, results) -> Cells:
+    cells: Cells = {}
+    for (seed, policy, mps), res in zip(todo, results):
+        for run in res["runs"]:
+            s = run["summary"]
+            n, a = s["all"]["requests"], s["slo"]["all"][s["slo"]["scales"].index(5)]
+            cells.setdefault(f"{policy}@{mps}", {}).setdefault(float(run["rate"]), {})[seed] = (round(a * n), n)
+    return cells
+
+
+def load(paths: list[str]) -> tuple[Cells, dict]:
+    """The cells of files this script wrote, merged: traces of the same length, start and calibration,
+    each seed in one file only."""
+    cells: Cells = {}
+    settings = None
+    for path in paths:
+        d = json.loads(Path(path).read_text())
+        same = {k: d["settings"][k] for k in ("duration", "start", "calibration", "rates")}
+        if settings is not None and same != {k: settings[k] for k in same}:
+            raise SystemExit(f"slo_seeds.py: {path} was simulated with other settings: {same} against {settings}")
+        settings = settings or dict(d["settings"])
+        for name, c in d["configs"].items():
+            for rate, v in c["pooled"].items():
+                if "met_by_seed" not in v:
+                    raise SystemExit(f"slo_seeds.py: {path} has no count by seed (written before they were kept)")
+                got = cells.setdefault(name, {}).setdefault(float(rate), {})
+                for seed, met in v["met_by_seed"].items():
+                    if int(seed) in got:
+                        raise SystemExit(f"slo_seeds.py: seed {seed} is in two files")
+                    got[int(seed)] = (met, v["requests_by_seed"][seed])
+    assert settings is not None
+    settings["seeds"] = ",".join(str(s) for s in sorted({s for c in cells.values() for r in c.values() for s in r}))
+    return cells, settings
+
+
+def points(rates: dict[float, dict[int, tuple[int, int]]], chosen: list[int]) -> list[tuple[float, float]]:
+    """(rate, attainment) with the requests of the ``chosen`` seeds pooled (a seed chosen twice counts twice)."""
+    return [(r, sum(by[s][0] for s in chosen) / sum(by[s][1] for s in chosen)) for r, by in sorted(rates.items())]
+
+
+def ratio(cells: Cells, chosen: list[int]) -> float:
+    """The slo policy's pooled 99% rate over the default's; inf when the slo policy never falls under 99%
+    or the default is under it already at the lowest rate."""
+    base, new = (crossing(points(cells[f"{p}@{m}"], chosen)) for p, m in CONFIGS)
+    return float("inf") if not base or new is None or new == float("inf") else new / base
+
+
+def bootstrap(cells: Cells, all_seeds: list[int], resamples: int, seed: int = 0) -> dict:
+    """The ratio's spread over the traces: seeds drawn with replacement, ``resamples`` times."""
+    rng = random.Random(seed)
+    got = sorted(ratio(cells, [rng.choice(all_seeds) for _ in all_seeds]) for _ in range(resamples))
+    q = lambda f: got[min(len(got) - 1, int(f * len(got)))]  # noqa: E731
+    return {"resamples": resamples, "p5": q(0.05), "p50": q(0.5), "p95": q(0.95),
+            "share_at_least_2x": sum(r >= 2 for r in got) / len(got)}
+
+
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", default="1-8", help="LO-HI (default 1-8)")
     ap.add_argument("--duration", type=float, default=200.0)
@@ -59,37 +125,46 @@ def main() -> None:
     ap.add_argument("--calibration", default="bench/results/preempt_gpu_h200_mps3/calibration_served_f036.json",
                     help="a calibration JSON (a relative path is taken from the repository's root) or a built-in name")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--bootstrap", type=int, default=2000, metavar="N",
+                    help="resample the seeds N times for the ratio's spread (0: none)")
+    ap.add_argument("--load", nargs="+", default=None, metavar="FILE",
+                    help="pool the seeds of files this script wrote instead of simulating")
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    cal = HERE.parent / args.calibration
-    run_cal = str(cal) if not Path(args.calibration).is_absolute() and cal.exists() else args.calibration
-    todo = [(s, p, m) for s in seeds(args.seeds) for p, m in CONFIGS]
-    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.jobs) as pool:
-        results = list(pool.map(lambda t: sweep(*t, args, run_cal, tmp), todo))
-    pooled: dict[str, dict[float, list]] = {}
-    for (seed, policy, mps), res in zip(todo, results):
-        for run in res["runs"]:
-            s = run["summary"]
-            n, a = s["all"]["requests"], s["slo"]["all"][s["slo"]["scales"].index(5)]
-            cell = pooled.setdefault(f"{policy}@{mps}", {}).setdefault(float(run["rate"]), [0.0, 0, {}])
-            cell[0] += a * n
-            cell[1] += n
-            cell[2][seed] = round(a, 4)
+    args = ap.parse_args(argv)
+    if args.load:
+        cells, settings = load(args.load)
+        settings["bootstrap"] = args.bootstrap
+    else:
+        cal = HERE.parent / args.calibration
+        run_cal = str(cal) if not Path(args.calibration).is_absolute() and cal.exists() else args.calibration
+        todo = [(s, p, m) for s in seeds(args.seeds) for p, m in CONFIGS]
+        with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.jobs) as pool:
+            results = list(pool.map(lambda t: sweep(*t, args, run_cal, tmp), todo))
+        cells = cells_of(todo, results)
+        settings = {k: v for k, v in vars(args).items() if k not in ("jobs", "load")}
+    all_seeds = sorted({s for c in cells.values() for r in c.values() for s in r})
     out = {"what": "SLO attainment at 5x solo latency, pooled over seeds, hot/cold mix (issue 12), simulated",
-           "settings": {k: v for k, v in vars(args).items() if k != "jobs"}, "configs": {}}
-    for name, rates in pooled.items():
-        points = sorted((r, met / n) for r, (met, n, _) in rates.items())
-        per_seed = {s: crossing(sorted((r, c[2][s]) for r, c in rates.items())) for s in seeds(args.seeds)}
-        out["configs"][name] = {"pooled": {str(r): {"attained": round(a, 5), "requests": rates[r][1],
-                                                     "by_seed": rates[r][2]} for r, a in points},
-                                "rate_at_99": crossing(points), "rate_at_99_by_seed": per_seed}
-    base, new = (out["configs"].get(f"{p}@{m}", {}).get("rate_at_99") for p, m in CONFIGS)
-    out["ratio_at_99"] = new / base if base and new and new != float("inf") else None
+           "settings": settings, "configs": {}}
+    for name, rates in cells.items():
+        pts = points(rates, all_seeds)
+        per_seed = {s: crossing(points(rates, [s])) for s in all_seeds}
+        pooled = {str(r): {"attained": round(a, 5), "requests": sum(n for _, n in rates[r].values()),
+                           "by_seed": {s: round(m / n, 4) for s, (m, n) in rates[r].items()},
+                           "met_by_seed": {s: m for s, (m, _) in rates[r].items()},
+                           "requests_by_seed": {s: n for s, (_, n) in rates[r].items()}} for r, a in pts}
+        out["configs"][name] = {"pooled": pooled, "rate_at_99": crossing(pts), "rate_at_99_by_seed": per_seed}
+    r = ratio(cells, all_seeds)
+    out["ratio_at_99"] = None if r == float("inf") else r
     for name, c in out["configs"].items():
         print(f"{name}: 99% held to {c['rate_at_99']} req/s pooled; by seed {c['rate_at_99_by_seed']}")
         print("   " + "  ".join(f"{r}: {v['attained']:.2%}" for r, v in c["pooled"].items()))
     print(f"ratio at 99%: {out['ratio_at_99']}")
-    path = Path(args.out or HERE / f"results/preempt_gpu_h200_mps3/sim_seeds/seeds_{args.start}_{args.duration:g}s.json")
+    if args.bootstrap:
+        b = out["bootstrap"] = bootstrap(cells, all_seeds, args.bootstrap)
+        print(f"over {b['resamples']} resamples of the {len(all_seeds)} seeds: ratio 5% / 50% / 95% "
+              f"{b['p5']:.2f} / {b['p50']:.2f} / {b['p95']:.2f}; at least 2x in {b['share_at_least_2x']:.0%}")
+    default = f"results/preempt_gpu_h200_mps3/sim_seeds/seeds_{settings['start']}_{settings['duration']:g}s.json"
+    path = Path(args.out or HERE / default)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))
     print(f"wrote {path}")

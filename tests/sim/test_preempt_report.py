@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from computron.workload import make_workload
+from computron.workload.trace import Trace
 
 ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("preempt_gpu_report", ROOT / "bench" / "preempt_gpu_report.py")
@@ -28,20 +29,39 @@ def test_the_rate_held_is_interpolated_where_attainment_falls_through_the_target
     assert report.rate_at([], 0.99) == "-"
 
 
-def test_runs_of_one_rate_are_averaged():
-    rs = [{"policy": "default", "mps": 1, "rate": 7.0, "attained": 0.873},
-          {"policy": "default", "mps": 1, "rate": 7.0, "attained": 0.924},
-          {"policy": "default", "mps": 1, "rate": 5.0, "attained": 1.0},
-          {"policy": "slo", "mps": 3, "rate": 8.0, "attained": 0.996}]
+def test_runs_of_one_rate_are_pooled_by_their_requests():
+    """Traces of several seeds at one rate count as one long trace: 300 requests at 90% and 100 at 98%
+    are 92% (not the runs' mean, 94%); the attainment after the opening weighs by the late requests."""
+    rs = [{"policy": "default", "mps": 1, "rate": 7.0, "attained": 0.9, "requests": 300,
+           "attained_after": 1.0, "late": 10},
+          {"policy": "default", "mps": 1, "rate": 7.0, "attained": 0.98, "requests": 100,
+           "attained_after": 0.5, "late": 30},
+          {"policy": "default", "mps": 1, "rate": 5.0, "attained": 1.0, "requests": 50},
+          {"policy": "slo", "mps": 3, "rate": 8.0, "attained": 0.996, "requests": 80}]
     got = report.curves(rs)
-    assert got[("default", 1)] == [(5.0, 1.0), (7.0, pytest.approx(0.8985))]
-    assert got[("slo", 3)] == [(8.0, 0.996)]
+    assert got[("default", 1)] == [(5.0, 1.0), (7.0, pytest.approx(0.92))]
+    assert got[("slo", 3)] == [(8.0, pytest.approx(0.996))]
+    assert report.curves(rs, "attained_after") == {("default", 1): [(7.0, pytest.approx(0.625))]}
+
+
+def test_the_runs_of_several_seeds_are_pooled_in_a_table(tmp_path, capsys):
+    for seed, n, att in [(1, 3, 1.0), (2, 9, 0.9)]:
+        trace = make_workload(["hot", "c1"], rate=None, rates=[2.0, 2.0], duration=20, cv=1.0, prompt=(16, 32),
+                              output=(4, 8), seed=seed)
+        d = tmp_path / f"seed{seed}" / "rate_4"
+        d.mkdir(parents=True)
+        _measured(d / "measured_default.json", Trace(trace.requests[:n]), att)
+    assert report.main([str(tmp_path), "--after", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "| default | 1 | 4 | 2 | 12 | 92.5% | 100.0% | - |" in out  # (3 x 1.0 + 9 x 0.9) / 12
+    assert [line.split("|")[-2].strip() for line in out.splitlines() if "| 0.40 / 1.00 |" in line] == ["seed1", "seed2"]
+    assert "default, 1 a step: 99% held to <4 req/s (after 0 s: >4)" in out
 
 
 def _measured(path: Path, trace, attained: float) -> None:
     """A loadgen result as it writes one, cut to what the report reads."""
-    recs = [{"model": a.model, "arrival": a.time, "first_token": a.time + 0.05, "finish": a.time + 0.3, "error": None}
-            for a in trace]
+    recs = [{"model": a.model, "arrival": a.time, "first_token": a.time + 0.05, "finish": a.time + 0.3, "error": None,
+             "prompt_tokens": a.prompt_tokens, "output_tokens": a.output_tokens} for a in trace]
     scales = list(range(1, 11))
     path.write_text(json.dumps({"summary": {
         "all": {"requests": len(recs), "failed": 0, "latency": {"mean": 0.4, "p99": 1.0}},
@@ -107,3 +127,62 @@ def test_the_crossing_is_a_number_for_the_pooled_ratio():
     spec.loader.exec_module(seeds)
     assert seeds.seeds("1-4") == [1, 2, 3, 4] and seeds.seeds("7") == [7]
     assert seeds.crossing([(4, 1.0), (5, 0.98)]) == pytest.approx(4.5)  # the script pools with the report's
+
+
+def _slo_seeds():
+    spec = importlib.util.spec_from_file_location("slo_seeds", ROOT / "bench" / "slo_seeds.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_simulated_seeds_pool_resample_and_merge(tmp_path, capsys):
+    """Seeds pool by their requests (one drawn twice counts twice); the ratio of the slo policy's 99%
+    rate to the default's; a bootstrap over one seed has no spread; files of other seeds merge into
+    the same figures, and files of other settings or the same seed are refused."""
+    seeds = _slo_seeds()
+    cells = {"default@1": {4.0: {1: (100, 100), 2: (196, 200)}, 5.0: {1: (97, 100), 2: (190, 200)}},
+             "slo@3": {8.0: {1: (100, 100), 2: (200, 200)}, 10.0: {1: (98, 100), 2: (190, 200)}}}
+    assert seeds.points(cells["default@1"], [1, 2, 2]) == [(4.0, pytest.approx(492 / 500)),
+                                                            (5.0, pytest.approx(477 / 500))]
+    assert seeds.points(cells["default@1"], [1]) == [(4.0, 1.0), (5.0, 0.97)]
+    # seed 1 alone: the default falls through 99% at 4 + 1/3, the slo policy at 8 + 2/2: 2.08x
+    assert seeds.ratio(cells, [1]) == pytest.approx(9 / (4 + 1 / 3))
+    assert seeds.ratio(cells, [2]) == float("inf")  # the default is under 99% already at 4 req/s
+    one = seeds.bootstrap(cells, [1], 50)
+    assert one["p5"] == one["p95"] == pytest.approx(9 / (4 + 1 / 3)) and one["share_at_least_2x"] == 1.0
+    assert seeds.bootstrap(cells, [1, 2], 400)["share_at_least_2x"] == 1.0  # inf (seed 2 alone) counts as 2x
+    settings = {"duration": 60.0, "start": "stationary", "calibration": "cal.json", "rates": "4,5,8,10"}
+
+    def write(name, seed, **other):
+        configs = {c: {"pooled": {str(r): {"met_by_seed": {str(seed): by[seed][0]},
+                                           "requests_by_seed": {str(seed): by[seed][1]}} for r, by in rates.items()}}
+                   for c, rates in cells.items()}
+        (tmp_path / name).write_text(json.dumps({"settings": {**settings, **other}, "configs": configs}))
+        return str(tmp_path / name)
+
+    a, b = write("a.json", 1), write("b.json", 2)
+    seeds.main(["--load", a, b, "--out", str(tmp_path / "ab.json"), "--bootstrap", "0"])
+    got = json.loads((tmp_path / "ab.json").read_text())
+    assert got["configs"]["default@1"]["pooled"]["4.0"]["attained"] == pytest.approx(296 / 300, abs=1e-5)
+    assert got["configs"]["slo@3"]["rate_at_99"] == pytest.approx(8.5)  # 100% at 8, 288/300 = 96% at 10
+    with pytest.raises(SystemExit, match="seed 1 is in two files"):
+        seeds.main(["--load", a, a, "--out", str(tmp_path / "x.json")])
+    with pytest.raises(SystemExit, match="other settings"):
+        seeds.main(["--load", a, write("c.json", 2, duration=200.0), "--out", str(tmp_path / "x.json")])
+
+
+def test_the_simulated_latency_is_compared_request_by_request():
+    """Each measured request against its simulated twin (same model and lengths, arrived within 50 ms):
+    the mean gap in time to first token and in the rest; a request with two twins, none, or no first
+    token is left out."""
+    def rec(model, arrival, first, finish, prompt=10, output=5):
+        return {"model": model, "arrival": arrival, "first_token": first, "finish": finish,
+                "prompt_tokens": prompt, "output_tokens": output}
+    measured = [rec("a", 1.01, 1.2, 2.0), rec("b", 2.02, 2.1, 2.5), rec("a", 5.0, 5.1, 5.2, prompt=7),
+                rec("c", 7.0, None, None), rec("d", 9.0, 9.1, 9.2)]
+    simulated = [rec("a", 1.0, 1.1, 1.8), rec("b", 2.0, 2.06, 2.4), rec("a", 5.0, 5.1, 5.2, prompt=7),
+                 rec("a", 5.02, 5.1, 5.2, prompt=7), rec("c", 7.0, 7.1, 7.2), rec("d", 9.1, 9.1, 9.2)]
+    first, rest = report.phase_gaps(measured, simulated)
+    assert first == pytest.approx((0.09 + 0.02) / 2) and rest == pytest.approx((0.1 + 0.06) / 2)
+    assert report.phase_gaps(measured[3:], simulated) is None

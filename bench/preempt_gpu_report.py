@@ -103,30 +103,54 @@ def simulate(r: dict, args) -> dict | None:
     s = d["summary"]
     return {"attained": _attained(s, args.scale), "mean_s": s["all"]["latency"]["mean"],
             "p99_s": s["all"]["latency"]["p99"],
-            "phases": phase_gaps(json.loads(Path(r["path"]).read_text())["records"], d["records"])}
+            "pairs": twins(json.loads(Path(r["path"]).read_text())["records"], d["records"])}
 
 
-def phase_gaps(measured: list[dict], simulated: list[dict], slack: float = 0.05) -> tuple[float, float] | None:
-    """Where the simulated latency falls short: the mean over requests of measured minus simulated time
-    to first token, and of the same for the rest (first token to last), in seconds. A measured request
-    is paired with the simulated one of its model, prompt and output lengths that arrived within
-    ``slack`` seconds (loadgen sends a little after the trace's time); requests without exactly one
-    such twin, or unfinished in either, are left out. None when none pairs."""
-    twins: dict[tuple, list[dict]] = {}
+def twins(measured: list[dict], simulated: list[dict], slack: float = 0.05) -> list[tuple[dict, dict]]:
+    """Each finished measured request with its simulated twin: the one of its model, prompt and output
+    lengths that arrived within ``slack`` seconds (loadgen sends a little after the trace's time).
+    Requests without exactly one such twin, or unfinished in either, are left out."""
+    by_kind: dict[tuple, list[dict]] = {}
     for q in simulated:
-        twins.setdefault((q["model"], q["prompt_tokens"], q["output_tokens"]), []).append(q)
-    gaps = []
+        by_kind.setdefault((q["model"], q["prompt_tokens"], q["output_tokens"]), []).append(q)
+    out = []
     for r in measured:
-        near = [q for q in twins.get((r["model"], r["prompt_tokens"], r["output_tokens"]), [])
+        near = [q for q in by_kind.get((r["model"], r["prompt_tokens"], r["output_tokens"]), [])
                 if abs(q["arrival"] - r["arrival"]) < slack]
         if len(near) == 1 and all(x.get("first_token") is not None and x.get("finish") is not None
                                   for x in (r, near[0])):
-            q = near[0]
-            gaps.append(((r["first_token"] - r["arrival"]) - (q["first_token"] - q["arrival"]),
-                         (r["finish"] - r["first_token"]) - (q["finish"] - q["first_token"])))
-    if not gaps:
+            out.append((r, near[0]))
+    return out
+
+
+def phase_gaps(pairs: list[tuple[dict, dict]]) -> tuple[float, float] | None:
+    """Where the simulated latency falls short: the mean over ``twins`` of measured minus simulated time
+    to first token, and of the same for the rest (first token to last), in seconds; None without any."""
+    if not pairs:
         return None
-    return sum(g[0] for g in gaps) / len(gaps), sum(g[1] for g in gaps) / len(gaps)
+    first = [(r["first_token"] - r["arrival"]) - (q["first_token"] - q["arrival"]) for r, q in pairs]
+    rest = [(r["finish"] - r["first_token"]) - (q["finish"] - q["first_token"]) for r, q in pairs]
+    return sum(first) / len(pairs), sum(rest) / len(pairs)
+
+
+CONTEXTS = (0, 150, 300, 450, 10**9)  # --by-context's bins of a request's mean context while it decodes
+
+
+def gap_by_context(pairs: list[tuple[dict, dict]], least: int = 8) -> list[tuple[int, int, int, float]]:
+    """Measured minus simulated seconds per output token after the first, binned by the request's mean
+    context while decoding (its prompt and half its output): (low, high, requests, mean gap). A cost
+    the simulator misses that grows with the context (reading each sequence's KV cache) shows as a gap
+    that grows from bin to bin; one per step, as a flat gap. Requests of fewer than ``least`` output
+    tokens are left out (too few tokens to divide by)."""
+    bins: dict[int, list[float]] = {}
+    for r, q in pairs:
+        n = r["output_tokens"]
+        if n < least:
+            continue
+        ctx = r["prompt_tokens"] + n / 2
+        i = next(i for i in range(len(CONTEXTS) - 1) if ctx < CONTEXTS[i + 1])
+        bins.setdefault(i, []).append(((r["finish"] - r["first_token"]) - (q["finish"] - q["first_token"])) / (n - 1))
+    return [(CONTEXTS[i], CONTEXTS[i + 1], len(v), sum(v) / len(v)) for i, v in sorted(bins.items())]
 
 
 def crossing(points: list[tuple[float, float]], target: float = 0.99) -> float | None:
@@ -182,6 +206,8 @@ def main(argv=None) -> int:
                     help="--simulate: the server's models (bench/gpu_slo.sh's)")
     ap.add_argument("--budget", default="10.5GiB", help="--simulate: the server's budget")
     ap.add_argument("--max-loaded", type=int, default=3, help="--simulate: the server's max_loaded")
+    ap.add_argument("--by-context", action="store_true",
+                    help="--simulate: also the measured minus simulated time per output token by context")
     ap.add_argument("--plot", type=Path, default=None)
     args = ap.parse_args(argv)
     rs = runs(args.roots, args.scale, args.hot, args.after)
@@ -192,7 +218,8 @@ def main(argv=None) -> int:
         got = simulate(r, args) if args.simulate else None
         r["simulated"] = got and got["attained"]
         r["sim_latency"] = got and (got["mean_s"], got["p99_s"])
-        r["phases"] = got and got["phases"]
+        r["pairs"] = got["pairs"] if got else []
+        r["phases"] = phase_gaps(r["pairs"])
     sim = lambda r: "-" if r["simulated"] is None else f"{r['simulated'] * 100:.1f}%"  # noqa: E731
     err = lambda r: "-" if not r["sim_latency"] else "{:+.0f}% / {:+.0f}%".format(  # noqa: E731
         *(100 * (x / m - 1) for x, m in zip(r["sim_latency"], (r["mean_s"], r["p99_s"]))))
@@ -229,6 +256,15 @@ def main(argv=None) -> int:
         also = f"; simulated: {rate_at(simulated[policy, mps], args.target)}" if (policy, mps) in simulated else ""
         print(f"{policy}, {mps} a step: {args.target * 100:g}% held to {rate_at(pts, args.target)} req/s "
               f"(after {args.after:g} s: {rate_at(opened.get((policy, mps), []), args.target)}{also})")
+    if args.by_context:
+        print("\nMeasured minus simulated time per output token after the first, by the request's mean "
+              "context while decoding (its prompt and half its output):\n\n| policy | models a step "
+              "| context (tokens) | requests | gap per token (us) |\n| --- | --- | --- | --- | --- |")
+        for key in sorted({(r["policy"], r["mps"]) for r in rs}):
+            pairs = [p for r in rs if (r["policy"], r["mps"]) == key for p in r["pairs"]]
+            for lo, hi, n, gap in gap_by_context(pairs):
+                top = "" if hi >= CONTEXTS[-1] else f"{hi}"
+                print(f"| {key[0]} | {key[1]} | {lo}-{top} | {n} | {gap * 1e6:+.0f} |")
     if args.plot:
         from computron.workload.report import _pyplot
 

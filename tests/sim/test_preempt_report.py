@@ -183,6 +183,21 @@ def test_the_simulated_latency_is_compared_request_by_request():
                 rec("c", 7.0, None, None), rec("d", 9.0, 9.1, 9.2)]
     simulated = [rec("a", 1.0, 1.1, 1.8), rec("b", 2.0, 2.06, 2.4), rec("a", 5.0, 5.1, 5.2, prompt=7),
                  rec("a", 5.02, 5.1, 5.2, prompt=7), rec("c", 7.0, 7.1, 7.2), rec("d", 9.1, 9.1, 9.2)]
-    first, rest = report.phase_gaps(measured, simulated)
+    pairs = report.twins(measured, simulated)
+    assert [(r["model"], q["arrival"]) for r, q in pairs] == [("a", 1.0), ("b", 2.0)]
+    first, rest = report.phase_gaps(pairs)
     assert first == pytest.approx((0.09 + 0.02) / 2) and rest == pytest.approx((0.1 + 0.06) / 2)
-    assert report.phase_gaps(measured[3:], simulated) is None
+    assert report.phase_gaps(report.twins(measured[3:], simulated)) is None
+
+
+def test_the_gap_per_token_is_binned_by_context():
+    """(measured minus simulated decode time) / (output tokens - 1), binned by prompt + output / 2: 100
+    and 20 tokens (context 110) 19 ms slower is +1 ms a token, 120 and 30 (135) 87 ms slower +3 ms, so
+    +2 ms in the first bin; 400 and 40 (420) 78 ms slower, +2 ms in the third; 4 output tokens: left out."""
+    def pair(prompt, output, gap):
+        r = {"prompt_tokens": prompt, "output_tokens": output, "first_token": 1.0, "finish": 2.0 + gap}
+        return r, {**r, "finish": 2.0}
+    got = report.gap_by_context([pair(100, 20, 0.019), pair(400, 40, 0.078), pair(100, 4, 1.0),
+                                 pair(120, 30, 0.029 * 3)])
+    assert [(lo, hi, n) for lo, hi, n, _ in got] == [(0, 150, 2), (300, 450, 1)]
+    assert [g for *_, g in got] == [pytest.approx(0.002), pytest.approx(0.002)]  # (1 + 3) / 2 ms; 78 / 39

@@ -49,7 +49,7 @@ print('  slos:'); [print(f'    {n}: {{latency_s: {5 * s:.4f}}}') for n, s in sol
     pid=$!
     for _ in $(seq 300); do curl -sf http://127.0.0.1:$PORT/health > /dev/null && break; kill -0 $pid 2>/dev/null || break; sleep 1; done
     $C loadgen --url http://127.0.0.1:$PORT --trace "$TRACE" --out "$D/measured_$policy.json" --plots "$D/plots_$policy" | tail -3
-    curl -s http://127.0.0.1:$PORT/metrics | grep -E "^computron_(slo|preempt|run_ahead|shared_steps|engine_steps)" > "$D/metrics_$policy.txt"
+    curl -s http://127.0.0.1:$PORT/metrics | grep -E "^computron_(slo|preempt|run_ahead|shared_steps|engine_step)" > "$D/metrics_$policy.txt"
     kill -INT $pid; wait $pid
   done
 done

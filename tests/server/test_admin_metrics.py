@@ -173,6 +173,8 @@ def test_metrics_move(live):
     assert 'computron_queue_depth{model="tiny-llama"} 0.0' in text
     assert live.metric("computron_model_state", model="tiny-gpt2", state="resident") == 1
     assert live.metric("computron_ready") == 1
+    steps, busy = live.metric("computron_engine_steps_total"), live.metric("computron_engine_step_seconds_total")
+    assert steps >= 12 and 0 < busy < 60  # the engine thread's time in the steps of these requests
 
 
 def test_request_that_cannot_fit_beside_a_pinned_model_is_503_and_health_counts_admin_models(admin):
@@ -202,3 +204,5 @@ def test_engine_counters_of_preemption_are_exported():
     got = {m.name: m.samples[0].value for m in totals.collect()}
     assert (got["computron_preemptions"], got["computron_pauses"], got["computron_engine_steps"]) == (3, 2, 7)
     assert got["computron_shared_steps"] == 5
+    totals.stats["step_seconds"] = 1.5
+    assert {m.name: m.samples[0].value for m in totals.collect()}["computron_engine_step_seconds"] == 1.5

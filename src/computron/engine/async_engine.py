@@ -11,6 +11,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
@@ -53,7 +54,10 @@ class AsyncEngine:
                 pass
             if self.engine.has_work():
                 try:
-                    self.engine.step()
+                    t0 = time.perf_counter()
+                    if self.engine.step().batches:  # the wall time of steps that ran: host work and the device's
+                        stats = self.engine.stats
+                        stats["step_seconds"] = stats.get("step_seconds", 0.0) + time.perf_counter() - t0
                 except Exception as e:  # last line of defence: answer everything, keep the loop alive
                     log.exception("engine step failed")
                     for rid in list(self.engine.requests):

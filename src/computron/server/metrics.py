@@ -59,6 +59,9 @@ class _EngineTotals:
                 ("computron_swap_in_bytes", "swap_in_bytes", "Bytes of weights swapped in"),
                 ("computron_swap_in_seconds", "swap_in_seconds", "Seconds spent copying weights in"),
                 ("computron_engine_steps", "steps", "Engine steps run"),
+                ("computron_engine_step_seconds", "step_seconds", "Wall seconds the engine thread spent in steps "
+                 "that ran a batch: its host work and the waits for the device (over computron_engine_steps: "
+                 "a step's mean, to set against a calibration's)"),
                 ("computron_shared_steps", "shared_steps", "Steps that ran the batches of several models on one "
                  "device (--models-per-step)"),
                 ("computron_preemptions", "preemptions", "Running requests stopped to recompute their caches later "

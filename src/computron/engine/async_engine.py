@@ -54,9 +54,10 @@ class AsyncEngine:
                 pass
             if self.engine.has_work():
                 try:
-                    t0 = time.perf_counter()
-                    if self.engine.step().batches:  # the wall time of steps that ran: host work and the device's
-                        stats = self.engine.stats
+                    stats, t0 = self.engine.stats, time.perf_counter()
+                    ran = stats["steps"]
+                    self.engine.step()
+                    if stats["steps"] != ran:  # the wall time of steps that ran: host work and the device's
                         stats["step_seconds"] = stats.get("step_seconds", 0.0) + time.perf_counter() - t0
                 except Exception as e:  # last line of defence: answer everything, keep the loop alive
                     log.exception("engine step failed")

@@ -82,7 +82,8 @@ def main() -> int:
     for rate in RATES:
         rates = [rate * s / sum(SHARES) for s in SHARES]
         args = Namespace(trace=None, rates=",".join(map(str, rates)), rate=None, duration=120.0, cv=2.0, skew=0.0,
-                         prompt="32:512", output="16:256", seed=0, process="gamma")  # as `computron sim` builds it
+                         prompt="32:512", output="16:256", seed=0, process="gamma",
+                         start="stationary")  # as `computron sim` builds it
         trace = workload_from_args(args, NAMES)
         arrivals = list(trace)
         busy, steps, fewest, prefills = 0.0, 0, 0, 0

@@ -210,6 +210,8 @@ def main(argv=None) -> int:
                     help="--simulate: also the measured minus simulated time per output token by context")
     ap.add_argument("--plot", type=Path, default=None)
     args = ap.parse_args(argv)
+    if args.by_context and not args.simulate:
+        ap.error("--by-context compares measured requests with simulated ones: give --simulate CAL")
     rs = runs(args.roots, args.scale, args.hot, args.after)
     if not rs:
         print(f"no rate_*/measured_*.json under {', '.join(map(str, args.roots))}", file=sys.stderr)

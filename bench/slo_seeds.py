@@ -76,7 +76,12 @@ def load(paths: list[str]) -> tuple[Cells, dict]:
     cells: Cells = {}
     settings = None
     for path in paths:
-        d = json.loads(Path(path).read_text())
+        try:
+            d = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"slo_seeds.py: cannot read {path}: {e}") from None
+        if not isinstance(d, dict) or "settings" not in d or "configs" not in d:
+            raise SystemExit(f"slo_seeds.py: {path} is not a file this script wrote (no settings and configs)")
         same = {k: d["settings"][k] for k in ("duration", "start", "calibration", "rates")}
         if settings is not None and same != {k: settings[k] for k in same}:
             raise SystemExit(f"slo_seeds.py: {path} was simulated with other settings: {same} against {settings}")
@@ -131,6 +136,8 @@ def main(argv=None) -> None:
                     help="pool the seeds of files this script wrote instead of simulating")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.bootstrap < 0:
+        ap.error(f"--bootstrap takes a count of draws (0: none), got {args.bootstrap}")
     if args.load:
         cells, settings = load(args.load)
         settings["bootstrap"] = args.bootstrap

@@ -56,6 +56,9 @@ def test_the_runs_of_several_seeds_are_pooled_in_a_table(tmp_path, capsys):
     assert "| default | 1 | 4 | 2 | 12 | 92.5% | 100.0% | - |" in out  # (3 x 1.0 + 9 x 0.9) / 12
     assert [line.split("|")[-2].strip() for line in out.splitlines() if "| 0.40 / 1.00 |" in line] == ["seed1", "seed2"]
     assert "default, 1 a step: 99% held to <4 req/s (after 0 s: >4)" in out
+    with pytest.raises(SystemExit):
+        report.main([str(tmp_path), "--by-context"])
+    assert "--by-context compares measured requests with simulated ones" in capsys.readouterr().err
 
 
 def _measured(path: Path, trace, attained: float) -> None:
@@ -170,6 +173,14 @@ def test_the_simulated_seeds_pool_resample_and_merge(tmp_path, capsys):
         seeds.main(["--load", a, a, "--out", str(tmp_path / "x.json")])
     with pytest.raises(SystemExit, match="other settings"):
         seeds.main(["--load", a, write("c.json", 2, duration=200.0), "--out", str(tmp_path / "x.json")])
+    with pytest.raises(SystemExit, match="cannot read .*missing.json"):
+        seeds.main(["--load", str(tmp_path / "missing.json"), "--out", str(tmp_path / "x.json")])
+    (tmp_path / "other.json").write_text("[1, 2]")
+    with pytest.raises(SystemExit, match="not a file this script wrote"):
+        seeds.main(["--load", str(tmp_path / "other.json"), "--out", str(tmp_path / "x.json")])
+    with pytest.raises(SystemExit):
+        seeds.main(["--load", a, "--bootstrap", "-1"])
+    assert "--bootstrap takes a count" in capsys.readouterr().err
 
 
 def test_the_simulated_latency_is_compared_request_by_request():

@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from .arbiter import MODES
+from ..workload.arrivals import STARTS
 
 JOBS = {"gpt": dict(global_batch=32, micro_batch=16), "resnet": dict(global_batch=128, micro_batch=64)}
 RESULTS = Path("bench") / "results"
@@ -33,7 +34,7 @@ def arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="opt-1.3b", help="the served models' preset (default opt-1.3b)")
     p.add_argument("--rate", type=float, default=4.0, help="requests per second over all models")
     p.add_argument("--cv", type=float, default=4.0, help="coefficient of variation of inter-arrivals (bursty > 1)")
-    p.add_argument("--start", choices=("stationary", "arrival"), default="stationary",
+    p.add_argument("--start", choices=STARTS, default="stationary",
                    help="each model's arrivals seen from a random instant (default), or from an arrival at 0 (every "
                         "bursty stream then opens with a burst; how traces were made before 2026-11-29)")
     p.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals in each run")

@@ -64,7 +64,7 @@ def workload_from_args(args, names: list[str]) -> Trace:
         raise ValueError("give --trace, --rate or --rates")
     return make_workload(names, None if rates else args.rate, args.duration, cv=args.cv, skew=args.skew,
                          rates=rates, prompt=_length(args.prompt, "--prompt"), output=_length(args.output, "--output"),
-                         seed=args.seed, process=args.process, start=getattr(args, "start", "stationary"))
+                         seed=args.seed, process=args.process, start=args.start)
 
 
 def slo_report(records, base, args, title: str) -> dict:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from computron.planner.schedule import (first_chunk_from_order, first_chunk_inflight, inflight_closed_form,
+from computron.planner.schedule import (chunk_peaks, first_chunk_from_order, first_chunk_inflight, inflight_closed_form,
                                         inflight_from_order, lower_bound, op_order, simulate)
 
 
@@ -47,6 +47,15 @@ def test_first_chunk_inflight_matches_op_order(p, v, m):
     # only 2p of the 2(p-1) + (v-1)p + 1 interleaved (chunk, micro-batch) pairs (16 of 47 at p=8, v=5)
     assert first_chunk_inflight(p, v, m) == first_chunk_from_order(op_order(p, v, m, 0))
     assert first_chunk_inflight(8, 5, 128) == 16 and inflight_closed_form(8, 5, 128, 0) == 47
+
+
+def test_each_chunk_holds_its_own_micro_batches():
+    # 1F1B: stage s holds min(p - s, m); interleaved, per chunk, summing to no less than the stage's peak
+    assert [chunk_peaks(op_order(4, 1, 8, s)) for s in range(4)] == [{0: 4}, {1: 3}, {2: 2}, {3: 1}]
+    assert chunk_peaks(op_order(4, 1, 2, 0)) == {0: 2}
+    peaks = chunk_peaks(op_order(4, 2, 8, 1))
+    assert peaks == {1: 8, 5: 4}  # chunk 1 takes all 8 before its first backward
+    assert sum(peaks.values()) >= inflight_closed_form(4, 2, 8, 1) == 9
 
 
 @settings(max_examples=40, deadline=None)

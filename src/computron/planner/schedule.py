@@ -72,14 +72,20 @@ def first_chunk_inflight(p: int, v: int, m: int) -> int:
     return min(p, m) if v == 1 else min(2 * p, m)
 
 
+def chunk_peaks(ops) -> dict[int, int]:
+    """Per model chunk, the peak of its (#forwards - #backwards) along an op order: the micro-batches
+    it holds between forward and backward at most (a graphed stage's slots, ``train/stage_graphs.py``)."""
+    cur: dict[int, int] = {}
+    peak: dict[int, int] = {}
+    for kind, chunk, _ in ops:
+        cur[chunk] = cur.get(chunk, 0) + (1 if kind == 0 else -1)
+        peak[chunk] = max(peak.get(chunk, 0), cur[chunk])
+    return peak
+
+
 def first_chunk_from_order(ops) -> int:
     """Peak of chunk 0's (#forwards - #backwards) along stage 0's op order."""
-    peak = cur = 0
-    for kind, chunk, _ in ops:
-        if chunk == 0:
-            cur += 1 if kind == 0 else -1
-            peak = max(peak, cur)
-    return peak
+    return chunk_peaks(ops).get(0, 0)
 
 
 def inflight_from_order(ops) -> int:

@@ -213,8 +213,10 @@ def predict(shape, gpu: str, cfg: Config, profile: str | None, a=None) -> tuple[
 
 
 def graphed(graphs: bool, cfg: Config) -> bool:
-    """Whether ``cfg`` trains with CUDA graphs when they are asked for (``job.graphs_refused``: not in a
-    pipeline); the others run eager. ``Assumptions.graphed_steps`` predicts the same rows graphed."""
+    """Whether ``cfg`` trains with CUDA graphs when they are asked for (``job.graphs_refused``; a
+    pipeline's stages too, ``train/stage_graphs.py``); the others run eager. ``Assumptions.graphed_steps``
+    still predicts only the layouts without a pipeline graphed: the planner's model of graphed stages
+    waits for their measurement on two GPUs."""
     if not graphs:
         return False
     from .job import graphs_refused

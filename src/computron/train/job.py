@@ -199,12 +199,13 @@ def pool_bytes(device: torch.device, pool) -> int:
 
 
 def graphs_refused(device: str, pp: int, tp: int, colocate: bool = False) -> str | None:
-    """Why a job of this layout cannot train with ``cuda_graphs`` (None: it can). A pipeline's schedule
-    runs eager and colocation resizes micro-batches at run time. Tensor parallelism's all-reduces are
-    captured in the graphs; data parallelism's run after them, eager."""
-    if not device.startswith("cuda") or pp > 1 or colocate:
-        return ("cuda_graphs needs a CUDA device, no pipeline (pp=1) and no colocation: "
-                f"got device {device}, pp={pp}" + (", colocation" if colocate else ""))
+    """Why a job of this layout cannot train with ``cuda_graphs`` (None: it can). Colocation resizes
+    micro-batches at run time. Tensor parallelism's all-reduces are captured in the graphs; data
+    parallelism's run after them, eager; a pipeline's transfers stay with its schedule, outside each
+    stage's graphs (``train/stage_graphs.py``)."""
+    if not device.startswith("cuda") or colocate:
+        return ("cuda_graphs needs a CUDA device and no colocation: "
+                f"got device {device}" + (", colocation" if colocate else ""))
     return None
 
 
@@ -335,8 +336,15 @@ class Trainer:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
         pp, v = self.dims.pp, self.cfg.virtual_stages
+        modules: list[nn.Module] = list(self.stages)
+        if self.cfg.cuda_graphs:  # each chunk's micro-batches as graph replays, one slot for each held at once
+            from ..planner.schedule import chunk_peaks, op_order
+            from .stage_graphs import GraphedStage
+
+            held = chunk_peaks(op_order(pp, v, self.micro_batches, self.mesh.stage))
+            modules = self._graphed = [GraphedStage(st, held[c * pp + self.mesh.stage]) for c, st in enumerate(modules)]
         stages = [PipelineStage(st, c * pp + self.mesh.stage, pp * v, self.device, group=self.mesh.pp)
-                  for c, st in enumerate(self.stages)]
+                  for c, st in enumerate(modules)]
         if v == 1:
             return Schedule1F1B(stages[0], self.micro_batches, loss_fn=self._loss, scale_grads=False)
         return ScheduleInterleaved1F1B(stages, self.micro_batches, loss_fn=self._loss, scale_grads=False)
@@ -495,6 +503,8 @@ class Trainer:
         for g in self._graphs.values():
             g["graph"].reset()
         self._graphs.clear()
+        for st in getattr(self, "_graphed", ()):
+            st.reset()
         self._graph_bytes = 0
 
     def _pipeline(self, ids: list[int]) -> tuple[float, list[int]]:

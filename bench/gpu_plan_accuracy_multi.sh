@@ -19,9 +19,9 @@
 # NVLink multicast stays off. Results land in $OUT (or bench/results when OUT is unset) as
 # plan_accuracy_<gpu>_x<N>[_<set>].{json,png} and the profiles beside them.
 #   bash bench/gpu_plan_accuracy_multi.sh [two|four|all] [more bench plan-accuracy flags, e.g. --cuda-graphs]
-# With --cuda-graphs the layouts without a pipeline (tp and dp included) replay each micro-batch as a
-# CUDA graph and are predicted as such (Assumptions.graphed_steps): on two H200s their steps lost the
-# host's launch time and their predictions came within 14% (bench/results/plan_accuracy_h200_x2_graphs).
+# With --cuda-graphs every layout replays each micro-batch as CUDA graphs, a pipeline stage by stage
+# (train/stage_graphs.py), and is predicted as such (Assumptions.graphed_steps): on two H200s the 12
+# configured layouts came within 3.1% mean, 11.4% worst (bench/results/plan_accuracy_h200_x2_stage_graphs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1

@@ -253,9 +253,9 @@ def test_progress_bar_only_on_a_terminal(monkeypatch, capsys):
     assert "best 2.000 s" in capsys.readouterr().err
 
 
-def test_cuda_graphs_plan_a_layout_without_a_pipeline_at_its_graphed_time(tmp_path, capsys):
-    """``--cuda-graphs``: a layout without a pipeline takes the profile's ``graph_s`` and its tp
-    all-reduces their ring time alone; a pipeline keeps the eager figures."""
+def test_cuda_graphs_plan_every_layout_at_its_graphed_time(tmp_path, capsys):
+    """``--cuda-graphs``: a layout takes the profile's ``graph_s`` and its tp all-reduces their ring time
+    alone, a pipeline's stages too (the trainer graphs them, ``train/stage_graphs.py``)."""
     model = tmp_path / "tiny.yaml"
     model.write_text(TINY)
     entries = [{"tp": t, "mbs": b, "fwd_s": 1e-3 * b / t, "bwd_s": 2e-3 * b / t, "act_bytes": 1000 * b,
@@ -275,4 +275,4 @@ def test_cuda_graphs_plan_a_layout_without_a_pipeline_at_its_graphed_time(tmp_pa
     flat = ["--tp", "2", "--pp", "1", "--dp", "1"]
     assert estimate(flat, "--cuda-graphs") < estimate(flat)
     piped = ["--tp", "1", "--pp", "2", "--dp", "1"]
-    assert estimate(piped, "--cuda-graphs") == estimate(piped)
+    assert estimate(piped, "--cuda-graphs") < estimate(piped)

@@ -82,3 +82,25 @@ def test_max_layers_exact_with_runtime_peaks():
         usable = rng.uniform(0, 2) * stage_memory(t, L, inflight, mb, v, dp, zero1, TRAINER)
         fit = [n for n in range(L + 1) if stage_memory(t, n, inflight, mb, v, dp, zero1, TRAINER) <= usable]
         assert max_layers(t, usable, L, inflight, mb, v, dp, zero1, TRAINER) == (max(fit) if fit else 0)
+
+
+def test_graphed_pipeline_stages_keep_a_pool_per_slot():
+    """A graphed stage keeps one pool per slot (``schedule.graph_slots``): the slots count as the
+    micro-batches in flight, each keeps its chunk's 16-bit gradient, and on the last stage the static
+    logits and their gradient. Last stage, 1F1B, 3 slots, n=4, 8 micro-batches: states 7.2e7,
+    activations 3*4e7 + the loss 3e8, the 8 kept outputs 8e8, the pools' gradients 2*3*4e6 = 2.4e7,
+    the logits 2*3*1e8 = 6e8."""
+    from computron.planner.schedule import graph_slots, inflight_closed_form
+
+    graphed = replace(TRAINER, graphed_steps=True)
+    assert graph_slots(4, 1, 8, 1) == (3, 3, 3) and inflight_closed_form(4, 1, 8, 1) == 3
+    want = 7.2e7 + 1.2e8 + 3e8 + 8e8 + 2.4e7 + 6e8
+    assert stage_memory(HEAD, 4, 3, 8, 1, 1, 0, graphed, slots=(3, 3, 3)) == pytest.approx(want)
+    # interleaved, the chunks peak at different times: 4 + 2 slots on stage 0 of 2, above its 5 in flight;
+    # the embedding (fixed parameters, no logits) kept by the first chunk's 4 slots
+    assert graph_slots(2, 2, 8, 0) == (6, 4, 2) and inflight_closed_form(2, 2, 8, 0) == 5
+    first = MemoryTerms(1e6, 5e5, 1e7, 0.0, 0.0, 0.0, pipelined=True)
+    lean = replace(graphed, keep_pipeline_outputs=False, step_transients=False)
+    eager = stage_memory(first, 4, 5, 8, 2, 1, 0, replace(lean, graphed_steps=False))
+    got = stage_memory(first, 4, 5, 8, 2, 1, 0, lean, slots=(6, 4, 2))
+    assert got - eager == pytest.approx(1e7 * 2 + 2 * (6 * 2 * 1e6 + 4 * 5e5))

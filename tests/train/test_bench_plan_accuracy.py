@@ -255,8 +255,8 @@ def test_a_committed_graphed_run_rescores_to_its_own_predictions():
     """The two-H200 run with ``--cuda-graphs`` (layouts without a pipeline replayed as CUDA graphs),
     rescored from its committed profiles: its graphed rows at their profiles' ``graph_s`` and the
     graphed per-collective cost, its pipelines eager, every time as the run predicted it but for
-    torch's ZeRO-1 (its traffic modelled since); its memory and picks as the committed rescore has
-    them (the graphs' pool: the graphed rows' memory higher, the pipelines' unchanged)."""
+    torch's ZeRO-1 (its traffic modelled since); its memory as the committed rescore has it (the graphs'
+    pool: the graphed rows' memory higher, the pipelines' unchanged)."""
     import os
 
     from computron.train import accuracy
@@ -277,7 +277,11 @@ def test_a_committed_graphed_run_rescores_to_its_own_predictions():
             assert new["predicted_bytes"] > old["predicted_bytes"] and abs(new["memory_error"]) < 0.07, old["config"]
         else:
             assert new["predicted_bytes"] == old["predicted_bytes"]
-    assert again["pick"] == pooled["pick"]
+    # the picks searched again by the planner as it is now (which graphs pipelines too, unlike this run's
+    # trainer): each group has one, and one the run did not measure says so
+    assert [g["group"] for g in again["pick"]["groups"]] == [g["group"] for g in pooled["pick"]["groups"]]
+    for g in again["pick"]["groups"]:
+        assert g["pick_predicted_s"] > 0 and (g["pick_s"] is None) == (g.get("note") == "the pick was not measured")
     graphed = result["tp_collective"]["graphed_by_tp"]["2"]
     assert 0 < graphed < result["tp_collective"]["measured_by_tp"]["2"] / 4
     for r in again["rows"]:
@@ -289,3 +293,23 @@ def test_a_committed_graphed_run_rescores_to_its_own_predictions():
                              lambda s: None)
     worst = max(abs(r["time_error"]) for r in eager["rows"] if r["tp"] > 1)
     assert worst > 0.5 > max(abs(r["time_error"]) for r in again["rows"] if r["tp"] > 1)
+
+
+def test_the_profile_for_the_pick_measures_smaller_micro_batches(tmp_path, monkeypatch):
+    """With the pick's search coming, the profile covers every micro-batch size under the smallest
+    configured that divides a configured global batch (the search may pick one, and a size under the
+    smallest measured would be scaled in proportion, too fast); without it, the configured sizes only."""
+    import computron.planner.profile as profile
+    from computron.train.accuracy import profile_layers
+
+    asked = []
+
+    def fake(shape, tps, sizes, device, gpu, log=print):
+        asked.append((tps, sizes))
+        return {"dtype": "float32"}
+
+    monkeypatch.setattr(profile, "run_profile", fake)
+    configs = [Config.parse(c) for c in ("tiny-gpt2:4:12:16", "tiny-gpt2:8:16:16@pp=2")]
+    profile_layers(configs, "h200", "cpu", "float32", str(tmp_path / "p"), log=lambda s: None, search_tps=True)
+    profile_layers(configs, "h200", "cpu", "float32", str(tmp_path / "p"), log=lambda s: None)
+    assert [sizes for _, sizes in asked] == [[1, 2, 3, 4, 8], [4, 8]]

@@ -217,3 +217,18 @@ def test_zero1_broadcasts_one_bucket_per_rank_not_one_call_per_tensor(tmp_path):
     spawn(2, _count_broadcasts, str(tmp_path / "n.json"))
     got = json.loads((tmp_path / "n.json").read_text())
     assert got["broadcasts"] == 2 and got["tensors"] > 2, got
+
+
+def test_a_failed_rank_is_reported_by_its_exceptions_not_the_tail_of_a_message():
+    """torch's pipeline wraps a stage's error in one whose message ends in ``kwargs: {}``: the report
+    names the last exception (with its message from the next line) and its first cause."""
+    from computron.train.dist import _cause
+
+    trace = ("Traceback (most recent call last):\n  File \"stage.py\", line 3\n"
+             "ValueError: a graphed stage runs micro-batches of one shape\n\n"
+             "The above exception was the direct cause of the following exception:\n\n"
+             "RuntimeError: \n            [Stage 1] failed to run forward:\n            kwargs: {}\n")
+    assert _cause(trace) == ("RuntimeError: [Stage 1] failed to run forward: "
+                             "(caused by ValueError: a graphed stage runs micro-batches of one shape)")
+    assert _cause("Traceback\n  File x\nOSError: disk full\n") == "OSError: disk full"
+    assert _cause("killed\n") == "killed"

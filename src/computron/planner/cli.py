@@ -63,9 +63,10 @@ def _cost_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp-overlap", action="store_true",
                    help="TP all-gathers/reduce-scatters overlapped with the GEMMs (needs sequence parallelism)")
     p.add_argument("--cuda-graphs", action="store_true",
-                   help="the runtime replays each micro-batch of a layout without a pipeline as one CUDA graph "
+                   help="the runtime replays each micro-batch as CUDA graphs, a pipeline's stage by stage "
                         "(computron train --cuda-graphs): its layers at the profile's graph_s where it has them, "
-                        "its tensor-parallel all-reduces at their ring time, with no host cost")
+                        "its tensor-parallel all-reduces at their ring time, with no host cost; a stage's "
+                        "memory holds a graph pool per micro-batch in flight")
 
 
 def _search_args(p: argparse.ArgumentParser) -> None:

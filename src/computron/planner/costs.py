@@ -59,7 +59,7 @@ class Assumptions:
     # measure``), split between the forward and backward ops as its separate timings split; False, or
     # a profile entry without ``step_s``: the separate timings, each between two synchronisations
     # (an upper bound where the host's launch time exceeds the device's: small or recomputed layers)
-    graphed_steps: bool = False  # a layout without a pipeline replays each micro-batch as one CUDA graph
+    graphed_steps: bool = False  # each micro-batch replays as CUDA graphs (a pipeline's: stage by stage)
     # (``computron train --cuda-graphs``): a profiled layer's forward plus backward is its ``graph_s``
     # (the two replayed as one graph: device time, no host launch), split as ``paired_steps`` splits,
     # and each tensor-parallel all-reduce costs its ring time plus ``tp_collective_graphed_s`` (or the

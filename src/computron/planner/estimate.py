@@ -142,7 +142,7 @@ class CostModel:
         compute, forward TP communication, backward TP communication, what recomputation ``rec``
         runs again, activation bytes kept). What depends on the placement (ZeRO and ring-attention
         traffic) is not here: PlanContext adds it; the search's bounds use this alone. ``graphed``: the
-        micro-batch replays as a CUDA graph (``Assumptions.graphed_steps``, a layout without a pipeline):
+        micro-batch replays as a CUDA graph (``Assumptions.graphed_steps``; a pipeline's, stage by stage):
         the profile's graphed timings and the graphed per-collective cost (``Assumptions.graph_view``)."""
         key = ("ops", node.gpu.name, node.intra_bw, tp, mbs, sp, rec, cp, fp8, tp_overlap, graphed)
         hit = self._cache.get(key)
@@ -233,7 +233,8 @@ def memory_terms(m: TransformerShape, tp: int, mbs: int, s: int, p: int, recompu
 
 
 def stage_memory(t: MemoryTerms, n: int, inflight: int, mb: int, v: int, dp: int, zero: int,
-                 a: Assumptions, fp8: bool = False, first: int | None = None) -> float:
+                 a: Assumptions, fp8: bool = False, first: int | None = None,
+                 slots: tuple[int, int, int] | None = None) -> float:
     """Bytes per GPU of a stage holding n layers with ``inflight`` (chunk, micro-batch) activations:
     ``state_bytes(n*P_layer) + state_bytes(P_fixed) + ZeRO working set + inflight*ceil(n/v)*A_kept
     + A_work + first*A_first + A_fixed`` (``dp``: the ranks ZeRO shards over; ``first``: micro-batches
@@ -253,17 +254,33 @@ def stage_memory(t: MemoryTerms, n: int, inflight: int, mb: int, v: int, dp: int
     - ``a.graphed_steps`` without a pipeline: the CUDA graphs' private pool keeps what one captured
       micro-batch allocates for the whole step, apart from the eager transients, at most its
       activations and its 16-bit gradient: ``states + A + 2P``, plus the flat copy ``G`` with dp > 1
-      (an upper bound: the backward frees activations as the gradient grows)."""
+      (an upper bound: the backward frees activations as the gradient grows);
+    - ``a.graphed_steps`` with a pipeline, ``slots`` (:func:`schedule.graph_slots`: all the stage's
+      chunks', its first chunk's, its last chunk's): each slot keeps a micro-batch's activations in
+      its own pool, so the slots count as the micro-batches in flight (above the stage's in-flight peak
+      when interleaved), and each keeps its chunk's 16-bit gradient, made before the addition into the
+      float32 accumulators, and on the last stage the static logits and their gradient:
+      ``+ 2*(slots*ceil(n/v)*P_layer + slots_c*P_fixed) + 2*slots_last*O`` (slots_c: the chunk
+      holding the embedding or the head). An upper bound as above, measured within 0-15% on two H200s
+      (bench/results/plan_accuracy_h200_x2_stage_graphs)."""
     params = n * t.layer_params + t.fixed_params
     states = costs.state_bytes(n * t.layer_params, dp, zero, a, fp8) + costs.state_bytes(t.fixed_params, dp, zero, a)
     states += costs.zero_working_bytes(t.layer_params, t.fixed_params, zero, a, fp8)
+    graphed_stage = a.graphed_steps and t.pipelined and slots is not None
+    if graphed_stage:
+        inflight = slots[0]
     first = min(inflight, mb) if first is None else first
     act = inflight * math.ceil(n / v) * t.act_layer + t.act_work + first * t.act_fixed_mb + t.act_fixed
     graphed = a.graphed_steps and not t.pipelined
-    if not (a.keep_pipeline_outputs or a.step_transients or graphed):  # Megatron-LM's: the search's hot path
+    if not (a.keep_pipeline_outputs or a.step_transients or graphed or graphed_stage):  # the search's hot path
         return states + act
     kept = mb * t.out_mb if a.keep_pipeline_outputs else 0.0
     peaks = [states + act + kept, states + 2 * kept]
+    if graphed_stage:
+        total, first_c, last_c = slots
+        last = t.out_mb > 0
+        pools = 2.0 * (total * math.ceil(n / v) * t.layer_params + (last_c if last else first_c) * t.fixed_params)
+        peaks[0] += pools + 2.0 * last_c * t.out_mb
     if a.step_transients:
         grads = params * a.grad_bytes if zero < 2 else 0.0
         if not t.pipelined:
@@ -278,15 +295,16 @@ def stage_memory(t: MemoryTerms, n: int, inflight: int, mb: int, v: int, dp: int
 
 
 def max_layers(t: MemoryTerms, usable: float, L: int, inflight: int, mb: int, v: int, dp: int, zero: int,
-               a: Assumptions, fp8: bool = False, first: int | None = None) -> int:
+               a: Assumptions, fp8: bool = False, first: int | None = None,
+               slots: tuple[int, int, int] | None = None) -> int:
     """Most layers (<= L) a stage can hold within ``usable`` bytes; 0 when not even one fits.
     Memory is (nearly, through ceil(n/v)) linear in n: start from the linear solution and step to
     the exact last n that fits (memory grows with n)."""
     def fits(n: int) -> bool:
-        return stage_memory(t, n, inflight, mb, v, dp, zero, a, fp8, first) <= usable
+        return stage_memory(t, n, inflight, mb, v, dp, zero, a, fp8, first, slots) <= usable
 
     slope = costs.state_bytes(t.layer_params, dp, zero, a, fp8) + inflight * t.act_layer / v
-    room = usable - stage_memory(t, 0, inflight, mb, v, dp, zero, a, fp8, first)
+    room = usable - stage_memory(t, 0, inflight, mb, v, dp, zero, a, fp8, first, slots)
     n = min(L, max(0, math.floor(room / slope))) if slope > 0 else (L if room >= 0 else 0)
     while n < L and fits(n + 1):
         n += 1
@@ -433,7 +451,7 @@ class PlanContext:
         best = None
         e_w = costs.weight_gather_bytes(cfg.fp8, e, a)  # fp8 weights are gathered in 1 byte
         zf, zb = costs.zero_layer_comm(m.layer_params(t), n_sh, env.dp_bw, env.dp_latency, cfg.zero, a, e_w)
-        graphed = a.graphed_steps and p == 1  # the runtime graphs the layouts without a pipeline
+        graphed = a.graphed_steps  # the runtime graphs every micro-batch (a pipeline's: each stage's)
         for node in env.nodes:
             f, bw, ftp, btp, rec, act = self.cm.ops(node, t, b, cfg.sp, cfg.recomputation, cp, cfg.fp8, cfg.tp_overlap,
                                                     graphed)
@@ -492,14 +510,21 @@ class PlanContext:
         cfg = self.cfg
         inflight = schedule.inflight_closed_form(self.p, cfg.v, self.mb, s)
         return stage_memory(self.stages[s].mem, n, inflight, self.mb, cfg.v, cfg.shard, cfg.zero, self.cm.a, cfg.fp8,
-                            schedule.first_chunk_inflight(self.p, cfg.v, self.mb))
+                            schedule.first_chunk_inflight(self.p, cfg.v, self.mb), self._slots(s))
+
+    def _slots(self, s: int) -> tuple[int, int, int] | None:
+        """Stage s's graph slots when the runtime graphs a pipeline's stages (``stage_memory``)."""
+        if not (self.cm.a.graphed_steps and self.p > 1):
+            return None
+        return schedule.graph_slots(self.p, self.cfg.v, self.mb, s)
 
     def _cap(self, s: int) -> int:
         """Most layers stage s can hold within its usable memory (0 when even one does not fit)."""
         cfg = self.cfg
         inflight = schedule.inflight_closed_form(self.p, cfg.v, self.mb, s)
+        first = schedule.first_chunk_inflight(self.p, cfg.v, self.mb)
         return max_layers(self.stages[s].mem, self.stages[s].usable, self.m.layers, inflight, self.mb, cfg.v,
-                          cfg.shard, cfg.zero, self.cm.a, cfg.fp8, schedule.first_chunk_inflight(self.p, cfg.v, self.mb))
+                          cfg.shard, cfg.zero, self.cm.a, cfg.fp8, first, self._slots(s))
 
     # ---- partitioning
     def linear_terms(self) -> tuple[list[float], list[float]]:

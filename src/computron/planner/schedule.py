@@ -83,6 +83,15 @@ def chunk_peaks(ops) -> dict[int, int]:
     return peak
 
 
+@lru_cache(maxsize=4096)
+def graph_slots(p: int, v: int, m: int, s: int) -> tuple[int, int, int]:
+    """A graphed pipeline stage's slots (``train/stage_graphs.py``: one graph per micro-batch a chunk
+    holds at once, each with memory of its own): (all its chunks', its first chunk's, its last chunk's).
+    Interleaved, the sum is above the stage's in-flight peak: the chunks peak at different times."""
+    peaks = chunk_peaks(op_order(p, v, m, s))
+    return sum(peaks.values()), peaks.get(s, 0), peaks.get((v - 1) * p + s, 0)
+
+
 def first_chunk_from_order(ops) -> int:
     """Peak of chunk 0's (#forwards - #backwards) along stage 0's op order."""
     return chunk_peaks(ops).get(0, 0)

@@ -184,7 +184,7 @@ def _tau(m: TransformerShape, nt, dims: ParallelDims, b: int, cm: CostModel, opt
     tau = cm.cache.get(key)
     if tau is None:
         f, bw, ftp, btp, again, _ = cm.ops(nt, dims.tp, b, sp, rec, dims.cp, opts.fp8, opts.tp_overlap and sp,
-                                           cm.a.graphed_steps and dims.pp == 1)
+                                           cm.a.graphed_steps)
         tau = cm.cache[key] = (f + bw + ftp + btp + again) / b
     return tau
 

@@ -136,8 +136,8 @@ def assumptions(measured: dict[int, float] | None = None, keeps_outputs: bool | 
     """The cost model's assumptions for this trainer: bf16 weight copies, float32 gradients, masters
     and AdamW moments, 18 bytes a parameter; and its own host-bound step:
 
-    - with ``graphs`` (``--cuda-graphs``), ``graphed_steps``: the layouts without a pipeline replay
-      each micro-batch as a CUDA graph, their layers at the profile's ``graph_s`` and each
+    - with ``graphs`` (``--cuda-graphs``), ``graphed_steps``: every layout replays each micro-batch as
+      CUDA graphs (a pipeline stage by stage), its layers at the profile's ``graph_s`` and each
       tensor-parallel all-reduce at its ring time plus ``graphed`` ({tp: seconds}, ``tpcoll.py``'s
       graphed measurement of this run) for each tp it holds, else the ring alone;
     - the tensor-parallel per-collective cost: ``measured`` ({tp: seconds}, ``tpcoll.py``, this run's
@@ -214,9 +214,8 @@ def predict(shape, gpu: str, cfg: Config, profile: str | None, a=None) -> tuple[
 
 def graphed(graphs: bool, cfg: Config) -> bool:
     """Whether ``cfg`` trains with CUDA graphs when they are asked for (``job.graphs_refused``; a
-    pipeline's stages too, ``train/stage_graphs.py``); the others run eager. ``Assumptions.graphed_steps``
-    still predicts only the layouts without a pipeline graphed: the planner's model of graphed stages
-    waits for their measurement on two GPUs."""
+    pipeline's stages too, ``train/stage_graphs.py``, and ``Assumptions.graphed_steps`` predicts them
+    so); the others run eager."""
     if not graphs:
         return False
     from .job import graphs_refused
@@ -256,8 +255,10 @@ def _measure_here(cfg: Config, device: str, dtype: str, warmup: int, steps: int,
                              cuda_graphs=graphed(graphs, cfg),
                              synthetic_tokens=(cfg.global_batch * (warmup + steps) + 1) * cfg.seq_len + 1))
     recs = [tr.train_step() for _ in range(warmup + steps)][warmup:]
-    out = {"time_s": statistics.median(r["time_s"] for r in recs), "peak_bytes": max(max(r["peak_bytes"]) for r in recs),
-           "tflops_per_gpu": statistics.median(r["tflops_per_gpu"] for r in recs)}
+    by_rank = [max(ranks) for ranks in zip(*(r["peak_bytes"] for r in recs))]
+    out = {"time_s": statistics.median(r["time_s"] for r in recs), "peak_bytes": max(by_rank),
+           "tflops_per_gpu": statistics.median(r["tflops_per_gpu"] for r in recs),
+           "peak_bytes_by_rank": by_rank, "graph_bytes_by_rank": recs[-1]["graph_bytes"]}
     tr.close()  # its graphs go before the process group does
     del tr, recs
     _release()  # else the next configuration's peak would count this one's memory
@@ -318,8 +319,11 @@ def profile_layers(configs: list[Config], gpu: str, device: str, dtype: str, out
                    search_tps: bool = False) -> dict:
     """``plan profile`` of this device for every (model, sequence length, tp) the configurations use, at
     their micro-batch sizes, written beside ``out``; {(model, seq_len): profile path}. ``search_tps``:
-    also every tp the planner's pick may take on the configurations' GPU counts (``pick.trainer_tps``),
-    so that the search compares measured layers with measured layers."""
+    also every tp the planner's pick may take on the configurations' GPU counts (``pick.trainer_tps``)
+    and every micro-batch size under the smallest configured that divides a configured global batch,
+    so that the search compares measured layers with measured layers (a size under the smallest
+    measured is scaled in proportion, which flatters it: a small micro-batch uses the GPU less well;
+    on two H200s picks of micro-batch 1 ran 1.1-1.5x slower than so predicted)."""
     from ..models import resolve_model
     from ..planner.profile import run_profile
     from .pick import trainer_tps
@@ -331,6 +335,10 @@ def profile_layers(configs: list[Config], gpu: str, device: str, dtype: str, out
         sizes.add(c.mbs)
         if search_tps:
             tps.update(trainer_tps(shape_of(resolve_model(c.model, dtype="float32")[0], c.seq_len, 1), c.world))
+    if search_tps:
+        for (model, seq), (_, sizes) in want.items():
+            batches = {c.global_batch for c in configs if (c.model, c.seq_len) == (model, seq)}
+            sizes.update(b for b in range(1, min(sizes)) if any(g % b == 0 for g in batches))
     paths = {}
     for (model, seq), (tps, sizes) in want.items():
         shape = shape_of(resolve_model(model, dtype="float32")[0], seq, 1)
@@ -354,8 +362,8 @@ def run(configs: list[Config], gpu: str, device: str, dtype: str, profile: str |
     not raised) and ``pick`` in the result compares each pick with its group's fastest (``pick.py``).
     ``links``: all-reduce and send/recv measured over every number of ranks (> 1) the configurations
     use, beside the bandwidths the planner assumes (``links.py``; ``link_sizes`` in bytes). ``graphs``:
-    layouts without a pipeline train with CUDA graphs (``computron train --cuda-graphs``); each row
-    says whether it did. ``tp_collective``: the per-collective cost of tensor parallelism measured
+    every layout trains with CUDA graphs (``computron train --cuda-graphs``); each row says whether
+    it did. ``tp_collective``: the per-collective cost of tensor parallelism measured
     first over every tp size the configurations (and the search) use (``tpcoll.py``); every
     prediction and the search take it, the fitted constant for a size not measured; the result's
     ``tp_collective`` says which (:func:`tp_collective_used`)."""
@@ -430,13 +438,16 @@ def score(cfg: Config, model_cfg, got: dict, gpu: str, prof: str | None, log=pri
            "time_error": pred_s / got["time_s"] - 1, "measured_bytes": got["peak_bytes"],
            "predicted_bytes": pred_mem, "memory_error": pred_mem / got["peak_bytes"] - 1,
            "tflops_per_gpu": got["tflops_per_gpu"], "profile": prof}
+    for key in ("peak_bytes_by_rank", "graph_bytes_by_rank"):  # the ranks' peaks and their graphs' pools
+        if key in got:
+            row[key] = got[key]
     paired = ""
     if prof and has_steps(prof, gpu):  # the same with each layer's forward and backward as a step issues them
         row["paired_s"] = predict(shape, gpu, cfg, prof, replace(a, paired_steps=True))[0]
         row["paired_error"] = row["paired_s"] / got["time_s"] - 1
         paired = f", paired {row['paired_s']:.4f} s ({row['paired_error']:+.1%})"
     if cfg.tp > 1:
-        used = a.graph_view() if a.graphed_steps and cfg.pp == 1 else a
+        used = a.graph_view() if a.graphed_steps else a
         row["tp_collective_s"] = used.tp_collective_at(cfg.tp)
         row["tp_collective_source"] = "measured" if cfg.tp in dict(used.tp_collective_by_tp) else "fitted"
     if prof:
@@ -500,8 +511,10 @@ def rescore(result: dict, profiles: str | None, log=print) -> dict:
         if prof and profiles:
             prof = os.path.join(profiles, os.path.basename(prof))
         where[cfg.model, cfg.seq_len] = prof
-        got = {"time_s": r["measured_s"], "peak_bytes": r["measured_bytes"], "tflops_per_gpu": r["tflops_per_gpu"]}
-        rows.append(score(cfg, resolve_model(cfg.model, dtype="float32")[0], got, result["gpu"], prof, log, a))
+        got = {"time_s": r["measured_s"], "peak_bytes": r["measured_bytes"], "tflops_per_gpu": r["tflops_per_gpu"],
+               **{k: r[k] for k in ("peak_bytes_by_rank", "graph_bytes_by_rank") if k in r}}
+        ran = a if r.get("cuda_graphs") else replace(a, graphed_steps=False)  # each row as it ran
+        rows.append(score(cfg, resolve_model(cfg.model, dtype="float32")[0], got, result["gpu"], prof, log, ran))
         rows[-1]["cuda_graphs"] = r.get("cuda_graphs", False)
         if r.get("added"):
             rows[-1]["added"] = r["added"]

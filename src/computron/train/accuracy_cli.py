@@ -84,7 +84,8 @@ def add_bench_parser(bsub) -> None:
                    help="skip measuring the per-collective cost of tensor parallelism over 2 (and 4) ranks; the "
                         "predictions take the fitted 220 us instead")
     p.add_argument("--cuda-graphs", action="store_true",
-                   help="train the layouts without a pipeline with CUDA graphs (computron train --cuda-graphs)")
+                   help="train every layout with CUDA graphs, pipelines stage by stage (computron train "
+                        "--cuda-graphs), and predict them so")
     p.set_defaults(func=cmd)
 
 

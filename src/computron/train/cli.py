@@ -62,8 +62,8 @@ def add_parser(sub) -> None:
     g.add_argument("--recompute", action="store_true", help="recompute each layer's activations in the backward")
     g.add_argument("--cuda-graphs", action="store_true",
                    help="replay each micro-batch's forward and backward (collectives included) as one CUDA graph, "
-                        "captured once per micro-batch size: the host launches one graph instead of every kernel "
-                        "(CUDA, no pipeline, no colocation)")
+                        "captured once per micro-batch size (a pipeline's: per stage and micro-batch in flight): "
+                        "the host launches one graph instead of every kernel (CUDA, no colocation)")
     g.add_argument("--timeout", type=float, default=d.timeout_s, dest="timeout_s",
                    help="seconds a collective may wait before the job fails")
     p.set_defaults(func=run, _fields=[f.name for f in fields(TrainConfig)])

@@ -19,6 +19,7 @@ as one rank exits with an error and says which one.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import sys
 from dataclasses import dataclass
@@ -133,6 +134,19 @@ class RankFailed(RuntimeError):
     pass
 
 
+def _cause(trace: str) -> str:
+    """The exceptions a rank's traceback names, the first cause and the last raised (a chain's last line
+    alone may be the tail of a long message, saying nothing)."""
+    lines = [line.strip() for line in trace.splitlines()]
+    raised = []
+    for i, line in enumerate(lines):
+        if re.match(r"[A-Za-z_][\w.]*(Error|Exception|Failed)\b", line):  # a message on the next line: join it
+            raised.append(" ".join([line] + [x for x in lines[i + 1:i + 2] if x]) if line.endswith(":") else line)
+    if not raised:
+        return trace.strip().splitlines()[-1] if trace.strip() else "no traceback"
+    return raised[-1] if len(raised) == 1 or raised[0] == raised[-1] else f"{raised[-1]} (caused by {raised[0]})"
+
+
 def spawn(nproc: int, fn, *args) -> None:
     """Run ``fn(*args)`` in ``nproc`` fresh processes on this machine (ranks 0..nproc-1); a rank that
     raises, exits non-zero or dies ends the others and raises :class:`RankFailed` naming it."""
@@ -141,8 +155,7 @@ def spawn(nproc: int, fn, *args) -> None:
     try:
         mp.start_processes(_entry, args=(nproc, free_port(), fn, args), nprocs=nproc, join=True, start_method="spawn")
     except mp.ProcessRaisedException as e:
-        last = str(e).strip().splitlines()[-1]
-        raise RankFailed(f"rank {e.error_index} of {nproc} failed: {last}") from None
+        raise RankFailed(f"rank {e.error_index} of {nproc} failed: {_cause(str(e))}") from None
     except mp.ProcessExitedException as e:
         how = f"was killed by signal {e.signal_name}" if e.signal_name else f"exited with code {e.exit_code}"
         raise RankFailed(f"rank {e.error_index} of {nproc} {how}; the job stopped") from None

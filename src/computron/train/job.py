@@ -59,6 +59,7 @@ from ..planner.profile import side_stream
 from .config import TrainConfig
 from .data import TokenData
 from .dist import Mesh
+from .stage_graphs import pool_bytes
 
 
 def model_flops_per_sample(c: ModelConfig, seq_len: int) -> float:
@@ -190,14 +191,6 @@ def pipeline_keeps_outputs() -> bool:
     return "return_outputs" not in inspect.signature(PipelineScheduleSingle.step).parameters
 
 
-def pool_bytes(device: torch.device, pool) -> int:
-    """Bytes the caching allocator holds in the private memory pool ``pool`` of ``device`` (the
-    segments a CUDA graph capture allocated there)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
-               if seg["device"] == index and tuple(seg["segment_pool_id"]) == tuple(pool))
-
-
 def graphs_refused(device: str, pp: int, tp: int, colocate: bool = False) -> str | None:
     """Why a job of this layout cannot train with ``cuda_graphs`` (None: it can). Colocation resizes
     micro-batches at run time. Tensor parallelism's all-reduces are captured in the graphs; data
@@ -227,7 +220,6 @@ class Trainer:
         self._vocab = self.chunks[-1][0].vocab[:2]  # (start, stop) of the vocabulary the last chunk's head holds
         self.stages = [_Stage(m, self.compute_dtype) for _, m in self.chunks]
         self.opt = self._optimizer()
-        self.schedule = self._schedule() if self.dims.pp > 1 else None
         self.data = (TokenData.from_text(cfg.data, load_tokenizer(ckpt_dir, self.model_cfg), cfg.seq_len, cfg.seed)
                      if cfg.data else
                      TokenData.synthetic(self.model_cfg.vocab_size, cfg.synthetic_tokens, cfg.seq_len, cfg.seed))
@@ -239,6 +231,7 @@ class Trainer:
         self._grad_acc: list[torch.Tensor] | None = None
         self._graph_pool = None
         self._graph_bytes = 0  # what the captures' private pool holds (peak memory counts it)
+        self.schedule = self._schedule() if self.dims.pp > 1 else None  # graphed stages: their accumulators too
         self.samples_seen: list[list[int]] = []  # per step, the sample ids in the order they were used
         cuda = self.device.type == "cuda"
         self.parking = Parking(lambda: training_slots(self.params.values(), self.opt), self.device)
@@ -342,7 +335,11 @@ class Trainer:
             from .stage_graphs import GraphedStage
 
             held = chunk_peaks(op_order(pp, v, self.micro_batches, self.mesh.stage))
-            modules = self._graphed = [GraphedStage(st, held[c * pp + self.mesh.stage]) for c, st in enumerate(modules)]
+            self._grad_acc = [torch.zeros_like(p) for p in self.params.values()]  # the stages' graphs add into them
+            acc = {id(w): a for w, a in zip(self.work, self._grad_acc)}
+            modules = self._graphed = [
+                GraphedStage(st, held[c * pp + self.mesh.stage], [acc[id(w)] for w in st.parameters()])
+                for c, st in enumerate(modules)]
         stages = [PipelineStage(st, c * pp + self.mesh.stage, pp * v, self.device, group=self.mesh.pp)
                   for c, st in enumerate(modules)]
         if v == 1:
@@ -513,8 +510,13 @@ class Trainer:
         first, last = self.mesh.stage == 0, self.mesh.stage == self.dims.pp - 1
         losses: list[torch.Tensor] = []
         kw = {} if pipeline_keeps_outputs() else {"return_outputs": False}  # the last stage's logits, unused
+        if self.cfg.cuda_graphs:
+            torch._foreach_zero_(self._grad_acc)
         self.schedule.step(*((inputs.to(self.device),) if first else ()),
                            target=targets.to(self.device) if last else None, losses=losses, **kw)
+        if self.cfg.cuda_graphs:  # the graphs added the gradients into the accumulators
+            for p, acc in zip(self.params.values(), self._grad_acc):
+                p.grad = acc
         return float(sum(x.detach() for x in losses)) if last else 0.0, [self.cfg.micro_batch] * self.micro_batches
 
     def _sync_grads(self) -> None:
@@ -549,21 +551,23 @@ class Trainer:
         dist.all_reduce(t)
         return float(t)
 
-    def _peak_bytes(self) -> list[int]:
-        """Peak memory of each rank: allocated GPU memory this step, plus what the CUDA graphs' private
-        pool holds (a replay allocates nothing, so the allocator's peak would leave the activations
-        out; a step that captures counts its pool twice, allocated and reserved), or the process's peak
-        resident size on the CPU."""
+    def _memory(self) -> tuple[list[int], list[int]]:
+        """Per rank, the peak memory and what of it CUDA graphs' private pools hold. The peak: the
+        memory allocated this step, plus the pools' room beyond their live tensors (a replay allocates
+        nothing, so the allocator's peak would leave its activations out; a step that captures counts
+        them twice, allocated and reserved), or the process's peak resident size on the CPU."""
+        graphs = 0
         if self.device.type == "cuda":
-            mine = torch.cuda.max_memory_allocated(self.device) + self._graph_bytes
+            graphs = self._graph_bytes + sum(st.pool_bytes for st in getattr(self, "_graphed", ()))
+            mine = torch.cuda.max_memory_allocated(self.device) + graphs
         else:
             mine = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         if not self.mesh.distributed:
-            return [mine]
-        t = torch.tensor([mine], dtype=torch.float64, device=self.device)
+            return [mine], [graphs]
+        t = torch.tensor([mine, graphs], dtype=torch.float64, device=self.device)
         out = [torch.empty_like(t) for _ in range(self.dims.world_size)]
         dist.all_gather(out, t)
-        return [int(x) for x in out]
+        return [int(x[0]) for x in out], [int(x[1]) for x in out]
 
     def train_step(self) -> dict:
         cfg, dims, m = self.cfg, self.dims, self.mesh
@@ -584,12 +588,13 @@ class Trainer:
         if cuda:
             torch.cuda.synchronize(self.device)
         dt = time.perf_counter() - t0
+        peaks, graphs = self._memory()
         self.step_no += 1
         self.samples_seen.append(ids)
         return {"step": self.step_no, "loss": loss, "micro_batches": sizes, "time_s": dt,
                 "tokens_per_s": len(ids) * cfg.seq_len / dt,
                 "tflops_per_gpu": self.flops_per_sample * len(ids) / dt / dims.world_size / 1e12,
-                "peak_bytes": self._peak_bytes()}
+                "peak_bytes": peaks, "graph_bytes": graphs}
 
     def _profiler(self):
         cfg = self.cfg

@@ -231,6 +231,7 @@ class Trainer:
         self._grad_acc: list[torch.Tensor] | None = None
         self._graph_pool = None
         self._graph_bytes = 0  # what the captures' private pool holds (peak memory counts it)
+        self._graphed: list = []  # a graphed pipeline's stages (train/stage_graphs.py), made by _schedule
         self.schedule = self._schedule() if self.dims.pp > 1 else None  # graphed stages: their accumulators too
         self.samples_seen: list[list[int]] = []  # per step, the sample ids in the order they were used
         cuda = self.device.type == "cuda"
@@ -500,7 +501,7 @@ class Trainer:
         for g in self._graphs.values():
             g["graph"].reset()
         self._graphs.clear()
-        for st in getattr(self, "_graphed", ()):
+        for st in self._graphed:
             st.reset()
         self._graph_bytes = 0
 
@@ -558,7 +559,7 @@ class Trainer:
         them twice, allocated and reserved), or the process's peak resident size on the CPU."""
         graphs = 0
         if self.device.type == "cuda":
-            graphs = self._graph_bytes + sum(st.pool_bytes for st in getattr(self, "_graphed", ()))
+            graphs = self._graph_bytes + sum(st.pool_bytes for st in self._graphed)
             mine = torch.cuda.max_memory_allocated(self.device) + graphs
         else:
             mine = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

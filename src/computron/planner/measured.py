@@ -10,7 +10,8 @@ backward timed back to back as a step issues them (an entry's ``step_s``, which 
 before it was measured lack: None then), or with ``graphed`` the two replayed as one CUDA graph (an
 entry's ``graph_s``: CUDA profiles made since it was measured). Between measured micro-batch sizes
 times are interpolated linearly; outside them they are scaled in proportion to the micro-batch size
-from the nearest measurement.
+from the nearest measurement (the cost model scales a layer instead as the roofline does,
+``CostModel.layer``).
 """
 
 from __future__ import annotations
@@ -74,6 +75,12 @@ class ProfileTable:
         diff = [f"{k}={self.shape.get(k)!r} (model has {want[k]!r})" for k in SHAPE_KEYS if k in self.shape and self.shape[k] != want[k]]
         if diff:
             raise PlannerError(f"profile {self.source or ''} was measured for another layer shape: {', '.join(diff)}")
+
+    def nearest_size(self, tp: int, mbs: int) -> int:
+        """The measured micro-batch size of one layer at ``tp`` nearest ``mbs`` when ``mbs`` is outside
+        the measured range; ``mbs`` itself inside it (or when tp was not measured)."""
+        sizes = [r[0] for r in self.entries.get(tp, ())]
+        return min(max(mbs, sizes[0]), sizes[-1]) if sizes else mbs
 
     def lookup(self, gpu: str, tp: int, mbs: int) -> tuple[float, float, float | None] | None:
         """(fwd_s, bwd_s, act_bytes) for one layer, or None when this GPU type / tp was not measured."""

@@ -323,7 +323,7 @@ def profile_layers(configs: list[Config], gpu: str, device: str, dtype: str, out
     and every micro-batch size under the smallest configured that divides a configured global batch,
     so that the search compares measured layers with measured layers (a size under the smallest
     measured is scaled in proportion, which flatters it: a small micro-batch uses the GPU less well;
-    on two H200s picks of micro-batch 1 ran 1.1-1.5x slower than so predicted)."""
+    on two H200s picks of micro-batch 1 ran 1.3-1.7x slower than so predicted)."""
     from ..models import resolve_model
     from ..planner.profile import run_profile
     from .pick import trainer_tps

@@ -22,8 +22,15 @@ def test_plan_accuracy_writes_rows_summary_and_png(tmp_path, capsys):
     rows, s = data["rows"], data["summary"]
     assert [(r["model"], r["recompute"], r["pp"]) for r in rows] == [("tiny-gpt2", False, 1), ("tiny-llama", True, 1),
                                                                      ("tiny-gpt2", False, 2)]
-    # the two-stage layout ran as two processes and was predicted as two stages: less memory per GPU
+    # the two-stage layout ran as two processes and was predicted as two stages: less memory per GPU;
+    # each stage's memory recorded, predicted and measured (its rank's peak), the largest the row's
     assert rows[2]["predicted_bytes"] < rows[0]["predicted_bytes"]
+    piped = rows[2]
+    assert len(piped["predicted_bytes_by_stage"]) == 2 == len(piped["measured_bytes_by_stage"])
+    assert max(piped["predicted_bytes_by_stage"]) == piped["predicted_bytes"]
+    assert piped["measured_bytes_by_stage"] == piped["peak_bytes_by_rank"]  # dp = tp = 1: a rank a stage
+    assert max(piped["measured_bytes_by_stage"]) == piped["measured_bytes"]
+    assert "predicted_bytes_by_stage" not in rows[0] and len(rows[0]["peak_bytes_by_rank"]) == 1
     for r in rows:
         assert r["measured_s"] > 0 and r["predicted_s"] > 0 and r["measured_bytes"] > 0 and r["predicted_bytes"] > 0
         assert r["time_error"] == pytest.approx(r["predicted_s"] / r["measured_s"] - 1)

@@ -194,6 +194,12 @@ def cost_model(shape, gpu: str, profile: str | None, a=None):
 def predict(shape, gpu: str, cfg: Config, profile: str | None, a=None) -> tuple[float, float]:
     """(iteration seconds, peak bytes) the planner gives for one GPU of type ``gpu`` under assumptions
     ``a`` (default: :func:`assumptions`)."""
+    r = planned(shape, gpu, cfg, profile, a)
+    return r.iteration_s, max(r.stage_memory)
+
+
+def planned(shape, gpu: str, cfg: Config, profile: str | None, a=None):
+    """The planner's result for ``cfg`` (:func:`predict`'s figures, each stage's memory among them)."""
     from ..parallel.dims import ParallelDims
     from ..parallel.sharding import stage_layers
     from ..planner.estimate import PlanConfig, PlanContext
@@ -208,8 +214,7 @@ def predict(shape, gpu: str, cfg: Config, profile: str | None, a=None) -> tuple[
     # the trainer's partition (uniform unless given); chunk c on stage c % pp
     chunks = stage_layers(shape.layers, cfg.pp * cfg.v, cfg.partition)
     counts = [sum(len(chunks[c]) for c in range(s, cfg.pp * cfg.v, cfg.pp)) for s in range(cfg.pp)]
-    r = ctx.result(ctx.check_counts(counts), "given", placement)
-    return r.iteration_s, max(r.stage_memory)
+    return ctx.result(ctx.check_counts(counts), "given", placement)
 
 
 def graphed(graphs: bool, cfg: Config) -> bool:
@@ -433,7 +438,8 @@ def score(cfg: Config, model_cfg, got: dict, gpu: str, prof: str | None, log=pri
     per-collective cost it was predicted with."""
     a = a or assumptions()
     shape = shape_of(model_cfg, cfg.seq_len, cfg.global_batch)
-    pred_s, pred_mem = predict(shape, gpu, cfg, prof, a)
+    plan = planned(shape, gpu, cfg, prof, a)
+    pred_s, pred_mem = plan.iteration_s, max(plan.stage_memory)
     row = {"config": cfg.label, **cfg.as_row(), "measured_s": got["time_s"], "predicted_s": pred_s,
            "time_error": pred_s / got["time_s"] - 1, "measured_bytes": got["peak_bytes"],
            "predicted_bytes": pred_mem, "memory_error": pred_mem / got["peak_bytes"] - 1,
@@ -441,6 +447,12 @@ def score(cfg: Config, model_cfg, got: dict, gpu: str, prof: str | None, log=pri
     for key in ("peak_bytes_by_rank", "graph_bytes_by_rank"):  # the ranks' peaks and their graphs' pools
         if key in got:
             row[key] = got[key]
+    if cfg.pp > 1:  # each stage's memory: predicted, and measured as its ranks' largest peak (rank // (dp*tp))
+        row["predicted_bytes_by_stage"] = list(plan.stage_memory)
+        if "peak_bytes_by_rank" in got:
+            per = cfg.dp * cfg.tp
+            row["measured_bytes_by_stage"] = [max(got["peak_bytes_by_rank"][s * per:(s + 1) * per])
+                                              for s in range(cfg.pp)]
     paired = ""
     if prof and has_steps(prof, gpu):  # the same with each layer's forward and backward as a step issues them
         row["paired_s"] = predict(shape, gpu, cfg, prof, replace(a, paired_steps=True))[0]

@@ -231,4 +231,9 @@ def test_a_failed_rank_is_reported_by_its_exceptions_not_the_tail_of_a_message()
     assert _cause(trace) == ("RuntimeError: [Stage 1] failed to run forward: "
                              "(caused by ValueError: a graphed stage runs micro-batches of one shape)")
     assert _cause("Traceback\n  File x\nOSError: disk full\n") == "OSError: disk full"
+    assert _cause("Exception: boom\n\nThe above exception was the direct cause of the following exception:\n\n"
+                  "RuntimeError: wrapped\n") == "RuntimeError: wrapped (caused by Exception: boom)"
     assert _cause("killed\n") == "killed"
+    # a C++ error's message names no exception of its own in its frames
+    assert _cause("RuntimeError: NCCL error: unhandled\nException raised from recvBytes at Utils.hpp:682 (most "
+                  "recent call first):\nframe #0: c10::Error::Error\n") == "RuntimeError: NCCL error: unhandled"

@@ -108,8 +108,9 @@ class CostModel:
         sp = sp and tp > 1
         key = (gpu.name, tp, mbs, sp, selective, cp, fp8, graphed)
         hit = self._cache.get(key)
-        edge = self.profile.nearest_size(tp, mbs) if self.profile and self.profile.gpu == gpu.name else mbs
-        if hit is None and edge != mbs and cp == 1 and not fp8:
+        profiled = hit is None and self.profile and self.profile.gpu == gpu.name and cp == 1 and not fp8
+        edge = self.profile.nearest_size(tp, mbs) if profiled else mbs
+        if edge != mbs:
             f, b, kept = self.layer(gpu, tp, edge, sp, selective, cp, fp8, graphed)
             k = sum(costs.compute_from_parts(self.parts(gpu, tp, mbs, sp, cp, fp8))) / sum(
                 costs.compute_from_parts(self.parts(gpu, tp, edge, sp, cp, fp8)))
@@ -271,8 +272,8 @@ def stage_memory(t: MemoryTerms, n: int, inflight: int, mb: int, v: int, dp: int
       when interleaved), and each keeps its chunk's 16-bit gradient, made before the addition into the
       float32 accumulators, and on the last stage the static logits and their gradient:
       ``+ 2*(slots*ceil(n/v)*P_layer + slots_c*P_fixed) + 2*slots_last*O`` (slots_c: the chunk
-      holding the embedding or the head). An upper bound as above, measured within 0-15% on two H200s
-      (bench/results/plan_accuracy_h200_x2_stage_graphs)."""
+      holding the embedding or the head). On two H200s within 15% of the measured peaks, -15% to +6%
+      (bench/results/plan_accuracy_h200_x2_stage_graphs; written after that run)."""
     params = n * t.layer_params + t.fixed_params
     states = costs.state_bytes(n * t.layer_params, dp, zero, a, fp8) + costs.state_bytes(t.fixed_params, dp, zero, a)
     states += costs.zero_working_bytes(t.layer_params, t.fixed_params, zero, a, fp8)

@@ -217,17 +217,6 @@ def planned(shape, gpu: str, cfg: Config, profile: str | None, a=None):
     return ctx.result(ctx.check_counts(counts), "given", placement)
 
 
-def graphed(graphs: bool, cfg: Config) -> bool:
-    """Whether ``cfg`` trains with CUDA graphs when they are asked for (``job.graphs_refused``; a
-    pipeline's stages too, ``train/stage_graphs.py``, and ``Assumptions.graphed_steps`` predicts them
-    so); the others run eager."""
-    if not graphs:
-        return False
-    from .job import graphs_refused
-
-    return graphs_refused("cuda", cfg.pp, cfg.tp) is None
-
-
 def measure(cfg: Config, device: str, dtype: str, warmup: int, steps: int, graphs: bool = False) -> dict:
     """Median step time, peak bytes (the largest rank's) and model TFLOP/s per GPU of ``cfg``; a
     layout of several ranks runs as that many processes here (``dist.spawn``), rank 0 reporting."""
@@ -257,7 +246,7 @@ def _measure_here(cfg: Config, device: str, dtype: str, warmup: int, steps: int,
                              steps=warmup + steps, recompute=cfg.recompute, device=device, dtype=dtype,
                              dims={"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp}, virtual_stages=cfg.v, zero1=cfg.zero1,
                              partition=None if cfg.partition is None else list(cfg.partition),
-                             cuda_graphs=graphed(graphs, cfg),
+                             cuda_graphs=graphs,
                              synthetic_tokens=(cfg.global_batch * (warmup + steps) + 1) * cfg.seq_len + 1))
     recs = [tr.train_step() for _ in range(warmup + steps)][warmup:]
     by_rank = [max(ranks) for ranks in zip(*(r["peak_bytes"] for r in recs))]
@@ -326,9 +315,9 @@ def profile_layers(configs: list[Config], gpu: str, device: str, dtype: str, out
     their micro-batch sizes, written beside ``out``; {(model, seq_len): profile path}. ``search_tps``:
     also every tp the planner's pick may take on the configurations' GPU counts (``pick.trainer_tps``)
     and every micro-batch size under the smallest configured that divides a configured global batch,
-    so that the search compares measured layers with measured layers (a size under the smallest
-    measured is scaled in proportion, which flatters it: a small micro-batch uses the GPU less well;
-    on two H200s picks of micro-batch 1 ran 1.3-1.7x slower than so predicted)."""
+    so that the search compares measured layers with measured layers (a size outside the measured
+    ones is only scaled from the nearest, ``CostModel.layer``; on two H200s picks of micro-batch 1
+    scaled in proportion from 2 or 4 ran 1.3-1.7x slower than predicted)."""
     from ..models import resolve_model
     from ..planner.profile import run_profile
     from .pick import trainer_tps
@@ -404,7 +393,7 @@ def run(configs: list[Config], gpu: str, device: str, dtype: str, profile: str |
             _release()
             continue
         rows.append(score(cfg, got["shape"], got, gpu, profile_of(cfg.model, cfg.seq_len), log, a))
-        rows[-1]["cuda_graphs"] = graphed(graphs, cfg)
+        rows[-1]["cuda_graphs"] = graphs
         if cfg in added:
             rows[-1]["added"] = "pick"
     if not rows:

@@ -140,7 +140,7 @@ def _cause(trace: str) -> str:
     lines = [line.strip() for line in trace.splitlines()]
     raised = []
     for i, line in enumerate(lines):
-        if re.match(r"[A-Za-z_][\w.]*(Error|Exception|Failed)\b", line):  # a message on the next line: join it
+        if re.match(r"[\w.]*(Error|Exception|Failed)(:|$)", line):  # a message on the next line: join it
             raised.append(" ".join([line] + [x for x in lines[i + 1:i + 2] if x]) if line.endswith(":") else line)
     if not raised:
         return trace.strip().splitlines()[-1] if trace.strip() else "no traceback"

@@ -191,7 +191,7 @@ def pipeline_keeps_outputs() -> bool:
     return "return_outputs" not in inspect.signature(PipelineScheduleSingle.step).parameters
 
 
-def graphs_refused(device: str, pp: int, tp: int, colocate: bool = False) -> str | None:
+def graphs_refused(device: str, colocate: bool = False) -> str | None:
     """Why a job of this layout cannot train with ``cuda_graphs`` (None: it can). Colocation resizes
     micro-batches at run time. Tensor parallelism's all-reduces are captured in the graphs; data
     parallelism's run after them, eager; a pipeline's transfers stay with its schedule, outside each
@@ -265,7 +265,7 @@ class Trainer:
                              "rank per key/value head")
         if dims.world_size > 1 and cfg.colocate:
             raise ValueError("colocation runs one process; it takes no dp, tp or pp")
-        if cfg.cuda_graphs and (why := graphs_refused(cfg.device, dims.pp, dims.tp, cfg.colocate)):
+        if cfg.cuda_graphs and (why := graphs_refused(cfg.device, cfg.colocate)):
             raise ValueError(why)
         if dims.world_size > 1 and cfg.checkpoint:
             raise ValueError("checkpoints are written by single-process jobs only (dp=tp=pp=1)")

@@ -272,8 +272,8 @@ def stage_memory(t: MemoryTerms, n: int, inflight: int, mb: int, v: int, dp: int
       when interleaved), and each keeps its chunk's 16-bit gradient, made before the addition into the
       float32 accumulators, and on the last stage the static logits and their gradient:
       ``+ 2*(slots*ceil(n/v)*P_layer + slots_c*P_fixed) + 2*slots_last*O`` (slots_c: the chunk
-      holding the embedding or the head). On two H200s within 15% of the measured peaks, -15% to +6%
-      (bench/results/plan_accuracy_h200_x2_stage_graphs; written after that run)."""
+      holding the embedding or the head). On two H200s, held out on a second lease's run, the pipelines'
+      peaks within -11% to +7%, their stages within 13% (bench/results/plan_accuracy_h200_x2_stage_graphs)."""
     params = n * t.layer_params + t.fixed_params
     states = costs.state_bytes(n * t.layer_params, dp, zero, a, fp8) + costs.state_bytes(t.fixed_params, dp, zero, a)
     states += costs.zero_working_bytes(t.layer_params, t.fixed_params, zero, a, fp8)

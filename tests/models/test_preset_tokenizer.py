@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer as RustTokenizer
 from transformers import AutoTokenizer
@@ -53,7 +53,10 @@ def test_tiny_presets_fill_their_vocabulary_and_keep_bytes_in_place():
 @settings(max_examples=80, deadline=None)
 @given(st.text())
 def test_any_text_round_trips(text):
+    """Any text but one holding a special token's text (``<s>``), which encodes as that token and
+    decodes to nothing (tests/models/test_tokenizers.py)."""
     tok = load_tokenizer(None, get_preset("tiny-llama"))
+    assume(not any(s.content in text for s in tok.tok.get_added_tokens_decoder().values()))
     ids = tok.encode(text)
     assert tok.decode(ids) == text and "".join(decode_stream(tok, ids)) == text
 

@@ -3,6 +3,13 @@
 import os
 
 import pytest
+from hypothesis import settings
+
+# Property tests draw the same examples on every run (from each test's source), so a suite that
+# passes here passes in CI; HYPOTHESIS_PROFILE=explore draws fresh ones to look for new failures.
+settings.register_profile("repeatable", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
 
 def _alive(pid: int) -> bool:

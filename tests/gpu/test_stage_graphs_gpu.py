@@ -77,7 +77,7 @@ def test_a_pipeline_schedule_runs_graphed_stages_as_eager_ones(tmp_path):
         dist.destroy_process_group()
 
 
-def _pp_worker(out):
+def _pp_worker(out, dims):
     import faulthandler
     import json
     import os
@@ -91,7 +91,7 @@ def _pp_worker(out):
     losses = {}
     for graphs in (False, True):
         tr = Trainer(TrainConfig(model="tiny-llama", seq_len=64, global_batch=8, micro_batch=2, steps=4, lr=1e-3,
-                                 device=tdist.local_device("cuda"), dtype="float32", dims={"pp": 2},
+                                 device=tdist.local_device("cuda"), dtype="float32", dims=dims,
                                  cuda_graphs=graphs))
         recs = [tr.train_step() for _ in range(3)]
         losses[graphs] = [r["loss"] for r in recs]
@@ -103,20 +103,24 @@ def _pp_worker(out):
                 torch.testing.assert_close(p, eager[n], rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
         eager = params
         tr.close()
-    if os.environ["RANK"] == "1":  # the last stage has the losses
+    if int(os.environ["RANK"]) == int(os.environ["WORLD_SIZE"]) - 1:  # a rank of the last stage has the losses
         with open(out, "w") as f:
             json.dump({str(k): v for k, v in losses.items()}, f)
     tdist.close()
     return 0
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("dims", [{"pp": 2}, {"tp": 2, "pp": 2}, {"dp": 2, "pp": 2}], ids=["pp2", "tp2pp2", "dp2pp2"])
 @pytest.mark.timeout(180)
-def test_a_two_stage_pipeline_trains_graphed_as_eager(tmp_path):
+def test_a_two_stage_pipeline_trains_graphed_as_eager(tmp_path, dims):
     import json
+    import math
 
     from computron.train.dist import spawn
 
-    spawn(2, _pp_worker, str(tmp_path / "losses.json"))
+    ranks = math.prod(dims.values())
+    if torch.cuda.device_count() < ranks:
+        pytest.skip(f"needs {ranks} CUDA GPUs")
+    spawn(ranks, _pp_worker, str(tmp_path / "losses.json"), dims)
     got = json.loads((tmp_path / "losses.json").read_text())
     assert got["True"] == pytest.approx(got["False"], rel=1e-5)

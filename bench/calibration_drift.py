@@ -51,6 +51,10 @@ def calls(root: Path) -> list[dict]:
         found = [{"policy": f.stem.removeprefix("measured_"), "mps": _mps(f), "measured": f,
                   "trace": f.parent / "trace.jsonl", "name": "/".join(f.relative_to(root).parts[:-1])}
                  for f in sorted(d.rglob("rate_*/measured_*.json"))]
+        legacy = [r["name"] for r in found if r["policy"] == "computron"]
+        if legacy:  # its executor has costs of its own (bench calibrate --executor legacy)
+            raise SystemExit(f"{', '.join(legacy)}: the computron policy's runs need a calibration of its executor, "
+                             "which a served calibration is not; leave them out of ROOT")
         out.append({"call": d.name, "calibration": cal, "runs": found})
     if not out:
         raise SystemExit(f"no call*/ folders under {root}")

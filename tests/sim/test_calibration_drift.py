@@ -65,8 +65,12 @@ def test_the_group_that_differs_closes_the_gap_and_no_other_does(tmp_path, capsy
     assert "(own)" in text and "| decode | prefill | swap | graphs | shared |" in text
 
 
-def test_a_call_without_its_calibration_is_refused(tmp_path):
+def test_a_call_without_its_calibration_or_with_a_computron_policy_run_is_refused(tmp_path):
     d = _call(tmp_path, "call1", CPU_DEFAULT.to_dict(), seed=1)
+    shutil.copy(d / "measured_default.json", d / "measured_computron.json")
+    with pytest.raises(SystemExit, match="calibration of its executor"):
+        drift.main([str(tmp_path), "--models", MODELS])
+    (d / "measured_computron.json").unlink()
     (tmp_path / "call1" / "calibration_served.json").unlink()
     with pytest.raises(SystemExit, match="no calibration_served.json"):
         drift.main([str(tmp_path), "--models", MODELS])

@@ -326,3 +326,17 @@ def test_the_profile_for_the_pick_measures_smaller_micro_batches(tmp_path, monke
     profile_layers(configs, "h200", "cpu", "float32", str(tmp_path / "p"), log=lambda s: None, search_tps=True)
     profile_layers(configs, "h200", "cpu", "float32", str(tmp_path / "p"), log=lambda s: None)
     assert [sizes for _, sizes in asked] == [[1, 2, 3, 4, 8], [4, 8]]
+
+
+def test_a_stages_measured_memory_is_the_largest_peak_of_its_ranks():
+    """Ranks go stage by stage (``r = stage * dp*tp + d*tp + t``): with dp = tp = 2 and pp = 2, ranks
+    0-3 are stage 0 and 4-7 stage 1."""
+    from computron.models import resolve_model
+    from computron.train.accuracy import score
+
+    cfg = Config.parse("tiny-llama:2:8:16@tp=2,pp=2,dp=2")
+    peaks = [5, 9, 7, 6, 3, 2, 8, 4]
+    got = {"time_s": 0.1, "peak_bytes": max(peaks), "tflops_per_gpu": 1.0, "peak_bytes_by_rank": peaks}
+    row = score(cfg, resolve_model("tiny-llama", dtype="float32")[0], got, "a100-80gb", None, lambda *_: None)
+    assert row["measured_bytes_by_stage"] == [9, 8]
+    assert len(row["predicted_bytes_by_stage"]) == 2 and max(row["predicted_bytes_by_stage"]) == row["predicted_bytes"]
